@@ -1,0 +1,36 @@
+"""The score functions the flash kernels call: what the attention pass lifts out of the user's score chain.
+
+See docs/flash-kernel-interface.md for the contract between the lifted functions and the kernels.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ScoreMod:
+    """Generated ``@triton.jit`` functions of one attention's score chain.
+
+    ``final = where(keep(b, h, q_idx, kv_idx, aux), score(s, ...), fill(s, ...))`` with ``s = q · k``.
+    """
+
+    name: str
+    score: Any
+    score_grad: Any
+    keep: Any = None
+    fill: Any = None
+    fill_grad: Any = None
+    # Upper bound of every fill value: masked tiles are skipped only where that contributes exactly zero.
+    fill_bound: float = -math.inf
+    has_aux_grad: bool = False
+    # Whether keep reads batch / head indices or aux tensors (decides the block map's broadcast axes and
+    # whether it can be cached per shape).
+    keep_uses_batch: bool = False
+    keep_uses_head: bool = False
+    keep_reads_aux: bool = False
+
+    @property
+    def has_mask(self) -> bool:
+        return self.keep is not None

@@ -1,0 +1,27 @@
+"""Tests run every kernel on the CPU through Triton's interpreter.
+
+The interpreter must be chosen before triton is imported, so it is set here, at collection time, unless a
+CUDA device is present (then the same tests run the compiled kernels).
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
