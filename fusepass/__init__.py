@@ -1,0 +1,27 @@
+"""fusepass: a torch.compile backend that fuses hand-written attention and elementwise chains.
+
+    torch.compile(model, backend="fusepass")
+    print(fusepass.last_report())
+"""
+from importlib.metadata import entry_points
+
+from fusepass.backend import Backend, backend, fusepass_backend
+from fusepass.options import Options
+from fusepass.report.records import Hotspot, Rewrite
+from fusepass.report.report import Report, last_report, reports, reset
+
+__all__ = ["Backend", "Hotspot", "Options", "Report", "Rewrite", "backend", "last_report", "reports", "reset"]
+
+
+def _register() -> None:
+    # An installed fusepass reaches Dynamo through its entry point; registering again would clash.
+    # From a checkout (PYTHONPATH=.) there is no entry point, so register here.
+    if entry_points(group="torch_dynamo_backends", name="fusepass"):
+        return
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "fusepass" not in _COMPILER_FNS:
+        register_backend(fusepass_backend, name="fusepass")
+
+
+_register()

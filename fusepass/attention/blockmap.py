@@ -1,0 +1,138 @@
+"""The block map: which tiles of the score matrix a mask keeps fully, partly or not at all.
+
+The flash kernels walk the score matrix in BLOCK_M × BLOCK_N tiles. A tile is FULL when KEEP holds on every
+element (the kernel evaluates SCORE only), PARTIAL when it holds on some (KEEP, SCORE and FILL), EMPTY when
+on none (skipped: see the fallback rule in docs/flash-kernel-interface.md). A Triton kernel evaluates KEEP
+over every tile on the device; torch ops then turn the tile kinds into compact, ascending lists:
+
+- `rows`: per (b, h, q block) the FULL and the PARTIAL kv blocks (forward and dQ kernels);
+- `cols`: per (b, h, kv block) the FULL and the PARTIAL q blocks (dK/dV kernel).
+
+Key columns past `kv_len` count as masked, so the last kv block is never FULL when `kv_len` is not a multiple
+of BLOCK_N: the kernels' PARTIAL path is the one that masks out-of-range keys.
+
+The batch and head axes of the map have size 1 when KEEP does not read `b` / `h`; kernels index them with
+`map_bh = b * map_batch_stride + h * map_head_stride`, strides 0 along a broadcast axis. Maps that depend
+only on indices are cached per (mod.name, shape, block sizes); a KEEP that reads aux tensors (padding masks,
+segment ids) is re-evaluated on every call.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fusepass.attention.score_mod import ScoreMod
+
+# Tile kinds, as stored in `BlockMap.kind`.
+EMPTY: tl.constexpr = 0
+PARTIAL: tl.constexpr = 1
+FULL: tl.constexpr = 2
+
+# Which list of a block `block_list` reads (the second-to-last axis of `TileLists.count` / `.index`).
+FULL_LIST: tl.constexpr = 0
+PARTIAL_LIST: tl.constexpr = 1
+
+
+@triton.jit
+def block_list(count, index, map_bh, block, n_blocks, n_other_blocks, WHICH: tl.constexpr):
+    """Length of, and pointer to, the WHICH list (FULL_LIST / PARTIAL_LIST) of `block` in a TileLists."""
+    slot = (map_bh * n_blocks + block) * 2 + WHICH
+    return tl.load(count + slot), index + slot.to(tl.int64) * n_other_blocks
+
+
+@triton.jit
+def _tile_kind_kernel(Kind, q_len, kv_len, map_heads, aux, KEEP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    q_block = tl.program_id(0)
+    kv_block = tl.program_id(1)
+    bh = tl.program_id(2)
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Indices past the end are clamped (KEEP may load aux tensors by position); clamped rows repeat the last
+    # row, which leaves any/all unchanged, and clamped columns are then counted as masked.
+    q_idx = tl.minimum(rows, q_len - 1)[:, None]
+    kv_idx = tl.minimum(cols, kv_len - 1)[None, :]
+    kept = KEEP(bh // map_heads, bh % map_heads, q_idx, kv_idx, aux) & (cols < kv_len)[None, :]
+    kept = kept.to(tl.int32)
+    kind = tl.where(tl.min(kept) == 1, FULL, tl.where(tl.max(kept) == 1, PARTIAL, EMPTY))
+    n_q_blocks = tl.num_programs(0)
+    n_kv_blocks = tl.num_programs(1)
+    tl.store(Kind + (bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block, kind.to(tl.int8))
+
+
+@dataclass(frozen=True)
+class TileLists:
+    """For each (b, h, block) of one axis, the FULL and the PARTIAL blocks of the other axis, ascending.
+
+    `count`: [Bm, Hm, n_blocks, 2] int32, `index`: [Bm, Hm, n_blocks, 2, n_other_blocks] int32, whose first
+    `count` entries along the last axis are the list (the rest is padding). Read with `block_list`.
+    """
+
+    count: torch.Tensor
+    index: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    block_m: int
+    block_n: int
+    kind: torch.Tensor  # [Bm, Hm, n_q_blocks, n_kv_blocks] int8: EMPTY / PARTIAL / FULL
+    rows: TileLists  # per q block, its kv blocks
+    cols: TileLists  # per kv block, its q blocks
+
+    @property
+    def batch_head_strides(self) -> tuple[int, int]:
+        """(map_batch_stride, map_head_stride): `b * .. + h * ..` is the map's flattened (b, h) index."""
+        map_batch, map_heads = self.kind.shape[:2]
+        return (map_heads if map_batch > 1 else 0), (1 if map_heads > 1 else 0)
+
+
+def compact_lists(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a bool tensor [..., n]: (count [...], index [..., n]), int32, contiguous; the first `count` entries
+    of `index` are the selected positions, ascending."""
+    # A stable sort on "not selected" moves the selected positions to the front and keeps them ascending.
+    order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices
+    return selected.sum(-1, dtype=torch.int32).contiguous(), order.to(torch.int32).contiguous()
+
+
+def _tile_lists(kind: torch.Tensor) -> TileLists:
+    count, index = compact_lists(torch.stack((kind == FULL, kind == PARTIAL), dim=-2))
+    return TileLists(count, index)
+
+
+def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
+                    block_m: int, block_n: int, device: torch.device) -> BlockMap:
+    """Evaluate `mod.keep` over every tile (no cache). `heads` counts query heads."""
+    assert mod.has_mask, "an attention without a mask has no block map: every tile is full"
+    map_batch = batch if mod.keep_uses_batch else 1
+    map_heads = heads if mod.keep_uses_head else 1
+    n_q_blocks, n_kv_blocks = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
+    kind = torch.empty(map_batch, map_heads, n_q_blocks, n_kv_blocks, dtype=torch.int8, device=device)
+    grid = (n_q_blocks, n_kv_blocks, map_batch * map_heads)
+    _tile_kind_kernel[grid](kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep,
+                            BLOCK_M=block_m, BLOCK_N=block_n)
+    return BlockMap(block_m, block_n, kind, rows=_tile_lists(kind), cols=_tile_lists(kind.transpose(-1, -2)))
+
+
+_CACHE_SIZE = 64
+_cache: OrderedDict[tuple, BlockMap] = OrderedDict()
+
+
+def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
+                  block_m: int, block_n: int, device: torch.device) -> BlockMap:
+    """The block map of `mod` at this shape: cached unless KEEP reads aux tensors."""
+    if mod.keep_reads_aux:
+        return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device)
+    key = (mod.name, batch if mod.keep_uses_batch else 1, heads if mod.keep_uses_head else 1,
+           q_len, kv_len, block_m, block_n, torch.device(device))
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    block_map = _cache[key] = build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device)
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return block_map

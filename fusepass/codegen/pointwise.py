@@ -1,0 +1,626 @@
+"""The one translator from ATen pointwise ops to Triton expressions.
+
+Both generators use it: the elementwise pass emits a kernel body over a flat index, the attention pass
+emits score functions over index tiles. Each gives it operands (a Triton expression and the dtype eager
+would give that value) and gets an operand back.
+
+Numerics follow eager: PyTorch's type promotion decides each op's computation and result dtype
+(``torch._prims_common.elementwise_dtypes``), half and bfloat16 values are held and computed in float32
+and rounded only when stored or explicitly cast, integer division and remainder use Python's semantics
+where ATen does.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Kind
+from torch._prims_common import elementwise_dtypes
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+TRITON_DTYPE = {
+    torch.bool: "tl.int1",
+    torch.uint8: "tl.uint8",
+    torch.int8: "tl.int8",
+    torch.int16: "tl.int16",
+    torch.int32: "tl.int32",
+    torch.int64: "tl.int64",
+    torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float32: "tl.float32",
+    torch.float64: "tl.float64",
+}
+
+SUPPORTED_DTYPES = frozenset(TRITON_DTYPE)
+
+
+def held_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a value of eager dtype ``dtype`` is held in inside a kernel."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A value inside a kernel: a Triton expression holding ``held_dtype(dtype)``."""
+
+    expr: str
+    dtype: torch.dtype  # what eager would give
+    zero_dim: bool = False  # 0-d tensors rank below dimensioned ones in type promotion
+
+
+class Emitter:
+    """Collects the statements of a kernel body; every op result gets its own name."""
+
+    def __init__(self, prefix: str = "t") -> None:
+        self.lines: list[str] = []
+        self._prefix = prefix
+        self._count = 0
+
+    def let(self, expr: str) -> str:
+        name = f"{self._prefix}{self._count}"
+        self._count += 1
+        self.lines.append(f"{name} = {expr}")
+        return name
+
+
+def literal(value: Any, dtype: torch.dtype) -> str:
+    """A Python scalar as a Triton literal of ``dtype`` (held dtype)."""
+    if dtype == torch.bool:
+        return "True" if value else "False"
+    if dtype.is_floating_point:
+        value = float(value)
+        if math.isnan(value):
+            text = 'float("nan")'
+        elif math.isinf(value):
+            text = 'float("inf")' if value > 0 else 'float("-inf")'
+        else:
+            text = repr(value)
+        # A bare literal is float32 in Triton; a float64 computation needs a float64 constant.
+        return f"tl.full([], {text}, tl.float64)" if dtype == torch.float64 else text
+    return repr(int(value))
+
+
+def convert(value: Operand | bool | int | float, dtype: torch.dtype) -> str:
+    """``value`` as an expression of held dtype ``held_dtype(dtype)``."""
+    target = held_dtype(dtype)
+    if not isinstance(value, Operand):
+        return literal(value, target)
+    if held_dtype(value.dtype) == target:
+        return value.expr
+    if target == torch.bool:
+        return f"({value.expr} != 0)"
+    return f"{value.expr}.to({TRITON_DTYPE[target]})"
+
+
+def round_to(expr: str, dtype: torch.dtype) -> str:
+    """Round a float32-held value to half/bfloat16 precision (an explicit cast in the user's code)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return f"{expr}.to({TRITON_DTYPE[dtype]}).to(tl.float32)"
+    return expr
+
+
+# ----------------------------------------------------------------------------------------------------
+# The table. A rule names the arguments that take part in type promotion ("operands", converted to the
+# computation dtype before the rule sees them) and the promotion kind; the other arguments arrive as
+# Python values. A rule returns an expression in the computation dtype (bool for ALWAYS_BOOL).
+
+
+@dataclass(frozen=True)
+class Rule:
+    emit: Callable[..., str]
+    operands: tuple[str, ...]
+    kind: Kind | Callable[[dict[str, Any]], Kind] | None
+
+
+RULES: dict[Any, Rule] = {}
+
+
+def rule(*packets: Any, operands: tuple[str, ...] = ("self",), kind: Any = Kind.DEFAULT):
+    def register(fn: Callable[..., str]) -> Callable[..., str]:
+        for packet in packets:
+            RULES[packet] = Rule(fn, operands, kind)
+        return fn
+
+    return register
+
+
+class Ctx:
+    """What a rule may ask about the op it translates."""
+
+    def __init__(self, compute: torch.dtype, result: torch.dtype, operand_dtypes: dict[str, torch.dtype]):
+        self.compute = compute
+        self.result = result
+        self.operand_dtypes = operand_dtypes
+
+    @property
+    def is_float(self) -> bool:
+        return self.compute.is_floating_point
+
+    def lit(self, value: Any) -> str:
+        return literal(value, self.compute)
+
+
+BINARY = ("self", "other")
+
+
+@rule(aten.add, operands=BINARY)
+def _add(c, self, other, alpha=1):
+    if c.compute == torch.bool:
+        return f"({self} | {other})"
+    return f"({self} + {other})" if alpha == 1 else f"({self} + {other} * {c.lit(alpha)})"
+
+
+@rule(aten.sub, operands=BINARY)
+def _sub(c, self, other, alpha=1):
+    return f"({self} - {other})" if alpha == 1 else f"({self} - {other} * {c.lit(alpha)})"
+
+
+@rule(aten.rsub, operands=BINARY)
+def _rsub(c, self, other, alpha=1):
+    return f"({other} - {self})" if alpha == 1 else f"({other} - {self} * {c.lit(alpha)})"
+
+
+@rule(aten.mul, operands=BINARY)
+def _mul(c, self, other):
+    return f"({self} & {other})" if c.compute == torch.bool else f"({self} * {other})"
+
+
+def _div_kind(args: dict[str, Any]) -> Kind:
+    return Kind.DEFAULT if args.get("rounding_mode") else Kind.INT_TO_FLOAT
+
+
+@rule(aten.div, operands=BINARY, kind=_div_kind)
+def _div(c, self, other, rounding_mode=None):
+    if rounding_mode is None:
+        return f"({self} / {other})"
+    if rounding_mode == "trunc":
+        return f"fm.trunc({self} / {other})" if c.is_float else f"({self} // {other})"
+    if rounding_mode == "floor":
+        return f"tl.floor({self} / {other})" if c.is_float else f"fm.int_floor_div({self}, {other})"
+    raise NotImplementedError(f"div rounding_mode={rounding_mode!r}")
+
+
+@rule(aten.floor_divide, operands=BINARY)
+def _floor_divide(c, self, other):
+    return f"tl.floor({self} / {other})" if c.is_float else f"fm.int_floor_div({self}, {other})"
+
+
+@rule(aten.true_divide, operands=BINARY, kind=Kind.INT_TO_FLOAT)
+def _true_divide(c, self, other):
+    return f"({self} / {other})"
+
+
+@rule(aten.fmod, operands=BINARY)
+def _fmod(c, self, other):
+    return f"fm.fmod({self}, {other})" if c.is_float else f"({self} % {other})"
+
+
+@rule(aten.remainder, operands=BINARY)
+def _remainder(c, self, other):
+    return f"fm.remainder({self}, {other})" if c.is_float else f"fm.int_remainder({self}, {other})"
+
+
+@rule(aten.neg)
+def _neg(c, self):
+    return f"(-{self})"
+
+
+@rule(aten.reciprocal, kind=Kind.INT_TO_FLOAT)
+def _reciprocal(c, self):
+    return f"(1.0 / {self})"
+
+
+@rule(aten.pow, operands=("self", "exponent"), kind=Kind.BOOL_TO_LONG)
+def _pow(c, self, exponent):
+    # Small constant exponents as products, as eager's kernels special-case them.
+    special = {"2": f"({self} * {self})", "3": f"({self} * {self} * {self})", "1": self}
+    if c.is_float:
+        special.update({"0.5": f"tl.sqrt({self})", "-0.5": f"tl.rsqrt({self})", "-1": f"(1.0 / {self})",
+                        "2.0": special["2"], "3.0": special["3"], "1.0": self, "-1.0": f"(1.0 / {self})"})
+        return special.get(exponent, f"fm.pow({self}, {exponent})")
+    return special.get(exponent, f"fm.int_pow({self}, {exponent})")
+
+
+def _unary_float(fn: str) -> Callable[..., str]:
+    return lambda c, self: f"{fn}({self})"
+
+
+for _packet, _fn in (
+    (aten.exp, "tl.exp"), (aten.exp2, "tl.exp2"), (aten.log, "tl.log"), (aten.log2, "tl.log2"),
+    (aten.sqrt, "tl.sqrt"), (aten.rsqrt, "tl.rsqrt"), (aten.sin, "tl.sin"), (aten.cos, "tl.cos"),
+    (aten.sigmoid, "tl.sigmoid"), (aten.erf, "tl.erf"), (aten.tanh, "fm.tanh"), (aten.log1p, "fm.log1p"),
+    (aten.expm1, "fm.expm1"),
+):
+    rule(_packet, kind=Kind.INT_TO_FLOAT)(_unary_float(_fn))
+
+
+@rule(aten.log10, kind=Kind.INT_TO_FLOAT)
+def _log10(c, self):
+    return f"(tl.log2({self}) * 0.30102999566398120)"
+
+
+@rule(aten.tan, kind=Kind.INT_TO_FLOAT)
+def _tan(c, self):
+    return f"(tl.sin({self}) / tl.cos({self}))"
+
+
+@rule(aten.abs, kind=Kind.COMPLEX_TO_FLOAT)
+def _abs(c, self):
+    return f"tl.abs({self})" if c.compute != torch.bool else self
+
+
+@rule(aten.sign)
+def _sign(c, self):
+    return f"fm.sign({self})" if c.compute != torch.bool else self
+
+
+def _rounding(fn: str) -> Callable[..., str]:
+    return lambda c, self: f"{fn}({self})" if c.is_float else self
+
+
+rule(aten.floor)(_rounding("tl.floor"))
+rule(aten.ceil)(_rounding("tl.ceil"))
+rule(aten.trunc)(_rounding("fm.trunc"))
+
+
+@rule(aten.round)
+def _round(c, self, decimals=0):
+    if not c.is_float:
+        return self
+    if decimals == 0:
+        return f"fm.round_half_even({self})"
+    scale = c.lit(10.0 ** abs(decimals))
+    if decimals > 0:
+        return f"(fm.round_half_even({self} * {scale}) / {scale})"
+    return f"(fm.round_half_even({self} / {scale}) * {scale})"
+
+
+@rule(aten.relu)
+def _relu(c, self):
+    # where, not maximum: NaN passes through as in eager.
+    return f"tl.where({self} < 0, {c.lit(0)}, {self})"
+
+
+@rule(aten.gelu)
+def _gelu(c, self, approximate="none"):
+    return f"fm.tanh_gelu({self})" if approximate == "tanh" else f"fm.erf_gelu({self})"
+
+
+@rule(aten.silu)
+def _silu(c, self):
+    return f"({self} * tl.sigmoid({self}))"
+
+
+@rule(aten.mish)
+def _mish(c, self):
+    return f"fm.mish({self})"
+
+
+@rule(aten.leaky_relu)
+def _leaky_relu(c, self, negative_slope=0.01):
+    return f"tl.where({self} > 0, {self}, {self} * {c.lit(negative_slope)})"
+
+
+@rule(aten.elu)
+def _elu(c, self, alpha=1, scale=1, input_scale=1):
+    return f"fm.elu({self}, {c.lit(alpha)}, {c.lit(scale)}, {c.lit(input_scale)})"
+
+
+@rule(aten.softplus)
+def _softplus(c, self, beta=1, threshold=20):
+    return f"fm.softplus({self}, {c.lit(beta)}, {c.lit(threshold)})"
+
+
+@rule(aten.hardsigmoid)
+def _hardsigmoid(c, self):
+    return f"(tl.minimum(tl.maximum({self} + 3.0, 0.0), 6.0) / 6.0)"
+
+
+@rule(aten.hardswish)
+def _hardswish(c, self):
+    return f"({self} * tl.minimum(tl.maximum({self} + 3.0, 0.0), 6.0) / 6.0)"
+
+
+def _clamp_expr(c, x: str, low: str | None, high: str | None) -> str:
+    # Comparisons rather than minimum/maximum: NaN in x passes through as in eager.
+    if low is not None:
+        x = f"tl.where({x} < {low}, {low}, {x})"
+    if high is not None:
+        x = f"tl.where({x} > {high}, {high}, {x})"
+    return x
+
+
+@rule(aten.clamp, operands=("self", "min", "max"))
+def _clamp(c, self, min=None, max=None):
+    return _clamp_expr(c, self, min, max)
+
+
+@rule(aten.clamp_min, operands=("self", "min"))
+def _clamp_min(c, self, min):
+    return _clamp_expr(c, self, min, None)
+
+
+@rule(aten.clamp_max, operands=("self", "max"))
+def _clamp_max(c, self, max):
+    return _clamp_expr(c, self, None, max)
+
+
+@rule(aten.hardtanh)
+def _hardtanh(c, self, min_val=-1, max_val=1):
+    return _clamp_expr(c, self, c.lit(min_val), c.lit(max_val))
+
+
+@rule(aten.minimum, operands=BINARY)
+def _minimum(c, self, other):
+    if c.is_float:
+        return f"tl.minimum({self}, {other}, propagate_nan=tl.PropagateNan.ALL)"
+    return f"tl.minimum({self}, {other})"
+
+
+@rule(aten.maximum, operands=BINARY)
+def _maximum(c, self, other):
+    if c.is_float:
+        return f"tl.maximum({self}, {other}, propagate_nan=tl.PropagateNan.ALL)"
+    return f"tl.maximum({self}, {other})"
+
+
+@rule(aten.where, operands=("self", "other"), kind=Kind.NO_OPMATH)
+def _where(c, condition, self, other):
+    return f"tl.where({condition}, {self}, {other})"
+
+
+@rule(aten.masked_fill, operands=("self", "value"), kind=None)  # the value is cast to self's dtype
+def _masked_fill(c, self, mask, value):
+    return f"tl.where({mask}, {value}, {self})"
+
+
+def _comparison(op: str) -> Callable[..., str]:
+    return lambda c, self, other: f"({self} {op} {other})"
+
+
+for _packet, _op in ((aten.eq, "=="), (aten.ne, "!="), (aten.lt, "<"), (aten.le, "<="), (aten.gt, ">"),
+                     (aten.ge, ">=")):
+    rule(_packet, operands=BINARY, kind=Kind.ALWAYS_BOOL)(_comparison(_op))
+
+
+def _as_bool(c, x: str) -> str:
+    return x if c.compute == torch.bool else f"({x} != 0)"
+
+
+@rule(aten.logical_and, operands=BINARY, kind=Kind.ALWAYS_BOOL)
+def _logical_and(c, self, other):
+    return f"({_as_bool(c, self)} & {_as_bool(c, other)})"
+
+
+@rule(aten.logical_or, operands=BINARY, kind=Kind.ALWAYS_BOOL)
+def _logical_or(c, self, other):
+    return f"({_as_bool(c, self)} | {_as_bool(c, other)})"
+
+
+@rule(aten.logical_xor, operands=BINARY, kind=Kind.ALWAYS_BOOL)
+def _logical_xor(c, self, other):
+    return f"({_as_bool(c, self)} ^ {_as_bool(c, other)})"
+
+
+@rule(aten.logical_not, kind=Kind.ALWAYS_BOOL)
+def _logical_not(c, self):
+    return f"(~{_as_bool(c, self)})" if c.compute == torch.bool else f"({self} == 0)"
+
+
+@rule(aten.bitwise_and, operands=BINARY)
+def _bitwise_and(c, self, other):
+    return f"({self} & {other})"
+
+
+@rule(aten.bitwise_or, operands=BINARY)
+def _bitwise_or(c, self, other):
+    return f"({self} | {other})"
+
+
+@rule(aten.bitwise_xor, operands=BINARY)
+def _bitwise_xor(c, self, other):
+    return f"({self} ^ {other})"
+
+
+@rule(aten.bitwise_not)
+def _bitwise_not(c, self):
+    return f"(~{self})"
+
+
+@rule(aten.isnan, kind=Kind.ALWAYS_BOOL)
+def _isnan(c, self):
+    return f"({self} != {self})" if c.is_float else "False"
+
+
+@rule(aten.isinf, kind=Kind.ALWAYS_BOOL)
+def _isinf(c, self):
+    return f"(tl.abs({self}) == float(\"inf\"))" if c.is_float else "False"
+
+
+@rule(aten.isfinite, kind=Kind.ALWAYS_BOOL)
+def _isfinite(c, self):
+    return f"(tl.abs({self}) < float(\"inf\"))" if c.is_float else "True"
+
+
+@rule(aten.nan_to_num)
+def _nan_to_num(c, self, nan=None, posinf=None, neginf=None):
+    if not c.is_float:
+        return self
+    info = torch.finfo(c.result)
+    nan = c.lit(0.0 if nan is None else nan)
+    posinf = c.lit(info.max if posinf is None else posinf)
+    neginf = c.lit(info.min if neginf is None else neginf)
+    return (f"tl.where({self} != {self}, {nan}, tl.where({self} == float(\"inf\"), {posinf}, "
+            f"tl.where({self} == float(\"-inf\"), {neginf}, {self})))")
+
+
+@rule(aten.addcmul, operands=("self", "tensor1", "tensor2"))
+def _addcmul(c, self, tensor1, tensor2, value=1):
+    return f"({self} + {c.lit(value)} * {tensor1} * {tensor2})"
+
+
+@rule(aten.addcdiv, operands=("self", "tensor1", "tensor2"))
+def _addcdiv(c, self, tensor1, tensor2, value=1):
+    return f"({self} + {c.lit(value)} * ({tensor1} / {tensor2}))"
+
+
+@rule(aten.lerp, operands=("self", "end", "weight"))
+def _lerp(c, self, end, weight):
+    return f"({self} + {weight} * ({end} - {self}))"
+
+
+# Backward ops AOTAutograd emits for the activations above.
+
+@rule(aten.threshold_backward, operands=("grad_output", "self"))
+def _threshold_backward(c, grad_output, self, threshold):
+    return f"tl.where({self} <= {c.lit(threshold)}, {c.lit(0)}, {grad_output})"
+
+
+@rule(aten.sigmoid_backward, operands=("grad_output", "output"))
+def _sigmoid_backward(c, grad_output, output):
+    return f"({grad_output} * {output} * (1.0 - {output}))"
+
+
+@rule(aten.tanh_backward, operands=("grad_output", "output"))
+def _tanh_backward(c, grad_output, output):
+    return f"({grad_output} * (1.0 - {output} * {output}))"
+
+
+@rule(aten.gelu_backward, operands=("grad_output", "self"))
+def _gelu_backward(c, grad_output, self, approximate="none"):
+    fn = "fm.tanh_gelu_backward" if approximate == "tanh" else "fm.erf_gelu_backward"
+    return f"{fn}({grad_output}, {self})"
+
+
+@rule(aten.silu_backward, operands=("grad_output", "self"))
+def _silu_backward(c, grad_output, self):
+    return f"fm.silu_backward({grad_output}, {self})"
+
+
+@rule(aten.leaky_relu_backward, operands=("grad_output", "self"))
+def _leaky_relu_backward(c, grad_output, self, negative_slope, self_is_result):
+    return f"tl.where({self} > 0, {grad_output}, {grad_output} * {c.lit(negative_slope)})"
+
+
+@rule(aten.hardtanh_backward, operands=("grad_output", "self"))
+def _hardtanh_backward(c, grad_output, self, min_val, max_val):
+    return (f"tl.where(({self} <= {c.lit(min_val)}) | ({self} >= {c.lit(max_val)}), {c.lit(0)}, "
+            f"{grad_output})")
+
+
+@rule(aten.softplus_backward, operands=("grad_output", "self"))
+def _softplus_backward(c, grad_output, self, beta, threshold):
+    return f"fm.softplus_backward({grad_output}, {self}, {c.lit(beta)}, {c.lit(threshold)})"
+
+
+@rule(aten.elu_backward, operands=("grad_output", "self_or_result"))
+def _elu_backward(c, grad_output, alpha, scale, input_scale, is_result, self_or_result):
+    x = self_or_result
+    if is_result:
+        negative = f"{grad_output} * {c.lit(input_scale)} * ({x} + {c.lit(alpha * scale)})"
+        return f"tl.where({x} <= 0, {negative}, {grad_output} * {c.lit(scale)})"
+    negative = (f"{grad_output} * {c.lit(input_scale)} * {c.lit(alpha * scale)} * "
+                f"tl.exp({x} * {c.lit(input_scale)})")
+    return f"tl.where({x} <= 0, {negative}, {grad_output} * {c.lit(scale)})"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Casts, copies and constants: the result dtype comes from the graph, not from promotion.
+
+CASTS = {aten._to_copy, aten.to, prims.convert_element_type, aten.clone, aten.alias, aten.copy,
+         aten.lift_fresh_copy, aten.detach, aten.type_as}
+CONSTANTS = {aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.zeros_like, aten.ones_like,
+             aten.full_like}
+
+
+def cast(value: Operand | bool | int | float, dtype: torch.dtype) -> Operand:
+    """An explicit cast: rounds to half/bfloat16 precision, as eager does."""
+    source = value.dtype if isinstance(value, Operand) else None
+    expr = convert(value, dtype)
+    if source is not None and source != dtype:
+        expr = round_to(expr, dtype)
+    return Operand(expr, dtype)
+
+
+def constant_value(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if packet in (aten.zeros, aten.zeros_like):
+        return 0
+    if packet in (aten.ones, aten.ones_like):
+        return 1
+    if packet == aten.scalar_tensor:
+        return args[0]
+    return args[1]  # full(size, value), full_like(self, value)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def packet_of(target: Any) -> Any:
+    return getattr(target, "overloadpacket", target)
+
+
+def is_supported(target: Any) -> bool:
+    packet = packet_of(target)
+    return packet in RULES or packet in CASTS or packet in CONSTANTS
+
+
+_PROMOTION_PROBES: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
+
+
+def _probe(dtype: torch.dtype, zero_dim: bool) -> torch.Tensor:
+    key = (dtype, zero_dim)
+    if key not in _PROMOTION_PROBES:
+        _PROMOTION_PROBES[key] = torch.empty(() if zero_dim else (1,), dtype=dtype, device="meta")
+    return _PROMOTION_PROBES[key]
+
+
+def _bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Arguments by schema name, defaults filled in."""
+    bound: dict[str, Any] = {}
+    for i, argument in enumerate(target._schema.arguments):
+        if i < len(args):
+            bound[argument.name] = args[i]
+        elif argument.name in kwargs:
+            bound[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            bound[argument.name] = argument.default_value
+    return bound
+
+
+def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result_dtype: torch.dtype
+              ) -> Operand:
+    """One op as an operand. Tensor arguments are ``Operand``s, the rest Python values.
+
+    ``result_dtype`` is what eager produces (the node's fake value), the authority on the output dtype.
+    """
+    packet = packet_of(target)
+    if packet in CASTS:
+        return cast(args[1] if packet == aten.copy else args[0], result_dtype)
+    if packet in CONSTANTS:
+        return Operand(literal(constant_value(packet, args, kwargs), held_dtype(result_dtype)), result_dtype)
+    rule_ = RULES[packet]
+    bound = _bind(target, args, kwargs)
+    operand_names = [name for name in rule_.operands if bound.get(name) is not None]
+    if rule_.kind is None:
+        compute = result_dtype
+    else:
+        kind = rule_.kind(bound) if callable(rule_.kind) else rule_.kind
+        probes = [_probe(v.dtype, v.zero_dim) if isinstance(v, Operand) else v
+                  for v in (bound[name] for name in operand_names)]
+        compute, _ = elementwise_dtypes(*probes, type_promotion_kind=kind)
+    operand_dtypes = {name: bound[name].dtype if isinstance(bound[name], Operand) else None
+                      for name in operand_names}
+    for name in operand_names:
+        bound[name] = convert(bound[name], compute)
+    for name, value in bound.items():
+        if isinstance(value, Operand):  # non-promoted tensor arguments (conditions, masks)
+            bound[name] = value.expr
+    expr = rule_.emit(Ctx(compute, result_dtype, operand_dtypes), **bound)
+    if result_dtype != torch.bool and held_dtype(result_dtype) != held_dtype(compute):
+        expr = f"{expr}.to({TRITON_DTYPE[held_dtype(result_dtype)]})"
+    return Operand(expr, result_dtype)

@@ -1,0 +1,115 @@
+"""The elementwise pass: partition the graph's pointwise ops, replace each group by its kernel.
+
+Its fixed shape: group (``partition``), lower each group to a program (``lower``), replace the group by a
+call of its launcher, record what was fused and what was not.
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx
+from torch.fx.passes.tools_common import legalize_graph
+
+from fusepass.codegen.pointwise import constant_value, packet_of
+from fusepass.context import PassContext
+from fusepass.elementwise.lower import Lowered, lower
+from fusepass.elementwise.partition import Group, is_constant, partition
+from fusepass.kernels.pointwise import PointwiseLauncher
+from fusepass.report.ledger import fused_bytes, op_bytes, unfused_bytes
+from fusepass.report.records import Hotspot, Rewrite
+from fusepass.source import first_location, location
+
+
+def op_name(node: torch.fx.Node) -> str:
+    return f"aten.{packet_of(node.target).__name__}" if hasattr(node.target, "overloadpacket") else str(
+        node.target)
+
+
+def kernel_name(group: Group) -> str:
+    """``fused_mul_add_gelu``: the group's ops in order, readable in the rewritten graph."""
+    names = []
+    for node in group.compute_nodes:
+        name = re.sub(r"\W", "", packet_of(node.target).__name__.strip("_"))
+        if name not in names:
+            names.append(name)
+    return "fused_" + "_".join(names[:6])
+
+
+def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    groups, declined = partition(gm.graph, ctx.device)
+    for d in declined:
+        ctx.report.hotspots.append(Hotspot(kind="elementwise", phase=ctx.phase, location=location(d.node),
+                                           reason=d.reason, ops=(op_name(d.node),), bytes=op_bytes(d.node)))
+    changed = False
+    for group in groups:
+        ops = tuple(op_name(n) for n in group.compute_nodes)
+        where = first_location(group.nodes)
+        try:
+            lowered = lower(group, ctx.device)
+            if ctx.run_kernels:
+                _replace(gm, group, lowered, ctx, where, ops)
+                changed = True
+        except Exception as error:
+            ctx.fallback("elementwise", where, "fusion failed", error, ops, unfused_bytes(group.compute_nodes))
+            continue
+        ctx.report.rewrites.append(Rewrite(
+            kind="elementwise", phase=ctx.phase, location=where, ops=ops,
+            bytes_unfused=unfused_bytes(group.compute_nodes),
+            bytes_fused=fused_bytes(group.inputs, group.outputs),
+            detail={"kernel": kernel_name(group), "shape": list(map(str, group.outputs[0].meta["val"].shape))}))
+    if changed:
+        legalize_graph(gm)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return gm
+
+
+def fallback_module(group: Group) -> torch.fx.GraphModule:
+    """The group's own ops as a module: what runs if its kernel cannot."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i, node in enumerate(group.inputs):
+        env[node] = graph.placeholder(f"input_{i}")
+
+    def lookup(node: torch.fx.Node) -> torch.fx.Node:
+        if node not in env and is_constant(node):
+            val = node.meta["val"]
+            value = constant_value(packet_of(node.target), node.args, node.kwargs)
+            env[node] = graph.call_function(torch.ops.aten.full.default, (list(val.shape), value),
+                                            {"dtype": val.dtype, "device": val.device})
+        return env[node]
+
+    for node in group.nodes:
+        env[node] = graph.node_copy(node, lookup)
+    graph.output(tuple(env[o] for o in group.outputs))
+    return torch.fx.GraphModule({}, graph)
+
+
+def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: PassContext, where: str,
+             ops: tuple[str, ...]) -> None:
+    name = kernel_name(group)
+    fallback = fallback_module(group)
+
+    def on_failure(error: Exception) -> None:
+        ctx.fallback("elementwise", where, f"kernel {name} failed", error, ops,
+                     unfused_bytes(group.compute_nodes))
+
+    launcher = PointwiseLauncher(name, lowered, ctx.device, fallback, on_failure)
+    graph = gm.graph
+    members = set(group.nodes)
+    with graph.inserting_before(group.nodes[0]):
+        call = graph.call_function(launcher, tuple(group.inputs))
+        call.meta["val"] = tuple(out.meta["val"] for out in group.outputs)
+        call.meta["stack_trace"] = group.nodes[0].meta.get("stack_trace")
+        results = []
+        for i, out in enumerate(group.outputs):
+            item = graph.call_function(operator.getitem, (call, i))
+            item.meta.update(out.meta)
+            results.append(item)
+    for out, item in zip(group.outputs, results):
+        out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in members or user in group.kept_views)
+    for node in reversed(group.nodes):
+        if node not in group.kept_views and not node.users:
+            graph.erase_node(node)

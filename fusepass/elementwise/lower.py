@@ -1,0 +1,163 @@
+"""A fused group → the program its kernel runs and how the launcher feeds it.
+
+Every member is evaluated at the coordinates its consumers read it at (an affine map of the group's
+root coordinates, ``coords``); a member read at two different maps (``x + x.t()``) is computed twice,
+which costs arithmetic, never memory traffic. External inputs become loads, one per map they are read at.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from fusepass.elementwise.coords import Map, broadcast, identity, is_view, through_view
+from fusepass.elementwise.partition import Group, is_constant
+from fusepass.elementwise.program import Load, Program, Ref, Step
+
+
+class NotLowerable(Exception):
+    """The group cannot run as one kernel; the message says why."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """How the launcher feeds one load: which group input, read at which coordinates."""
+
+    input: int
+    map: Map
+    by_value: bool
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    dtype: torch.dtype
+    stride_order: tuple[int, ...]  # dims from outermost to innermost in memory, as eager lays them out
+
+
+@dataclass
+class Lowered:
+    program: Program
+    accesses: tuple[Access, ...]
+    rank: int
+    # Each root dimension: its static size, or (access index, input dim) to read it from at run time.
+    root_shape: tuple[Any, ...]
+    outputs: tuple[OutputLayout, ...]
+
+
+def _val(node: torch.fx.Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def stride_order(val: torch.Tensor) -> tuple[int, ...]:
+    """Dimensions from largest to smallest stride; ties keep logical order, so contiguous is (0, 1, ...)."""
+    strides = [int(s) if isinstance(s, int) else s.node.hint for s in val.stride()]
+    return tuple(sorted(range(val.dim()), key=lambda d: -strides[d]))
+
+
+def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Node, Map]]:
+    if is_view(node):
+        return [(node.args[0], through_view(node, m, rank))]
+    shape = tuple(_val(node).shape)
+    return [(a, broadcast(m, shape, tuple(_val(a).shape), rank)) for a in node.all_input_nodes]
+
+
+def lower(group: Group, device: torch.device) -> Lowered:
+    members = set(group.nodes)
+    root = tuple(_val(group.outputs[0]).shape)
+    rank = len(root)
+
+    # Which maps each member is needed at, collected from the outputs backwards.
+    needed: dict[torch.fx.Node, list[Map]] = defaultdict(list)
+    for out in group.outputs:
+        needed[out].append(identity(rank))
+    for node in reversed(group.nodes):
+        for m in needed.get(node, []):
+            for arg, arg_map in _arg_maps(node, m, rank):
+                if arg in members and arg_map not in needed[arg]:
+                    needed[arg].append(arg_map)
+
+    loads: list[Load] = []
+    accesses: list[Access] = []
+    steps: list[Step] = []
+    refs: dict[tuple[torch.fx.Node, Map], Ref] = {}
+
+    def ref_of(arg: torch.fx.Node, m: Map) -> Ref:
+        if (arg, m) in refs:
+            return refs[(arg, m)]
+        if arg in members:
+            raise AssertionError("members are emitted before their consumers")
+        if is_constant(arg):
+            ref = _emit_constant(arg, steps)
+        else:
+            val = _val(arg)
+            by_value = val.device != device
+            loads.append(Load(val.dtype, val.dim() == 0, by_value))
+            accesses.append(Access(group.inputs.index(arg), m, by_value))
+            ref = Ref("load", len(loads) - 1)
+        refs[(arg, m)] = ref
+        return ref
+
+    for node in group.nodes:
+        for m in needed.get(node, []):
+            if is_view(node):
+                refs[(node, m)] = ref_of(node.args[0], through_view(node, m, rank))
+                continue
+            arg_maps = dict(_arg_maps(node, m, rank))
+
+            def operand(a: Any) -> Any:
+                if isinstance(a, torch.fx.Node):
+                    return ref_of(a, arg_maps[a])
+                if isinstance(a, (list, tuple)):
+                    return tuple(operand(x) for x in a)
+                return a
+
+            val = _val(node)
+            steps.append(Step(node.target, tuple(operand(a) for a in node.args),
+                              tuple(sorted((k, operand(v)) for k, v in node.kwargs.items())),
+                              val.dtype, val.dim() == 0))
+            refs[(node, m)] = Ref("step", len(steps) - 1)
+
+    outputs = tuple((refs[(out, identity(rank))], _val(out).dtype) for out in group.outputs)
+    program = Program(tuple(loads), tuple(steps), outputs)
+    return Lowered(
+        program=program,
+        accesses=tuple(accesses),
+        rank=rank,
+        root_shape=_root_shape(root, group, accesses),
+        outputs=tuple(OutputLayout(_val(o).dtype, stride_order(_val(o))) for o in group.outputs),
+    )
+
+
+def _emit_constant(node: torch.fx.Node, steps: list[Step]) -> Ref:
+    val = _val(node)
+    args = tuple(None if isinstance(a, torch.fx.Node) else a for a in node.args)
+    steps.append(Step(node.target, args, (), val.dtype, val.dim() == 0))
+    return Ref("step", len(steps) - 1)
+
+
+def _root_shape(root: tuple[Any, ...], group: Group, accesses: list[Access]) -> tuple[Any, ...]:
+    """Static sizes stay; a symbolic size is read at run time off an input that spans that dimension."""
+    shape: list[Any] = []
+    for j, size in enumerate(root):
+        if isinstance(size, int):
+            shape.append(size)
+            continue
+        source = None
+        for k, access in enumerate(accesses):
+            if access.by_value:
+                continue
+            in_shape = _val(group.inputs[access.input]).shape
+            for i, row in enumerate(access.map):
+                unit = all(v == (1 if c == j else 0) for c, v in enumerate(row))
+                if unit and str(in_shape[i]) == str(size):
+                    source = (k, i)
+                    break
+            if source:
+                break
+        if source is None:
+            raise NotLowerable(f"size {size} of the output is not the size of any input")
+        shape.append(source)
+    return tuple(shape)

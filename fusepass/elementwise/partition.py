@@ -1,0 +1,189 @@
+"""Which pointwise nodes of a graph run together as one kernel.
+
+Producer and consumer merge greedily, in graph order, while three rules hold:
+- no cycle: no path leaves the merged group and comes back into it (checked with networkx on the
+  graph of groups);
+- one iteration space: every value the group writes out has one shape (values read only inside the
+  group may be smaller and are broadcast);
+- views inside a group are affine in the group's coordinates (see ``coords``); views at its edges stay in
+  the graph, where they cost nothing.
+Nodes a pointwise chain would need but the translator cannot emit are reported, not merged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import torch
+import torch.fx
+
+from fusepass.codegen.pointwise import CONSTANTS, SUPPORTED_DTYPES, is_supported, packet_of
+from fusepass.elementwise.coords import identity, is_view, through_view
+
+
+@dataclass
+class Group:
+    nodes: list[torch.fx.Node]  # graph order: pointwise ops and the views between them
+    inputs: list[torch.fx.Node] = field(default_factory=list)  # external tensors read, first use first
+    outputs: list[torch.fx.Node] = field(default_factory=list)  # members whose values are written out
+    kept_views: set[torch.fx.Node] = field(default_factory=set)  # members also used outside: stay
+
+    @property
+    def compute_nodes(self) -> list[torch.fx.Node]:
+        return [n for n in self.nodes if not is_view(n)]
+
+
+@dataclass
+class Declined:
+    node: torch.fx.Node
+    reason: str
+
+
+def _val(node: object) -> torch.Tensor | None:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in node.all_input_nodes if _val(a) is not None]
+
+
+def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
+    """Why ``node`` cannot be part of a fused group, or None if it can."""
+    val = _val(node)
+    if val is None:
+        return "produces no tensor"
+    if val.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {val.dtype} has no Triton translation"
+    if val.device != device:
+        return f"runs on {val.device}"
+    if any(isinstance(a, torch.fx.Node) and _val(a) is None for a in node.all_input_nodes):
+        return "reads a symbolic scalar"
+    if is_view(node):
+        rank = val.dim()
+        return None if through_view(node, identity(rank), rank) is not None else "view is not affine"
+    if not is_supported(node.target):
+        return f"no Triton translation for {node.target}"
+    if is_constant(node):
+        return "a constant: inlined into each group that reads it"
+    for arg in _tensor_args(node):
+        arg_val = _val(arg)
+        if arg_val.dtype not in SUPPORTED_DTYPES:
+            return f"input dtype {arg_val.dtype} has no Triton translation"
+        if arg_val.device != device and arg_val.dim() != 0:
+            return f"input on {arg_val.device}"
+    return None
+
+
+def is_constant(node: torch.fx.Node) -> bool:
+    """A constant fill (``full``, ``zeros``, …): each group that reads it computes it in place."""
+    val = _val(node)
+    return (node.op == "call_function" and packet_of(node.target) in CONSTANTS and val is not None
+            and all(isinstance(s, int) for s in val.shape))
+
+
+def is_pointwise(node: torch.fx.Node) -> bool:
+    """What torch itself tags pointwise: a translator miss on one of these is a missed fusion."""
+    tags = getattr(node.target, "tags", ())
+    return node.op == "call_function" and torch.Tag.pointwise in tags
+
+
+class _Groups:
+    """Union-find over nodes, mirrored in a networkx graph whose vertices are the groups."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.leader = {n: n for n in graph.nodes}
+        self.members = {n: [n] for n in graph.nodes}
+        self.dag = nx.DiGraph()
+        self.dag.add_nodes_from(graph.nodes)
+        self.dag.add_edges_from((a, n) for n in graph.nodes for a in n.all_input_nodes)
+
+    def find(self, node: torch.fx.Node) -> torch.fx.Node:
+        while self.leader[node] is not node:
+            self.leader[node] = self.leader[self.leader[node]]
+            node = self.leader[node]
+        return node
+
+    def creates_cycle(self, producer: torch.fx.Node, consumer: torch.fx.Node) -> bool:
+        return any(s is not consumer and nx.has_path(self.dag, s, consumer)
+                   for s in self.dag.successors(producer))
+
+    def merge(self, producer: torch.fx.Node, consumer: torch.fx.Node) -> None:
+        nx.contracted_nodes(self.dag, consumer, producer, self_loops=False, copy=False)
+        self.leader[producer] = consumer
+        self.members[consumer] += self.members.pop(producer)
+
+
+def _storage(node: torch.fx.Node, members: set[torch.fx.Node]) -> torch.fx.Node:
+    """The member whose memory a value lives in: views resolve to what they view."""
+    while is_view(node) and node.args[0] in members:
+        node = node.args[0]
+    return node
+
+
+def _escaping(members: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    return [n for n in members if any(u not in members for u in n.users)]
+
+
+def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
+    shapes = {tuple(_val(_storage(n, members)).shape) for n in _escaping(members)}
+    return len(shapes) <= 1
+
+
+def partition(graph: torch.fx.Graph, device: torch.device) -> tuple[list[Group], list[Declined]]:
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    reasons = {n: decline_reason(n, device) for n in nodes if n.op == "call_function"}
+    fusable = {n for n, reason in reasons.items() if reason is None}
+    declined = [Declined(n, reasons[n]) for n in nodes
+                if is_pointwise(n) and reasons.get(n) is not None and not is_constant(n)]
+
+    groups = _Groups(graph)
+    for node in nodes:
+        if node not in fusable:
+            continue
+        for arg in node.all_input_nodes:
+            if arg not in fusable:
+                continue
+            producer, consumer = groups.find(arg), groups.find(node)
+            if producer is consumer:
+                continue
+            union = set(groups.members[producer]) | set(groups.members[consumer])
+            if not _one_iteration_space(union) or groups.creates_cycle(producer, consumer):
+                continue
+            groups.merge(producer, consumer)
+
+    result = []
+    for leader, members in groups.members.items():
+        group = _finish(set(members), order)
+        if group is not None:
+            result.append(group)
+    result.sort(key=lambda g: order[g.nodes[0]])
+    return result, declined
+
+
+def _finish(members: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> Group | None:
+    """Trim views at the group's edges, then name its inputs and outputs; None if nothing to fuse."""
+    changed = True
+    while changed:
+        changed = False
+        for node in list(members):
+            if is_view(node) and (node.args[0] not in members or all(u not in members for u in node.users)):
+                members.discard(node)
+                changed = True
+    nodes = sorted(members, key=order.__getitem__)
+    if sum(1 for n in nodes if not is_view(n)) < 2:
+        return None
+    escaping = _escaping(members)
+    kept_views = set()
+    for node in escaping:
+        while is_view(node) and node in members:
+            kept_views.add(node)
+            node = node.args[0]
+    outputs = sorted({_storage(n, members) for n in escaping}, key=order.__getitem__)
+    inputs: list[torch.fx.Node] = []
+    for node in nodes:
+        for arg in _tensor_args(node):
+            if arg not in members and arg not in inputs and not is_constant(arg):
+                inputs.append(arg)
+    return Group(nodes=nodes, inputs=inputs, outputs=outputs, kept_views=kept_views)

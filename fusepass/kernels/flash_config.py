@@ -1,0 +1,59 @@
+"""Tile sizes and launch parameters of the flash-attention kernels.
+
+One `FlashConfig` per kernel family (forward; backward = the dQ and dK/dV kernels, which share one tile
+shape so they share one block map). Chosen by head dim, dtype, the device and (forward) whether a mask is
+present.
+
+Under Triton's interpreter (CPU) every tile is 16 × 16: the interpreter's cost grows with the number of
+elements a program touches, and 16 is the smallest size `tl.dot` accepts. The GPU numbers are starting
+points sized for the H200's 227 KiB of shared memory per block (K and V tiles of `num_stages` pipeline
+stages, plus the Q tile), to be tuned with the benchmarks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    block_m: int  # query rows per tile
+    block_n: int  # key columns per tile
+    num_warps: int
+    num_stages: int
+
+
+INTERPRETER_CONFIG = FlashConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def head_block(head_dim: int) -> int:
+    """The head dim padded to a power of two (loads and stores past `head_dim` are masked)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def forward_config(head_dim: int, dtype: torch.dtype, has_mask: bool, device: torch.device) -> FlashConfig:
+    if device.type != "cuda":
+        return INTERPRETER_CONFIG
+    block_d = head_block(head_dim)
+    wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
+    if block_d <= 64:
+        # Masked attentions skip empty tiles: narrower key tiles follow a mask's edge more closely.
+        return FlashConfig(128, 64 if has_mask or wide else 128, num_warps=4, num_stages=3)
+    if block_d <= 128:
+        return FlashConfig(64 if wide else 128, 32 if wide else 64, num_warps=8 if not wide else 4, num_stages=3)
+    return FlashConfig(32 if wide else 64, 32 if wide else 64, num_warps=4, num_stages=2)
+
+
+def backward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> FlashConfig:
+    if device.type != "cuda":
+        return INTERPRETER_CONFIG
+    block_d = head_block(head_dim)
+    wide = dtype == torch.float32
+    # The dK/dV kernel keeps dK and dV (block_n × block_d, fp32) in registers for its whole loop.
+    if block_d <= 64:
+        return FlashConfig(64, 64, num_warps=4, num_stages=3)
+    if block_d <= 128:
+        return FlashConfig(32 if wide else 64, 32 if wide else 64, num_warps=4 if wide else 8, num_stages=2)
+    return FlashConfig(32, 32, num_warps=4, num_stages=1 if wide else 2)

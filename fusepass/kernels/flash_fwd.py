@@ -1,0 +1,249 @@
+"""Forward flash-attention kernel (FlashAttention-2 online softmax) over lifted score functions.
+
+One program computes BLOCK_M query rows of one (batch, query head): it walks the kv tiles the block map
+lists for its q block (FULL tiles evaluate SCORE only, PARTIAL tiles `where(KEEP, SCORE, FILL)`), keeping a
+running row max `m`, the running denominator `l` and the unnormalised output in fp32. Without a mask every
+kv tile is FULL except a last, partly out-of-range one. See docs/flash-kernel-interface.md for the contract.
+
+Dots accumulate in fp32; fp32 inputs use input_precision="ieee" (no TF32) so fp32 results match eager
+fp32, half inputs run on tensor cores (the P·V dot takes P cast to V's dtype).
+
+Exponentials are base 2 of `(x - m) · log2(e)`: the shift comes first so that rows whose scores sit at
+`finfo(float32).min` (where `x · log2(e)` would overflow to -inf) still get `exp(0) = 1`.
+
+The jit helpers at the top are shared with the backward kernels (flash_bwd.py), which recompute the scores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fusepass.attention.blockmap import FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for
+from fusepass.attention.score_mod import ScoreMod
+from fusepass.kernels.flash_config import forward_config, head_block
+
+LOG2E: tl.constexpr = 1.4426950408889634
+# A skipped (masked-out) tile is exact only if exp(FILL - row max) vanishes next to the row's kept weights.
+SKIP_MARGIN: tl.constexpr = -60.0
+
+
+@triton.jit
+def load_rows(base, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr,
+              CHECK_ROWS: tl.constexpr):
+    """A [len(rows), BLOCK_D] tile of an [n_rows, HEAD_DIM] matrix: zeros past HEAD_DIM and, when
+    CHECK_ROWS, past the last row."""
+    ptrs = base + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :] * d_stride
+    if CHECK_ROWS:
+        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    elif offs_d.shape[0] == HEAD_DIM:
+        tile = tl.load(ptrs)
+    else:
+        tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def store_rows(base, tile, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr):
+    ptrs = base + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :] * d_stride
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE: tl.constexpr, KEEP: tl.constexpr,
+                  FILL: tl.constexpr):
+    """Final scores of a PARTIAL tile, and where they are kept: `where(KEEP, SCORE, FILL)` inside the key
+    range, -inf past it (out-of-range keys never contribute, not even to a fully masked row)."""
+    if KEEP is None:
+        kept = kv_in
+        x = SCORE(s, b, h, q_idx, kv_idx, aux)
+    else:
+        kept = KEEP(b, h, q_idx, kv_idx, aux) & kv_in
+        x = tl.where(kept, SCORE(s, b, h, q_idx, kv_idx, aux), FILL(s, b, h, q_idx, kv_idx, aux))
+    return tl.where(kv_in, x, float("-inf")), kept
+
+
+@triton.jit
+def dropout_kept(seed, dropout_p, row_offsets, cols):
+    """The dropout mask of a tile (True: weight kept), from a counter-based RNG keyed by the element's
+    (b, h, q, kv) position, so the backward regenerates it exactly."""
+    return tl.rand(seed, row_offsets[:, None] + cols[None, :]) >= dropout_p
+
+
+@triton.jit
+def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk, aux,
+                 seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
+                 PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Fold one kv tile into the running (acc, m, l) of a q block."""
+    cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_rows(K_bh, cols, Nk, k_strides[2], offs_d, k_strides[3], HEAD_DIM, PARTIAL)
+    v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, PARTIAL)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    if PARTIAL:
+        x, _ = masked_scores(s, b, h, q_idx, tl.minimum(cols, Nk - 1)[None, :], (cols < Nk)[None, :], aux,
+                             SCORE, KEEP, FILL)
+    else:
+        x = SCORE(s, b, h, q_idx, cols[None, :], aux)
+    m_new = tl.maximum(m, tl.max(x, 1))
+    # Rows without a finite score so far shift by 0, which keeps their weights and alpha at 0 instead of
+    # exp(-inf - -inf) = NaN; a row that stays so gets l = 0 and out = 0 / 0 = NaN, as eager softmax.
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2((m - shift) * LOG2E)
+    p = tl.math.exp2((x - shift[:, None]) * LOG2E)
+    l = l * alpha + tl.sum(p, 1)
+    if DROPOUT:
+        p = tl.where(dropout_kept(seed, dropout_p, drop_rows, cols), p, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, m_new, l
+
+
+@triton.jit
+def _flash_forward_kernel(
+    Q, K, V, Out, Lse, LogSum, Fallback,
+    q_strides, k_strides, v_strides, out_strides,
+    Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
+    SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    n_q_blocks = tl.num_programs(0)
+    n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
+    bh = b.to(tl.int64) * tl.num_programs(1) + h
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = rows < Nq
+    offs_d = tl.arange(0, BLOCK_D)
+    # Positions past Nq are clamped for the score functions, which may load aux tensors by position.
+    q_idx = tl.minimum(rows, Nq - 1)[:, None]
+    drop_rows = (bh * Nq + rows) * Nk
+
+    Q_bh = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
+    K_bh = K + b.to(tl.int64) * k_strides[0] + (h // group).to(tl.int64) * k_strides[1]
+    V_bh = V + b.to(tl.int64) * v_strides[0] + (h // group).to(tl.int64) * v_strides[1]
+    q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
+
+    if KEEP is None:
+        n_full = Nk // BLOCK_N
+        n_partial = n_kv_blocks - n_full
+    else:
+        count, index, map_batch_stride, map_head_stride = kv_lists
+        map_bh = b * map_batch_stride + h * map_head_stride
+        n_full, full_blocks = block_list(count, index, map_bh, q_block, n_q_blocks, n_kv_blocks, FULL_LIST)
+        n_partial, partial_blocks = block_list(count, index, map_bh, q_block, n_q_blocks, n_kv_blocks,
+                                               PARTIAL_LIST)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in range(0, n_full):
+        if KEEP is None:
+            kv_block = i
+        else:
+            kv_block = tl.load(full_blocks + i)
+        acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
+                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, False, DROPOUT,
+                                 HEAD_DIM, BLOCK_N, BLOCK_D)
+    for i in range(0, n_partial):
+        if KEEP is None:
+            kv_block = n_full + i
+        else:
+            kv_block = tl.load(partial_blocks + i)
+        acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
+                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True, DROPOUT,
+                                 HEAD_DIM, BLOCK_N, BLOCK_D)
+
+    if KEEP is not None:
+        # EMPTY tiles were skipped; that is exact only for rows whose max stands SKIP_MARGIN above every
+        # fill value. Others (no kept element at all, or scores as low as the fill) are recomputed over all
+        # tiles. The comparison is written so that a NaN (-inf fill, -inf max) also asks for it.
+        fallback = (~(fill_bound - m < SKIP_MARGIN)) & row_in
+        if tl.max(fallback.to(tl.int32), 0) > 0:
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for kv_block in range(0, n_kv_blocks):
+                acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
+                                         q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True,
+                                         DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+        tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
+
+    if DROPOUT:
+        l_out = l * (1.0 - dropout_p)  # kept weights are scaled by 1 / (1 - p)
+    else:
+        l_out = l
+    Out_bh = Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1]
+    store_rows(Out_bh, acc / l_out[:, None], rows, Nq, out_strides[2], offs_d, out_strides[3],
+               HEAD_DIM)
+    log_sum = tl.log(l)
+    tl.store(Lse + bh * Nq + rows, m + log_sum, mask=row_in)
+    tl.store(LogSum + bh * Nq + rows, log_sum, mask=row_in)
+
+
+@dataclass(frozen=True)
+class FlashForwardExtra:
+    """What the backward needs besides `out` and `lse`.
+
+    `log_sum` is log(l), the log of each row's softmax denominator relative to its max `m`: the backward
+    recomputes weights as exp(x - m - log_sum) with m = lse - log_sum, because exp(x - lse) loses log_sum
+    when |lse| is huge (a row masked with finfo.min has lse == finfo.min in fp32, and would get weight 1
+    instead of 1/Nk).
+    """
+
+    log_sum: torch.Tensor  # [B, Hq, Nq] fp32
+    fallback_rows: torch.Tensor | None  # [B, Hq, Nq] int8, 1 where the row was recomputed over all tiles
+    block_map: BlockMap | None  # the forward's block map (the backward reuses it if its tiles match)
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    assert q.dim() == k.dim() == v.dim() == 4, "q, k, v must be [B, H, N, D]"
+    assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    assert q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3], f"q {tuple(q.shape)} vs k {tuple(k.shape)}"
+    assert q.shape[1] % k.shape[1] == 0, f"{q.shape[1]} query heads do not group over {k.shape[1]} kv heads"
+    assert 16 <= q.shape[3] <= 256, f"head dim {q.shape[3]} outside 16..256"
+    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), \
+        f"unsupported dtypes {q.dtype}, {k.dtype}, {v.dtype}"
+    assert q.device == k.device == v.device
+    assert q.shape[2] > 0 and k.shape[2] > 0, "empty sequence"
+
+
+def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, *,
+                            block_map: BlockMap | None = None, dropout_p: float = 0.0, seed: int = 0,
+                            out_dtype: torch.dtype | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, FlashForwardExtra]:
+    """softmax(final scores) @ v. Returns (out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32, extra for backward).
+
+    `block_map` defaults to the cached map of `mod` at the forward's tile size; its tile size, when given,
+    is the one the kernel uses.
+    """
+    check_attention_inputs(q, k, v)
+    assert 0.0 <= dropout_p < 1.0
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    config = forward_config(head_dim, q.dtype, mod.has_mask, q.device)
+    if mod.has_mask and block_map is None:
+        block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
+                                  q.device)
+    block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
+                                                                                     config.block_n)
+
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    log_sum = torch.empty_like(lse)
+    fallback_rows = torch.empty(q.shape[:3], dtype=torch.int8, device=q.device) if mod.has_mask else None
+    kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) \
+        if mod.has_mask else None
+    grid = (triton.cdiv(q_len, block_m), q_heads, batch)
+    _flash_forward_kernel[grid](
+        q, k, v, out, lse, log_sum, fallback_rows,
+        q.stride(), k.stride(), v.stride(), out.stride(),
+        q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p,
+        SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, DROPOUT=dropout_p > 0.0,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out, lse, FlashForwardExtra(log_sum, fallback_rows, block_map)

@@ -1,0 +1,289 @@
+"""The elementwise kernel: generated Triton source for one fused program, and its launcher.
+
+The kernel walks the group's output coordinates in tiles: the innermost dimension across a tile's
+columns (``YBLOCK``, contiguous in memory for the usual layouts) and the outer dimensions, flattened,
+across its rows (``XBLOCK``). Each load and store is ``base + Σ c_d · stride_d`` with sizes and strides
+as arguments, so one compiled kernel serves every shape of the same rank. Before launching, the launcher
+drops size-1 dimensions and merges dimensions that are contiguous for every operand, as PyTorch's
+TensorIterator does: a contiguous chain becomes one flat dimension with no index arithmetic.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+
+from fusepass.codegen.modules import load_module
+from fusepass.codegen.pointwise import TRITON_DTYPE, Operand, held_dtype, translate
+from fusepass.elementwise.coords import strides_at
+from fusepass.elementwise.lower import Lowered
+from fusepass.elementwise.program import Program, Ref
+
+INT32_MAX = 2**31 - 1
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configs
+
+
+def choose_blocks(sizes: Sequence[int]) -> tuple[int, int, int]:
+    """(XBLOCK, YBLOCK, num_warps) for coalesced ``sizes``: about ``tile`` elements per program."""
+    tile = 1 << 14 if interpreting() else 2048
+    inner = sizes[-1]
+    outer = 1
+    for s in sizes[:-1]:
+        outer *= s
+    yblock = min(triton.next_power_of_2(inner), tile)
+    xblock = 1 if len(sizes) == 1 else min(triton.next_power_of_2(outer), max(1, tile // yblock))
+    num_warps = 8 if xblock * yblock >= 2048 else 4
+    return xblock, yblock, num_warps
+
+
+@dataclass(frozen=True)
+class Variant:
+    """What the source depends on beyond the program: the coalesced rank and which strides are zero."""
+
+    rank: int
+    load_dims: tuple[tuple[bool, ...], ...]  # per load: which coalesced dims it moves along
+    load_base: tuple[bool, ...]  # per load: a nonzero base offset (a slice or select inside the group)
+    output_dims: tuple[tuple[bool, ...], ...]
+    wide: bool  # offsets may pass 2**31: index in int64
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel source
+
+
+def _offset(prefix: str, dims: tuple[bool, ...], base: bool) -> str:
+    terms = [f"c{d} * {prefix}_s{d}" for d, moves in enumerate(dims) if moves]
+    if base:
+        terms.append(f"{prefix}_base")
+    return " + ".join(terms) if terms else "0"
+
+
+def kernel_source(name: str, program: Program, variant: Variant) -> str:
+    q = variant.rank
+    params = [f"l{k}_value" if load.by_value else f"l{k}_ptr" for k, load in enumerate(program.loads)]
+    params += [f"o{i}_ptr" for i in range(len(program.outputs))]
+    params += [f"n{d}" for d in range(q)]
+    for k, dims in enumerate(variant.load_dims):
+        params += [f"l{k}_s{d}" for d, moves in enumerate(dims) if moves]
+        if variant.load_base[k]:
+            params.append(f"l{k}_base")
+    for i, dims in enumerate(variant.output_dims):
+        params += [f"o{i}_s{d}" for d, moves in enumerate(dims) if moves]
+    params += ["XBLOCK: tl.constexpr", "YBLOCK: tl.constexpr"]
+
+    body = ["pid = tl.program_id(0)"]
+    if variant.wide:
+        body.append("pid = pid.to(tl.int64)")
+    if q == 1:
+        body += ["c0 = pid * YBLOCK + tl.arange(0, YBLOCK)", "mask = c0 < n0"]
+    else:
+        last = q - 1
+        outer = " * ".join(f"n{d}" for d in range(last))
+        body += [f"y_blocks = tl.cdiv(n{last}, YBLOCK)",
+                 f"c{last} = (pid % y_blocks) * YBLOCK + tl.arange(0, YBLOCK)[None, :]",
+                 "x = (pid // y_blocks) * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
+                 f"mask = (x < {outer}) & (c{last} < n{last})"]
+        rest = "x"
+        for d in range(last - 1, 0, -1):
+            body += [f"c{d} = {rest} % n{d}", f"x{d} = {rest} // n{d}"]
+            rest = f"x{d}"
+        body.append(f"c0 = {rest}")
+
+    operands: dict[Ref, Operand] = {}
+    for k, load in enumerate(program.loads):
+        if load.by_value:
+            body.append(f"l{k} = l{k}_value")
+        else:
+            offset = _offset(f"l{k}", variant.load_dims[k], variant.load_base[k])
+            value = f"tl.load(l{k}_ptr + {offset}, mask=mask)" if offset != "0" else f"tl.load(l{k}_ptr)"
+            if held_dtype(load.dtype) != load.dtype:
+                value += f".to({TRITON_DTYPE[held_dtype(load.dtype)]})"
+            body.append(f"l{k} = {value}")
+        operands[Ref("load", k)] = Operand(f"l{k}", load.dtype, load.zero_dim)
+
+    def resolve(a: Any) -> Any:
+        if isinstance(a, Ref):
+            return operands[a]
+        if isinstance(a, tuple):
+            return tuple(resolve(x) for x in a)
+        return a
+
+    for j, step in enumerate(program.steps):
+        result = translate(step.target, resolve(step.args), {k: resolve(v) for k, v in step.kwargs},
+                           step.dtype)
+        body.append(f"t{j} = {result.expr}")
+        operands[Ref("step", j)] = Operand(f"t{j}", step.dtype, step.zero_dim)
+
+    for i, (ref, dtype) in enumerate(program.outputs):
+        value = operands[ref].expr
+        if held_dtype(dtype) != dtype:
+            value = f"{value}.to({TRITON_DTYPE[dtype]})"
+        offset = _offset(f"o{i}", variant.output_dims[i], False)
+        body.append(f"tl.store(o{i}_ptr + {offset}, {value}, mask=mask)")
+
+    lines = ["@triton.jit", f"def {name}({', '.join(params)}):"] + [f"    {line}" for line in body]
+    return "\n".join(lines) + "\n"
+
+
+_kernels: dict[tuple[Program, Variant], Any] = {}
+
+
+def compiled_kernel(name: str, program: Program, variant: Variant) -> Any:
+    """One jitted kernel per (program, variant): identical groups share it."""
+    key = (program, variant)
+    if key not in _kernels:
+        _kernels[key] = getattr(load_module(kernel_source(name, program, variant)), name)
+    return _kernels[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launcher
+
+
+@dataclass
+class LaunchPlan:
+    """Everything about a launch that depends only on input shapes and strides."""
+
+    kernel: Any
+    root: tuple[int, ...]
+    out_strides: tuple[tuple[int, ...], ...]
+    int_args: tuple[int, ...]
+    grid: tuple[int]
+    xblock: int
+    yblock: int
+    num_warps: int
+
+
+def _contiguous_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def _coalesce(root: Sequence[int], order: Sequence[int], operands: list[tuple[int, ...]]
+              ) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dims, then merge neighbours (in memory order) that are contiguous for every operand."""
+    sizes: list[int] = []
+    strides: list[list[int]] = [[] for _ in operands]
+    for d in order:
+        if root[d] == 1:
+            continue
+        if sizes and all(st[-1] == op[d] * root[d] for st, op in zip(strides, operands)):
+            sizes[-1] *= root[d]
+            for st, op in zip(strides, operands):
+                st[-1] = op[d]
+            continue
+        sizes.append(root[d])
+        for st, op in zip(strides, operands):
+            st.append(op[d])
+    if not sizes:
+        return [1], [[0] for _ in operands]
+    return sizes, strides
+
+
+class PointwiseLauncher:
+    """Runs one fused group: allocates its outputs as eager lays them out and launches its kernel.
+
+    It stands in the FX graph as a call_function target, so its name shows in the rewritten graph.
+    """
+
+    def __init__(self, name: str, lowered: Lowered, device: torch.device,
+                 fallback: Callable[..., tuple[torch.Tensor, ...]],
+                 on_failure: Callable[[Exception], None]) -> None:
+        self.__name__ = self.__qualname__ = name
+        self.__module__ = "fusepass.kernels.pointwise"
+        self.lowered = lowered
+        self.device = device
+        self.fallback = fallback
+        self.on_failure = on_failure
+        self._plans: dict[tuple[Any, ...], LaunchPlan] = {}
+        self._run: Callable[..., tuple[torch.Tensor, ...]] = self._first_run
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._run(*inputs)
+
+    def __repr__(self) -> str:
+        return self.__name__
+
+    def _first_run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        try:
+            outputs = self._launch(*inputs)
+        except Exception as error:  # a kernel that fails to build or run must not break the model
+            self.on_failure(error)
+            self._run = self.fallback
+            return self.fallback(*inputs)
+        self._run = self._launch
+        return outputs
+
+    def _launch(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        key = tuple((t.shape, t.stride()) for t in inputs)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan(inputs)
+        outputs = tuple(torch.empty_strided(plan.root, strides, dtype=layout.dtype, device=self.device)
+                        for strides, layout in zip(plan.out_strides, self.lowered.outputs))
+        if plan.grid[0] == 0:
+            return outputs
+        pointers = [inputs[a.input].item() if a.by_value else inputs[a.input] for a in self.lowered.accesses]
+        plan.kernel[plan.grid](*pointers, *outputs, *plan.int_args, XBLOCK=plan.xblock, YBLOCK=plan.yblock,
+                               num_warps=plan.num_warps)
+        return outputs
+
+    def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
+        lowered = self.lowered
+        accesses = lowered.accesses
+        root = tuple(size if isinstance(size, int) else int(inputs[accesses[size[0]].input].shape[size[1]])
+                     for size in lowered.root_shape)
+        out_strides = tuple(_contiguous_strides(root, out.stride_order) for out in lowered.outputs)
+        tensor_loads = [k for k, a in enumerate(accesses) if not a.by_value]
+        load_strides = {k: strides_at(accesses[k].map, inputs[accesses[k].input].stride(), lowered.rank)
+                        for k in tensor_loads}
+        operands = [load_strides[k][0] for k in tensor_loads] + list(out_strides)
+        sizes, strides = _coalesce(root, lowered.outputs[0].stride_order, operands)
+
+        load_dims, load_base, int_args = [], [], list(sizes)
+        for k in range(len(accesses)):
+            if k in load_strides:
+                st = strides[tensor_loads.index(k)]
+                base = load_strides[k][1]
+                load_dims.append(tuple(s != 0 for s in st))
+                load_base.append(base != 0)
+                int_args += [s for s in st if s != 0] + ([base] if base else [])
+            else:
+                load_dims.append((False,) * len(sizes))
+                load_base.append(False)
+        output_dims = []
+        for st in strides[len(tensor_loads):]:
+            output_dims.append(tuple(s != 0 for s in st))
+            int_args += [s for s in st if s != 0]
+
+        extent = max([sum((n - 1) * abs(s) for n, s in zip(sizes, st)) for st in strides] + [0])
+        numel = 1
+        for n in sizes:
+            numel *= n
+        wide = max(extent + max((abs(load_strides[k][1]) for k in tensor_loads), default=0), numel) > INT32_MAX
+        variant = Variant(len(sizes), tuple(load_dims), tuple(load_base), tuple(output_dims), wide)
+        kernel = compiled_kernel(self.__name__, lowered.program, variant)
+        xblock, yblock, num_warps = choose_blocks(sizes)
+        grid = (triton.cdiv(sizes[-1], yblock) * triton.cdiv(numel // sizes[-1], xblock),) if numel else (0,)
+        return LaunchPlan(kernel, root, out_strides, tuple(int_args), grid, xblock, yblock, num_warps)
+
+
+def warn_fallback(name: str, error: Exception) -> None:
+    warnings.warn(f"fusepass: kernel {name} failed ({type(error).__name__}: {error}); "
+                  "running its ops unfused", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,21 @@
+"""The backend's options: ``fusepass.backend(**options)``."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Options:
+    attention: bool = True  # rewrite matmul → softmax → matmul into the fused flash kernel
+    elementwise: bool = True  # fuse chains of pointwise ops into generated kernels
+    strict: bool = False  # raise instead of falling back to the unfused ops when a pass fails
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> "Options":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"fusepass.backend() got unknown option {unknown[0]!r}; "
+                            f"the options are: {', '.join(sorted(known))}")
+        return cls(**kwargs)
