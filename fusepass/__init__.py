@@ -5,7 +5,7 @@
 """
 from importlib.metadata import entry_points
 
-from fusepass.backend import Backend, backend, fusepass_backend
+from fusepass.pipeline import Backend, backend, fusepass_backend
 from fusepass.options import Options
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.report.report import Report, last_report, reports, reset

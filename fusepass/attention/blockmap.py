@@ -28,13 +28,13 @@ import triton.language as tl
 from fusepass.attention.score_mod import ScoreMod
 
 # Tile kinds, as stored in `BlockMap.kind`.
-EMPTY: tl.constexpr = 0
-PARTIAL: tl.constexpr = 1
-FULL: tl.constexpr = 2
+EMPTY = tl.constexpr(0)
+PARTIAL = tl.constexpr(1)
+FULL = tl.constexpr(2)
 
 # Which list of a block `block_list` reads (the second-to-last axis of `TileLists.count` / `.index`).
-FULL_LIST: tl.constexpr = 0
-PARTIAL_LIST: tl.constexpr = 1
+FULL_LIST = tl.constexpr(0)
+PARTIAL_LIST = tl.constexpr(1)
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def compact_lists(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _tile_lists(kind: torch.Tensor) -> TileLists:
-    count, index = compact_lists(torch.stack((kind == FULL, kind == PARTIAL), dim=-2))
+    count, index = compact_lists(torch.stack((kind == FULL.value, kind == PARTIAL.value), dim=-2))
     return TileLists(count, index)
 
 

@@ -4,8 +4,26 @@ One implementation serves the compiled kernels and Triton's interpreter alike (t
 libdevice), so the CPU tests exercise the very code the GPU runs. Each function keeps float32 accuracy
 within a few ulps where the naive formula would cancel.
 """
+import os
+
 import triton
 import triton.language as tl
+
+# Triton's interpreter truncates float32 → bfloat16 (its round-to-nearest-even is off too); the GPU rounds.
+INTERPRETING: tl.constexpr = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def to_bfloat16(x):
+    """Round to bfloat16, to nearest even, as eager and the GPU do."""
+    x = x.to(tl.float32)
+    if INTERPRETING:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x != x, x.to(tl.bfloat16), rounded)
+    else:
+        return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -71,6 +89,20 @@ def remainder(a, b):
 
 
 @triton.jit
+def float_floor_div(a, b):
+    # ATen's div_floor: the quotient of a - fmod(a, b), corrected toward floor, then rounded to the
+    # nearest integer (it is one up to rounding).
+    mod = fmod(a, b)
+    div = (a - mod) / b
+    div = tl.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1.0, div)
+    floordiv = tl.floor(div)
+    floordiv = tl.where(div - floordiv > 0.5, floordiv + 1.0, floordiv)
+    zero = tl.where((a / b) < 0, -0.0, 0.0)
+    result = tl.where(div != 0, floordiv, zero)
+    return tl.where(b == 0, a / b, result)
+
+
+@triton.jit
 def int_floor_div(a, b):
     q = a // b
     return tl.where(((a % b) != 0) & ((a < 0) != (b < 0)), q - 1, q)
@@ -85,6 +117,7 @@ def int_remainder(a, b):
 @triton.jit
 def pow(x, y):
     # x ** y for float x, y: exact signs for negative bases with integral exponents, C's special cases.
+    y = tl.zeros_like(x) + y
     mag = tl.exp2(y * tl.log2(tl.abs(x)))
     y_is_int = tl.floor(y) == y
     y_is_odd = y_is_int & ((y - 2.0 * tl.floor(y * 0.5)) != 0.0)
@@ -97,6 +130,7 @@ def pow(x, y):
 def int_pow(x, y):
     # Integer power by repeated squaring (exponents of int tensors are small); negative exponents give 0
     # except for bases 1 and -1, as in eager.
+    y = tl.zeros_like(x) + y
     result = tl.full(x.shape, 1, x.dtype)
     base = x
     e = tl.where(y < 0, 0, y)

@@ -94,13 +94,20 @@ def convert(value: Operand | bool | int | float, dtype: torch.dtype) -> str:
         return value.expr
     if target == torch.bool:
         return f"({value.expr} != 0)"
-    return f"{value.expr}.to({TRITON_DTYPE[target]})"
+    return to_stored(value.expr, held_dtype(value.dtype), target)
+
+
+def to_stored(expr: str, source: torch.dtype, dtype: torch.dtype) -> str:
+    """An expression of Triton type ``source`` as ``dtype``, rounding float downcasts to nearest even."""
+    if dtype == torch.bfloat16 and source != torch.bfloat16:
+        return f"fm.to_bfloat16({expr})"
+    return f"{expr}.to({TRITON_DTYPE[dtype]})"
 
 
 def round_to(expr: str, dtype: torch.dtype) -> str:
     """Round a float32-held value to half/bfloat16 precision (an explicit cast in the user's code)."""
     if dtype in (torch.float16, torch.bfloat16):
-        return f"{expr}.to({TRITON_DTYPE[dtype]}).to(tl.float32)"
+        return f"{to_stored(expr, torch.float32, dtype)}.to(tl.float32)"
     return expr
 
 
@@ -132,10 +139,10 @@ def rule(*packets: Any, operands: tuple[str, ...] = ("self",), kind: Any = Kind.
 class Ctx:
     """What a rule may ask about the op it translates."""
 
-    def __init__(self, compute: torch.dtype, result: torch.dtype, operand_dtypes: dict[str, torch.dtype]):
+    def __init__(self, compute: torch.dtype, result: torch.dtype, raw: dict[str, Any]):
         self.compute = compute
         self.result = result
-        self.operand_dtypes = operand_dtypes
+        self.raw = raw  # operands as given: Operands, or Python numbers before they became literals
 
     @property
     def is_float(self) -> bool:
@@ -179,15 +186,16 @@ def _div(c, self, other, rounding_mode=None):
     if rounding_mode is None:
         return f"({self} / {other})"
     if rounding_mode == "trunc":
-        return f"fm.trunc({self} / {other})" if c.is_float else f"({self} // {other})"
+        # Eager truncates the quotient as rounded to the result dtype.
+        return f"fm.trunc({round_to(f'({self} / {other})', c.result)})" if c.is_float else f"({self} // {other})"
     if rounding_mode == "floor":
-        return f"tl.floor({self} / {other})" if c.is_float else f"fm.int_floor_div({self}, {other})"
+        return _floor_divide(c, self, other)
     raise NotImplementedError(f"div rounding_mode={rounding_mode!r}")
 
 
 @rule(aten.floor_divide, operands=BINARY)
 def _floor_divide(c, self, other):
-    return f"tl.floor({self} / {other})" if c.is_float else f"fm.int_floor_div({self}, {other})"
+    return f"fm.float_floor_div({self}, {other})" if c.is_float else f"fm.int_floor_div({self}, {other})"
 
 
 @rule(aten.true_divide, operands=BINARY, kind=Kind.INT_TO_FLOAT)
@@ -217,13 +225,22 @@ def _reciprocal(c, self):
 
 @rule(aten.pow, operands=("self", "exponent"), kind=Kind.BOOL_TO_LONG)
 def _pow(c, self, exponent):
-    # Small constant exponents as products, as eager's kernels special-case them.
-    special = {"2": f"({self} * {self})", "3": f"({self} * {self} * {self})", "1": self}
-    if c.is_float:
-        special.update({"0.5": f"tl.sqrt({self})", "-0.5": f"tl.rsqrt({self})", "-1": f"(1.0 / {self})",
-                        "2.0": special["2"], "3.0": special["3"], "1.0": self, "-1.0": f"(1.0 / {self})"})
-        return special.get(exponent, f"fm.pow({self}, {exponent})")
-    return special.get(exponent, f"fm.int_pow({self}, {exponent})")
+    e = c.raw["exponent"]
+    if isinstance(e, (int, float)) and not isinstance(e, bool):
+        # Small constant exponents as products, as eager's kernels special-case them.
+        if e == 1:
+            return self
+        if e == 2:
+            return f"({self} * {self})"
+        if e == 3:
+            return f"({self} * {self} * {self})"
+        if c.is_float and e == 0.5:
+            return f"tl.sqrt({self})"
+        if c.is_float and e == -0.5:
+            return f"tl.rsqrt({self})"
+        if c.is_float and e == -1:
+            return f"(1.0 / {self})"
+    return f"fm.pow({self}, {exponent})" if c.is_float else f"fm.int_pow({self}, {exponent})"
 
 
 def _unary_float(fn: str) -> Callable[..., str]:
@@ -434,17 +451,17 @@ def _bitwise_not(c, self):
 
 @rule(aten.isnan, kind=Kind.ALWAYS_BOOL)
 def _isnan(c, self):
-    return f"({self} != {self})" if c.is_float else "False"
+    return f"({self} != {self})"
 
 
 @rule(aten.isinf, kind=Kind.ALWAYS_BOOL)
 def _isinf(c, self):
-    return f"(tl.abs({self}) == float(\"inf\"))" if c.is_float else "False"
+    return f"(tl.abs({self}) == float(\"inf\"))" if c.is_float else f"({self} != {self})"
 
 
 @rule(aten.isfinite, kind=Kind.ALWAYS_BOOL)
 def _isfinite(c, self):
-    return f"(tl.abs({self}) < float(\"inf\"))" if c.is_float else "True"
+    return f"(tl.abs({self}) < float(\"inf\"))" if c.is_float else f"({self} == {self})"
 
 
 @rule(aten.nan_to_num)
@@ -539,12 +556,11 @@ CONSTANTS = {aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.zeros_li
 
 
 def cast(value: Operand | bool | int | float, dtype: torch.dtype) -> Operand:
-    """An explicit cast: rounds to half/bfloat16 precision, as eager does."""
-    source = value.dtype if isinstance(value, Operand) else None
-    expr = convert(value, dtype)
-    if source is not None and source != dtype:
-        expr = round_to(expr, dtype)
-    return Operand(expr, dtype)
+    """An explicit cast: the value eager held (rounded to its dtype) converted, then rounded to ``dtype``."""
+    if not isinstance(value, Operand) or value.dtype == dtype:
+        return Operand(convert(value, dtype), dtype)
+    source = Operand(round_to(value.expr, value.dtype), value.dtype)
+    return Operand(round_to(convert(source, dtype), dtype), dtype)
 
 
 def constant_value(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -613,14 +629,18 @@ def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
         probes = [_probe(v.dtype, v.zero_dim) if isinstance(v, Operand) else v
                   for v in (bound[name] for name in operand_names)]
         compute, _ = elementwise_dtypes(*probes, type_promotion_kind=kind)
-    operand_dtypes = {name: bound[name].dtype if isinstance(bound[name], Operand) else None
-                      for name in operand_names}
+    raw = {name: bound[name] for name in operand_names}
     for name in operand_names:
-        bound[name] = convert(bound[name], compute)
+        value = bound[name]
+        if isinstance(value, Operand) and value.dtype != result_dtype:
+            # Where a half value meets another dtype (a comparison, a promotion), eager had already
+            # rounded it: do the same, so that results that depend on it discontinuously agree.
+            value = Operand(round_to(value.expr, value.dtype), value.dtype, value.zero_dim)
+        bound[name] = convert(value, compute)
     for name, value in bound.items():
         if isinstance(value, Operand):  # non-promoted tensor arguments (conditions, masks)
             bound[name] = value.expr
-    expr = rule_.emit(Ctx(compute, result_dtype, operand_dtypes), **bound)
+    expr = rule_.emit(Ctx(compute, result_dtype, raw), **bound)
     if result_dtype != torch.bool and held_dtype(result_dtype) != held_dtype(compute):
         expr = f"{expr}.to({TRITON_DTYPE[held_dtype(result_dtype)]})"
     return Operand(expr, result_dtype)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusepass.attention.blockmap import EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for
+from fusepass.attention.blockmap import (
+    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists)
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import backward_config, head_block
 from fusepass.kernels.flash_fwd import (
@@ -74,7 +75,7 @@ def _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCOR
 
 
 @triton.jit
-def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, rows, cols, Nq, Nk, aux, aux_grad,
+def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux, aux_grad,
                     seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                     SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                     DROPOUT: tl.constexpr):
@@ -96,13 +97,256 @@ def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, rows, cols
     p = tl.where(visit, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision="ieee")
     if DROPOUT:
-        dropped = dropout_kept(seed, dropout_p, ((b.to(tl.int64) * tl.num_programs(1) + h) * Nq + rows) * Nk,
-                               cols)
-        p_dropped = tl.where(dropped, p, 0.0)
-        dp = tl.where(dropped, dp / (1.0 - dropout_p), 0.0)
+        kept_weights = dropout_kept(seed, dropout_p, (bh * Nq + rows) * Nk, cols)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+        p_dropped = tl.where(kept_weights, p * keep_scale, 0.0)
+        dp = tl.where(kept_weights, dp * keep_scale, 0.0)
     else:
         p_dropped = p
     ds = tl.where(visit, p * (dp - delta[:, None]), 0.0)
     grad = _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCORE_GRAD, FILL_GRAD,
                            PARTIAL)
     return p_dropped, grad
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_block, visit, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum, Delta, b, h, bh,
+               cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr,
+               FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
+               DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
+    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True)
+    shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
+    p, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux,
+                              aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL,
+                              DROPOUT)
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
+    dk += tl.dot(tl.trans(grad.to(q.dtype)), q, input_precision="ieee")
+    return dk, dv
+
+
+@triton.jit
+def _flash_backward_dkdv_kernel(
+    Q, K, V, DO, Lse, LogSum, Delta, DK, DV,
+    q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
+    Nq, Nk, group, q_lists, fallback_lists, aux, aux_grad, seed, dropout_p,
+    SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
+    FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    kv_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    b = tl.program_id(2)
+    n_kv_blocks = tl.num_programs(0)
+    n_q_blocks = tl.cdiv(Nq, BLOCK_M)
+    n_q_heads = tl.num_programs(1) * group
+    cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    K_bh = K + b.to(tl.int64) * k_strides[0] + kv_head.to(tl.int64) * k_strides[1]
+    V_bh = V + b.to(tl.int64) * v_strides[0] + kv_head.to(tl.int64) * v_strides[1]
+    k = load_rows(K_bh, cols, Nk, k_strides[2], offs_d, k_strides[3], HEAD_DIM, True)
+    v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+
+    for g in range(0, group):  # the query heads reading this kv head
+        h = kv_head * group + g
+        bh = b.to(tl.int64) * n_q_heads + h
+        Q_bh = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
+        DO_bh = DO + b.to(tl.int64) * do_strides[0] + h.to(tl.int64) * do_strides[1]
+        if KEEP is None:
+            # Without a mask only a last kv block reaching past Nk has PARTIAL tiles (all of them).
+            n_partial = tl.where((kv_block + 1) * BLOCK_N > Nk, n_q_blocks, 0)
+            n_full = n_q_blocks - n_partial
+        else:
+            count, index, map_batch_stride, map_head_stride, kind = q_lists
+            map_bh = b * map_batch_stride + h * map_head_stride
+            n_full, full_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks, FULL_LIST)
+            n_partial, partial_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks,
+                                                   PARTIAL_LIST)
+        for i in range(0, n_full):
+            if KEEP is None:
+                q_block = i
+            else:
+                q_block = tl.load(full_blocks + i)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum,
+                                Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
+                                SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D)
+        for i in range(0, n_partial):
+            if KEEP is None:
+                q_block = i
+            else:
+                q_block = tl.load(partial_blocks + i)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum,
+                                Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
+                                SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D)
+        if KEEP is not None:
+            # q blocks holding rows the forward recomputed over all tiles: add their EMPTY tiles.
+            fallback_count, fallback_index = fallback_lists
+            for i in range(0, tl.load(fallback_count + bh)):
+                q_block = tl.load(fallback_index + bh * n_q_blocks + i)
+                tile_kind = tl.load(kind + (map_bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_block, tile_kind == EMPTY, Q_bh, DO_bh, q_strides, do_strides,
+                                    Lse, LogSum, Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p,
+                                    SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M,
+                                    BLOCK_D)
+
+    store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
+               dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
+    store_rows(DV + b.to(tl.int64) * dv_strides[0] + kv_head.to(tl.int64) * dv_strides[1], dv, cols, Nk,
+               dv_strides[2], offs_d, dv_strides[3], HEAD_DIM)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh, rows, Nq,
+             Nk, aux, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
+             SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_rows(K_bh, cols, Nk, k_strides[2], offs_d, k_strides[3], HEAD_DIM, PARTIAL)
+    v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, PARTIAL)
+    _, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, True, b, h, bh, rows, cols, Nq, Nk, aux, None,
+                              seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT)
+    return dq + tl.dot(grad.to(k.dtype), k, input_precision="ieee")
+
+
+@triton.jit
+def _flash_backward_dq_kernel(
+    Q, K, V, DO, Lse, LogSum, Delta, DQ,
+    q_strides, k_strides, v_strides, do_strides, dq_strides,
+    Nq, Nk, group, kv_lists, fallback_blocks, aux, seed, dropout_p,
+    SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
+    FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    n_q_blocks = tl.num_programs(0)
+    n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
+    bh = b.to(tl.int64) * tl.num_programs(1) + h
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    Q_bh = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
+    DO_bh = DO + b.to(tl.int64) * do_strides[0] + h.to(tl.int64) * do_strides[1]
+    K_bh = K + b.to(tl.int64) * k_strides[0] + (h // group).to(tl.int64) * k_strides[1]
+    V_bh = V + b.to(tl.int64) * v_strides[0] + (h // group).to(tl.int64) * v_strides[1]
+    q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
+    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True)
+    shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
+
+    if KEEP is None:
+        n_full = Nk // BLOCK_N
+        n_partial = n_kv_blocks - n_full
+    else:
+        count, index, map_batch_stride, map_head_stride = kv_lists
+        map_bh = b * map_batch_stride + h * map_head_stride
+        n_full, full_blocks = block_list(count, index, map_bh, q_block, n_q_blocks, n_kv_blocks, FULL_LIST)
+        n_partial, partial_blocks = block_list(count, index, map_bh, q_block, n_q_blocks, n_kv_blocks,
+                                               PARTIAL_LIST)
+        # A q block holding a row the forward recomputed over all tiles walks every kv tile instead.
+        n_all = tl.load(fallback_blocks + bh * n_q_blocks + q_block).to(tl.int32) * n_kv_blocks
+        n_full = tl.where(n_all > 0, 0, n_full)
+        n_partial = tl.where(n_all > 0, 0, n_partial)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for i in range(0, n_full):
+        if KEEP is None:
+            kv_block = i
+        else:
+            kv_block = tl.load(full_blocks + i)
+        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh,
+                      rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
+                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+    for i in range(0, n_partial):
+        if KEEP is None:
+            kv_block = n_full + i
+        else:
+            kv_block = tl.load(partial_blocks + i)
+        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh,
+                      rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
+                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+    if KEEP is not None:
+        for kv_block in range(0, n_all):
+            dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h,
+                          bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
+                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+
+    store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
+               dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
+
+
+def _backward_block_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int,
+                        block_m: int, block_n: int) -> BlockMap:
+    forward_map = extra.block_map
+    if forward_map is not None and (forward_map.block_m, forward_map.block_n) == (block_m, block_n):
+        return forward_map
+    batch, q_heads, q_len, _ = q.shape
+    return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, block_m, block_n, q.device)
+
+
+def _fallback_q_blocks(fallback_rows: torch.Tensor, block_m: int) -> torch.Tensor:
+    """[B, Hq, n_q_blocks] int8: 1 where a q block (of the backward's tiling) holds a fallback row."""
+    padded = F.pad(fallback_rows, (0, -fallback_rows.shape[-1] % block_m))
+    return padded.view(*padded.shape[:2], -1, block_m).amax(-1).contiguous()
+
+
+def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             out: torch.Tensor, lse: torch.Tensor, extra: FlashForwardExtra, mod: ScoreMod,
+                             aux: tuple, aux_grad: tuple | None, *, block_map: BlockMap | None = None,
+                             dropout_p: float = 0.0, seed: int = 0
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of `flash_attention_forward`; dk and dv summed over the query heads sharing a
+    kv head. When `mod.has_aux_grad`, aux gradients accumulate into the tensors of `aux_grad`.
+
+    `dropout_p` and `seed` must be the forward's. `block_map` defaults to the forward's map when its tile
+    size is the backward's, else to the cached map at the backward's tile size.
+    """
+    check_attention_inputs(q, k, v)
+    assert do.shape == out.shape == q.shape, f"do {tuple(do.shape)}, out {tuple(out.shape)}, q {tuple(q.shape)}"
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    assert lse.shape == extra.log_sum.shape == (batch, q_heads, q_len)
+    config = backward_config(head_dim, q.dtype, q.device)
+    if mod.has_mask and block_map is None:
+        block_map = _backward_block_map(mod, aux, extra, q, kv_len, config.block_m, config.block_n)
+    block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
+                                                                                     config.block_n)
+    block_d = head_block(head_dim)
+    n_q_blocks, n_kv_blocks = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+
+    delta = torch.empty_like(lse)
+    _delta_kernel[(n_q_blocks, q_heads, batch)](out, do, delta, out.stride(), do.stride(), q_len,
+                                                HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, **launch)
+
+    if mod.has_mask:
+        map_strides = block_map.batch_head_strides
+        fallback_blocks = _fallback_q_blocks(extra.fallback_rows, block_m)
+        q_lists = (block_map.cols.count, block_map.cols.index, *map_strides, block_map.kind)
+        kv_lists = (block_map.rows.count, block_map.rows.index, *map_strides)
+        fallback_lists = compact_lists(fallback_blocks != 0)
+    else:
+        fallback_blocks = q_lists = kv_lists = fallback_lists = None
+    scores = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
+                  FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                  BLOCK_N=block_n, BLOCK_D=block_d)
+    lse, log_sum = lse.contiguous(), extra.log_sum.contiguous()
+
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    _flash_backward_dkdv_kernel[(n_kv_blocks, kv_heads, batch)](
+        q, k, v, do, lse, log_sum, delta, dk, dv,
+        q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
+        q_len, kv_len, q_heads // kv_heads, q_lists, fallback_lists, aux,
+        aux_grad if mod.has_aux_grad else None, seed, dropout_p, **scores, **launch)
+
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _flash_backward_dq_kernel[(n_q_blocks, q_heads, batch)](
+        q, k, v, do, lse, log_sum, delta, dq,
+        q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(),
+        q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_blocks, aux, seed, dropout_p, **scores, **launch)
+    return dq, dk, dv

@@ -25,9 +25,9 @@ from fusepass.attention.blockmap import FULL_LIST, PARTIAL_LIST, BlockMap, block
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import forward_config, head_block
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 # A skipped (masked-out) tile is exact only if exp(FILL - row max) vanishes next to the row's kept weights.
-SKIP_MARGIN: tl.constexpr = -60.0
+SKIP_MARGIN = tl.constexpr(-60.0)
 
 
 @triton.jit

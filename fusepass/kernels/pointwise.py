@@ -19,7 +19,7 @@ import torch
 import triton
 
 from fusepass.codegen.modules import load_module
-from fusepass.codegen.pointwise import TRITON_DTYPE, Operand, held_dtype, translate
+from fusepass.codegen.pointwise import TRITON_DTYPE, Operand, held_dtype, to_stored, translate
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.lower import Lowered
 from fusepass.elementwise.program import Program, Ref
@@ -129,7 +129,7 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
     for i, (ref, dtype) in enumerate(program.outputs):
         value = operands[ref].expr
         if held_dtype(dtype) != dtype:
-            value = f"{value}.to({TRITON_DTYPE[dtype]})"
+            value = to_stored(value, held_dtype(dtype), dtype)
         offset = _offset(f"o{i}", variant.output_dims[i], False)
         body.append(f"tl.store(o{i}_ptr + {offset}, {value}, mask=mask)")
 

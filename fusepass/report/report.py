@@ -14,6 +14,8 @@ class Report:
     rewrites: list[Rewrite] = field(default_factory=list)
     hotspots: list[Hotspot] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
+    # The rewritten graphs by phase, for reading what fusepass produced (not part of the JSON).
+    graphs: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -65,6 +65,7 @@ class Backend:
             def compile_graph(module: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 if self.options.elementwise:
                     module = self._step(fuse_elementwise, module, context(phase), "elementwise fusion")
+                report.graphs[phase] = module
                 return make_boxed_func(module.forward)
 
             return compile_graph

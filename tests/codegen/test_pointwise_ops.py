@@ -1,0 +1,218 @@
+"""Every op of the translator's table against eager, in every dtype it takes, through a real kernel."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import assert_close, random_tensor
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fusepass.elementwise.lower import lower
+from fusepass.elementwise.partition import Group, is_constant
+from fusepass.kernels.pointwise import PointwiseLauncher
+
+aten = torch.ops.aten
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+INTS = [torch.int32, torch.int64]
+SHAPE = (7, 13)
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+def run_one_kernel(fn, *inputs):
+    """``fn``'s ops as ONE generated kernel, whatever their number (no partition heuristics)."""
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and not is_constant(n)]
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"][0].args[0],
+    used = [p for p in placeholders if p.users]
+    group = Group(nodes=nodes, inputs=used, outputs=[out])
+    device = inputs[0].device
+    launcher = PointwiseLauncher("kernel_under_test", lower(group, device), device, None, _raise)
+    tensors = [x for x, p in zip(inputs, placeholders) if p.users]
+    return launcher(*tensors)[0]
+
+
+def check_op(fn, *inputs, **tol):
+    expected = fn(*inputs)
+    actual = run_one_kernel(fn, *inputs)
+    assert_close(actual, expected, **tol)
+
+
+POSITIVE = dict(low=0.1, high=4)
+UNARY_FLOAT = {
+    "exp": (torch.exp, {}), "exp2": (torch.exp2, {}), "log": (torch.log, POSITIVE),
+    "log2": (torch.log2, POSITIVE), "log10": (torch.log10, POSITIVE), "log1p": (torch.log1p, dict(low=-0.9)),
+    "expm1": (torch.expm1, {}), "sqrt": (torch.sqrt, POSITIVE), "rsqrt": (torch.rsqrt, POSITIVE),
+    "sin": (torch.sin, {}), "cos": (torch.cos, {}), "tan": (torch.tan, dict(low=-1.2, high=1.2)),
+    "tanh": (torch.tanh, {}), "sigmoid": (torch.sigmoid, {}), "erf": (torch.erf, {}),
+    "reciprocal": (torch.reciprocal, POSITIVE), "neg": (torch.neg, {}), "abs": (torch.abs, {}),
+    "sign": (torch.sign, {}), "floor": (torch.floor, {}), "ceil": (torch.ceil, {}), "round": (torch.round, {}),
+    "round_decimals": (lambda x: torch.round(x, decimals=2), {}), "trunc": (torch.trunc, {}),
+    "relu": (torch.relu, {}), "gelu": (lambda x: F.gelu(x), {}), "gelu_tanh": (lambda x: F.gelu(x, approximate="tanh"), {}),
+    "silu": (lambda x: F.silu(x), {}), "mish": (lambda x: F.mish(x), {}), "leaky_relu": (lambda x: F.leaky_relu(x, 0.2), {}),
+    "hardtanh": (lambda x: F.hardtanh(x, -0.5, 1.5), {}), "hardsigmoid": (lambda x: F.hardsigmoid(x), {}),
+    "hardswish": (lambda x: F.hardswish(x), {}), "elu": (lambda x: F.elu(x), {}), "softplus": (lambda x: F.softplus(x, beta=2.0), {}),
+    "clamp": (lambda x: torch.clamp(x, -1.0, 0.5), {}), "clamp_min": (lambda x: torch.clamp_min(x, 0.2), {}),
+    "clamp_max": (lambda x: torch.clamp_max(x, 0.2), {}), "square": (lambda x: x ** 2, {}),
+    "cube": (lambda x: x ** 3, {}), "pow_half": (lambda x: x ** 0.5, POSITIVE),
+    "pow_minus_one": (lambda x: x ** -1, POSITIVE), "pow_frac": (lambda x: x ** 2.7, POSITIVE),
+    "pow_negative_base": (lambda x: x ** 3.0 + x ** 2.5, {}), "isnan": (torch.isnan, {}),
+    "isinf": (torch.isinf, {}), "isfinite": (torch.isfinite, {}), "logical_not": (torch.logical_not, {}),
+    "nan_to_num": (lambda x: torch.nan_to_num(torch.log(x)), {}),
+    "nan_to_num_values": (lambda x: torch.nan_to_num(torch.log(x), nan=1.0, posinf=2.0, neginf=-2.0), {}),
+}
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+@pytest.mark.parametrize("name", sorted(UNARY_FLOAT))
+def test_unary_float(name, dtype):
+    fn, domain = UNARY_FLOAT[name]
+    x = random_tensor(SHAPE, dtype, **domain)
+    if name.startswith("nan_to_num"):
+        x[0, :3] = torch.tensor([0.0, -1.0, float("inf")], dtype=dtype)  # -inf, nan, inf after log
+    if name in ("isnan", "isinf", "isfinite"):
+        x[1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    check_op(fn, x)
+
+
+def test_float32_special_functions_stay_accurate_near_zero():
+    x = torch.cat([torch.logspace(-8, 0, 40), -torch.logspace(-8, 0, 40)])
+    for fn in (torch.tanh, torch.expm1, torch.log1p, lambda x: F.mish(x)):
+        check_op(fn, x, rtol=2e-6, atol=1e-12)
+
+
+def test_round_is_half_to_even():
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 2.4999, 1e8 + 0.0])
+    check_op(torch.round, x, rtol=0, atol=0)
+
+
+UNARY_INT = {
+    "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "bitwise_not": torch.bitwise_not,
+    "relu": torch.relu, "clamp": lambda x: torch.clamp(x, -2, 1), "square": lambda x: x ** 2,
+    "pow_int": lambda x: x ** 5, "floor": torch.floor, "logical_not": torch.logical_not,
+    "isnan": torch.isnan, "to_float": lambda x: x.float(),
+    "true_divide_scalar": lambda x: x / 2, "floor_divide_scalar": lambda x: x // 3,
+    "remainder_scalar": lambda x: x % 3, "sigmoid_promotes": torch.sigmoid, "mul_float": lambda x: x * 1.5,
+}
+
+
+@pytest.mark.parametrize("dtype", INTS, ids=str)
+@pytest.mark.parametrize("name", sorted(UNARY_INT))
+def test_unary_int(name, dtype):
+    check_op(UNARY_INT[name], random_tensor(SHAPE, dtype, low=-9, high=9))
+
+
+BINARY = {
+    "add": torch.add, "add_alpha": lambda a, b: torch.add(a, b, alpha=2), "sub": torch.sub,
+    "sub_alpha": lambda a, b: torch.sub(a, b, alpha=3), "rsub": lambda a, b: torch.rsub(a, b),
+    "mul": torch.mul, "div": torch.div, "div_trunc": lambda a, b: torch.div(a, b, rounding_mode="trunc"),
+    "div_floor": lambda a, b: torch.div(a, b, rounding_mode="floor"), "floor_divide": torch.floor_divide,
+    "fmod": torch.fmod, "remainder": torch.remainder, "minimum": torch.minimum, "maximum": torch.maximum,
+    "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
+    "logical_and": torch.logical_and, "logical_or": torch.logical_or, "logical_xor": torch.logical_xor,
+    "where": lambda a, b: torch.where(a > b, a, b), "masked_fill": lambda a, b: a.masked_fill(b > 0, -7),
+    "lerp_ish": lambda a, b: a + 0.25 * (b - a),
+}
+
+
+def _nonzero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x == 0, torch.ones_like(x), x)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
+@pytest.mark.parametrize("name", sorted(BINARY))
+def test_binary(name, dtype):
+    a = random_tensor(SHAPE, dtype, low=-9, high=9)
+    b = _nonzero(random_tensor(SHAPE, dtype, low=-9, high=9))
+    if name == "div" and not dtype.is_floating_point:
+        pytest.skip("eager integer true division is float; covered by test_mixed_dtypes")
+    check_op(BINARY[name], a, b)
+
+
+def test_pow_tensor_exponent():
+    base = random_tensor(SHAPE, torch.float32, low=0.1, high=3)
+    exponent = random_tensor(SHAPE, torch.float32, low=-2, high=2)
+    check_op(torch.pow, base, exponent)
+    check_op(torch.pow, -base, exponent.round())
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.int64], ids=str)
+def test_bitwise(dtype):
+    a, b = random_tensor(SHAPE, dtype, low=-50, high=50), random_tensor(SHAPE, dtype, low=-50, high=50)
+    check_op(lambda a, b: (a & b) | (a ^ b), a, b)
+    check_op(lambda a, b: ~(a | b), a, b)
+
+
+def test_ternary():
+    a, b, c = (random_tensor(SHAPE, torch.float32) for _ in range(3))
+    check_op(lambda a, b, c: torch.addcmul(a, b, c, value=0.5), a, b, c)
+    check_op(lambda a, b, c: torch.addcdiv(a, b, _nonzero(c).abs() + 1, value=2), a, b, c)
+    check_op(lambda a, b, c: torch.lerp(a, b, c), a, b, c)
+    check_op(lambda a, b, c: torch.clamp(a, b, c), a, b, c)
+
+
+BACKWARD_OPS = {
+    "threshold_backward": lambda g, x: aten.threshold_backward(g, x, 0.0),
+    "sigmoid_backward": lambda g, x: aten.sigmoid_backward(g, torch.sigmoid(x)),
+    "tanh_backward": lambda g, x: aten.tanh_backward(g, torch.tanh(x)),
+    "gelu_backward": lambda g, x: aten.gelu_backward(g, x),
+    "gelu_backward_tanh": lambda g, x: aten.gelu_backward(g, x, approximate="tanh"),
+    "silu_backward": lambda g, x: aten.silu_backward(g, x),
+    "leaky_relu_backward": lambda g, x: aten.leaky_relu_backward(g, x, 0.1, False),
+    "hardtanh_backward": lambda g, x: aten.hardtanh_backward(g, x, -1.0, 1.0),
+    "softplus_backward": lambda g, x: aten.softplus_backward(g, x, 1.0, 20.0),
+    "elu_backward": lambda g, x: aten.elu_backward(g, 1.0, 1.0, 1.0, False, x),
+    "elu_backward_result": lambda g, x: aten.elu_backward(g, 1.0, 1.0, 1.0, True, F.elu(x)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(BACKWARD_OPS))
+def test_backward_ops(name, dtype):
+    check_op(BACKWARD_OPS[name], random_tensor(SHAPE, dtype), random_tensor(SHAPE, dtype))
+
+
+CASTS = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.bool]
+
+
+@pytest.mark.parametrize("source", CASTS, ids=str)
+@pytest.mark.parametrize("target", CASTS, ids=str)
+def test_casts_round_like_eager(source, target):
+    x = random_tensor(SHAPE, source, low=-5, high=5)
+    check_op(lambda x: (x * 3).to(target), x)
+
+
+def test_mixed_dtypes_promote_like_eager():
+    i32 = random_tensor(SHAPE, torch.int32, low=-9, high=9)
+    i64 = _nonzero(random_tensor(SHAPE, torch.int64, low=-9, high=9))
+    f16 = random_tensor(SHAPE, torch.float16)
+    bf16 = random_tensor(SHAPE, torch.bfloat16)
+    f32 = random_tensor(SHAPE, torch.float32)
+    b = random_tensor(SHAPE, torch.bool)
+    check_op(lambda a, b: a + b, i32, i64)
+    check_op(lambda a, b: a / b, i32, i64)
+    check_op(lambda a, b: a * b + 1, f16, bf16)
+    check_op(lambda a, b: a * 2.5 + b, i32, f32)
+    check_op(lambda a, b: a + b, b, i32)
+    check_op(lambda a, b: torch.where(a, b, 0.5), b, bf16)
+    check_op(lambda a, b: a.masked_fill(b, float("-inf")), bf16, b)
+    check_op(lambda a, s: a * s, bf16, f32.sum())  # a 0-d float32 tensor does not promote bfloat16
+
+
+def test_constants_are_inlined():
+    x = random_tensor(SHAPE, torch.float32)
+    check_op(lambda x: x + torch.full_like(x, 2.0) * torch.ones_like(x), x)
+    check_op(lambda x: torch.where(x > 0, x, torch.zeros_like(x)), x)
+
+
+def test_infinities_and_nans_propagate():
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0])
+    for fn in (torch.relu, lambda x: torch.clamp(x, -1, 1), torch.sigmoid, torch.tanh,
+               lambda x: torch.maximum(x, torch.zeros_like(x)), lambda x: torch.minimum(x, -x)):
+        check_op(fn, x)
+    assert math.isnan(run_one_kernel(lambda x: torch.exp(x) * 0, x)[1].item())
