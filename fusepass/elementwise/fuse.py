@@ -32,7 +32,7 @@ def kernel_name(group: Group) -> str:
     names = []
     for node in group.compute_nodes:
         name = re.sub(r"\W", "", packet_of(node.target).__name__.strip("_"))
-        if name not in names:
+        if name not in names and name not in ("detach", "alias"):
             names.append(name)
     return "fused_" + "_".join(names[:6])
 
@@ -66,11 +66,11 @@ def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gra
     return gm
 
 
-def fallback_module(group: Group) -> torch.fx.GraphModule:
+def fallback_module(group: Group, inputs: list[torch.fx.Node]) -> torch.fx.GraphModule:
     """The group's own ops as a module: what runs if its kernel cannot."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for i, node in enumerate(group.inputs):
+    for i, node in enumerate(inputs):
         env[node] = graph.placeholder(f"input_{i}")
 
     def lookup(node: torch.fx.Node) -> torch.fx.Node:
@@ -90,7 +90,8 @@ def fallback_module(group: Group) -> torch.fx.GraphModule:
 def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: PassContext, where: str,
              ops: tuple[str, ...]) -> None:
     name = kernel_name(group)
-    fallback = fallback_module(group)
+    inputs = group.inputs
+    fallback = fallback_module(group, inputs)
 
     def on_failure(error: Exception) -> None:
         ctx.fallback("elementwise", where, f"kernel {name} failed", error, ops,
@@ -100,7 +101,7 @@ def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: Pass
     graph = gm.graph
     members = set(group.nodes)
     with graph.inserting_before(group.nodes[0]):
-        call = graph.call_function(launcher, tuple(group.inputs))
+        call = graph.call_function(launcher, tuple(inputs))
         call.meta["val"] = tuple(out.meta["val"] for out in group.outputs)
         call.meta["stack_trace"] = group.nodes[0].meta.get("stack_trace")
         results = []

@@ -66,6 +66,7 @@ def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Nod
 
 def lower(group: Group, device: torch.device) -> Lowered:
     members = set(group.nodes)
+    inputs = group.inputs
     root = tuple(_val(group.outputs[0]).shape)
     rank = len(root)
 
@@ -95,7 +96,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
             val = _val(arg)
             by_value = val.device != device
             loads.append(Load(val.dtype, val.dim() == 0, by_value))
-            accesses.append(Access(group.inputs.index(arg), m, by_value))
+            accesses.append(Access(inputs.index(arg), m, by_value))
             ref = Ref("load", len(loads) - 1)
         refs[(arg, m)] = ref
         return ref
@@ -126,7 +127,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
         program=program,
         accesses=tuple(accesses),
         rank=rank,
-        root_shape=_root_shape(root, group, accesses),
+        root_shape=_root_shape(root, inputs, accesses),
         outputs=tuple(OutputLayout(_val(o).dtype, stride_order(_val(o))) for o in group.outputs),
     )
 
@@ -138,7 +139,8 @@ def _emit_constant(node: torch.fx.Node, steps: list[Step]) -> Ref:
     return Ref("step", len(steps) - 1)
 
 
-def _root_shape(root: tuple[Any, ...], group: Group, accesses: list[Access]) -> tuple[Any, ...]:
+def _root_shape(root: tuple[Any, ...], inputs: list[torch.fx.Node], accesses: list[Access]
+                ) -> tuple[Any, ...]:
     """Static sizes stay; a symbolic size is read at run time off an input that spans that dimension."""
     shape: list[Any] = []
     for j, size in enumerate(root):
@@ -149,7 +151,7 @@ def _root_shape(root: tuple[Any, ...], group: Group, accesses: list[Access]) -> 
         for k, access in enumerate(accesses):
             if access.by_value:
                 continue
-            in_shape = _val(group.inputs[access.input]).shape
+            in_shape = _val(inputs[access.input]).shape
             for i, row in enumerate(access.map):
                 unit = all(v == (1 if c == j else 0) for c, v in enumerate(row))
                 if unit and str(in_shape[i]) == str(size):

@@ -24,13 +24,24 @@ from fusepass.elementwise.coords import identity, is_view, through_view
 @dataclass
 class Group:
     nodes: list[torch.fx.Node]  # graph order: pointwise ops and the views between them
-    inputs: list[torch.fx.Node] = field(default_factory=list)  # external tensors read, first use first
     outputs: list[torch.fx.Node] = field(default_factory=list)  # members whose values are written out
     kept_views: set[torch.fx.Node] = field(default_factory=set)  # members also used outside: stay
 
     @property
     def compute_nodes(self) -> list[torch.fx.Node]:
         return [n for n in self.nodes if not is_view(n)]
+
+    @property
+    def inputs(self) -> list[torch.fx.Node]:
+        """External tensors the group reads, first use first (read off the graph as it is now: a group
+        replaced before this one may have rewired them)."""
+        members = set(self.nodes)
+        inputs: list[torch.fx.Node] = []
+        for node in self.nodes:
+            for arg in _tensor_args(node):
+                if arg not in members and arg not in inputs and not is_constant(arg):
+                    inputs.append(arg)
+        return inputs
 
 
 @dataclass
@@ -126,7 +137,8 @@ def _escaping(members: set[torch.fx.Node]) -> list[torch.fx.Node]:
 
 
 def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
-    shapes = {tuple(_val(_storage(n, members)).shape) for n in _escaping(members)}
+    # Symbolic sizes are compared by their expressions (SymInts do not hash).
+    shapes = {tuple(map(str, _val(_storage(n, members)).shape)) for n in _escaping(members)}
     return len(shapes) <= 1
 
 
@@ -181,9 +193,4 @@ def _finish(members: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> Gro
             kept_views.add(node)
             node = node.args[0]
     outputs = sorted({_storage(n, members) for n in escaping}, key=order.__getitem__)
-    inputs: list[torch.fx.Node] = []
-    for node in nodes:
-        for arg in _tensor_args(node):
-            if arg not in members and arg not in inputs and not is_constant(arg):
-                inputs.append(arg)
-    return Group(nodes=nodes, inputs=inputs, outputs=outputs, kept_views=kept_views)
+    return Group(nodes=nodes, outputs=outputs, kept_views=kept_views)

@@ -1,0 +1,204 @@
+"""Elementwise fusion through torch.compile: numerics against eager, the report, the rewritten graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from support import check, fused_kernel_count, random_tensor, rewrites
+
+import fusepass
+
+
+def gelu_bias_sigmoid(x, b):
+    return F.gelu(x * 0.5 + b) * torch.sigmoid(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_chain_forward_and_backward(dtype):
+    x, b = random_tensor((37, 53), dtype), random_tensor((53,), dtype)
+    # b's gradient sums 37 rounded rows: half precision accumulates a few ulps more than one op.
+    tol = {} if dtype == torch.float32 else dict(rtol=2e-2, atol=6e-2)
+    report = check(gelu_bias_sigmoid, x, b, backward=True, **tol)
+    (forward,) = rewrites(report, phase="forward")
+    assert forward.ops == ("aten.mul", "aten.add", "aten.gelu", "aten.sigmoid", "aten.mul")
+    assert forward.location == f"tests/elementwise/test_fusion.py:{_line_of('F.gelu(x * 0.5 + b)')}"
+    assert forward.bytes_fused < forward.bytes_unfused
+    assert rewrites(report, phase="backward")
+
+
+def test_broadcasting_of_every_kind():
+    x = random_tensor((4, 1, 5), torch.float32)
+    y = random_tensor((3, 5), torch.float32)
+    z = random_tensor((4, 3, 1), torch.float32)
+    check(lambda x, y, z: torch.relu(x * y + z) - y, x, y, z)
+
+
+def test_strided_and_expanded_inputs():
+    x = random_tensor((9, 14), torch.float32)
+    y = random_tensor((14, 9), torch.float32)
+    v = random_tensor((9, 1), torch.float32)
+    report = check(lambda x, y, v: torch.tanh(x[:, ::2] + 1) * y.t()[:, 1::2] + v.expand(9, 7), x, y, v)
+    assert len(rewrites(report)) == 1
+
+
+def test_views_inside_a_chain():
+    x = random_tensor((6, 20), torch.float32)
+    w = random_tensor((6, 4, 5), torch.float32)
+    b = random_tensor((5, 6), torch.float32)
+
+    def fn(x, w, b):
+        y = torch.sigmoid(x * 2).view(6, 4, 5) + w  # a split view of an intermediate
+        z = torch.exp(y).permute(2, 1, 0) * b.unsqueeze(1)  # a permute, a broadcast
+        return z[:, 1:, ::2] - 1  # slices of an intermediate
+
+    check(fn, x, w, b, backward=True)
+    with torch.no_grad():  # no values saved for backward: one iteration space, one kernel
+        report = check(fn, x, w, b)
+    assert len(rewrites(report)) == 1
+
+
+def test_merging_view_ends_a_group_but_stays_exact():
+    x = random_tensor((6, 4, 5), torch.float32)
+    report = check(lambda x: (torch.sin(x) * 2).reshape(6, 20).cos() + 1, x)
+    assert all(r.ops for r in rewrites(report))
+
+
+def test_zero_dim_tensors_and_scalars():
+    x = random_tensor((5, 7), torch.bfloat16)
+    s = torch.tensor(1.5)
+    check(lambda x, s: (x * s + 2.0) / (s - 0.25), x, s)
+
+
+def test_integer_and_bool_tensors():
+    i = random_tensor((5, 7), torch.int64, low=-20, high=20)
+    j = random_tensor((5, 7), torch.int32, low=1, high=9)
+    b = random_tensor((5, 7), torch.bool)
+    c = random_tensor((5, 7), torch.bool)
+    check(lambda i, j: ((i * 3 + 1) % j, (i // j) - (i >> 1)), i, j)
+    check(lambda b, c: ((b & c) | ~b, torch.logical_xor(b, c).int() + 1), b, c)
+
+
+def test_mixed_dtypes():
+    x = random_tensor((8, 9), torch.bfloat16)
+    y = random_tensor((8, 9), torch.float32)
+    i = random_tensor((8, 9), torch.int32, low=-4, high=4)
+    check(lambda x, y, i: (x * 2 + y) * i + (x > 0).float(), x, y, i)
+
+
+def test_intermediates_used_elsewhere_become_outputs():
+    x = random_tensor((16, 8), torch.float32)
+    w = random_tensor((8, 8), torch.float32)
+
+    def fn(x, w):
+        a = torch.relu(x * 3 - 1)
+        return (a + 1) * 2, a @ w
+
+    report = check(fn, x, w)
+    (rewrite,) = rewrites(report)
+    graph = report.graphs["forward"].graph
+    launcher = next(n for n in graph.nodes if type(n.target).__name__ == "PointwiseLauncher")
+    assert len(launcher.meta["val"]) == 2  # a (read by the matmul) and the result
+
+
+def test_a_path_through_an_outside_op_keeps_groups_apart():
+    x = random_tensor((16, 16), torch.float32)
+
+    def fn(x):
+        a = torch.sigmoid(x) * 2
+        m = a @ x  # a → mm → b: a and b in one kernel would need the mm inside it
+        return torch.tanh(a + m) + a
+
+    report = check(fn, x)
+    graph = report.graphs["forward"].graph
+    mm = next(n for n in graph.nodes if n.target == torch.ops.aten.mm.default)
+    assert type(mm.args[0].args[0].target).__name__ == "PointwiseLauncher"
+    assert fused_kernel_count(report) == 2
+
+
+class MLP(nn.Module):
+    def __init__(self, d=24, hidden=40):
+        super().__init__()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x), approximate="tanh")) * 0.5
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d=24, hidden=36):
+        super().__init__()
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("block", [MLP, SwiGLU])
+def test_small_models_forward_and_backward(block):
+    torch.manual_seed(0)
+    model = block()
+    x = random_tensor((3, 11, 24), torch.float32)
+    copy = block()
+    copy.load_state_dict(model.state_dict())
+    compiled = torch.compile(copy, backend="fusepass")
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, actual = model(x1), compiled(x2)
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    actual.backward(grad)
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
+    report = fusepass.last_report()
+    assert rewrites(report, phase="forward")
+    if block is SwiGLU:  # silu(gate) * up: its backward is a chain too
+        assert rewrites(report, phase="backward")
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_and_inference_mode(mode):
+    x, b = random_tensor((10, 12), torch.float32), random_tensor((12,), torch.float32)
+    with mode():
+        report = check(gelu_bias_sigmoid, x, b)
+    assert len(rewrites(report)) == 1
+
+
+def test_dynamic_shapes_reuse_the_kernel():
+    from fusepass.kernels import pointwise
+
+    fn = torch.compile(gelu_bias_sigmoid, backend="fusepass", dynamic=True)
+    for rows in (5, 9, 17):
+        x, b = random_tensor((rows, 13), torch.float32), random_tensor((13,), torch.float32)
+        torch.testing.assert_close(fn(x, b), gelu_bias_sigmoid(x, b), rtol=1e-5, atol=1e-5)
+    names = [key[0] for key in pointwise._kernels]
+    assert len(names) == len(set(names))  # one program per kernel: new sizes made no new kernel
+
+
+def test_identical_groups_share_one_kernel():
+    from fusepass.kernels import pointwise
+
+    x, y = random_tensor((7, 9), torch.float32), random_tensor((7, 9), torch.float32)
+    before = len(pointwise._kernels)
+    report = check(lambda x, y: (torch.exp(x * 2) + 1, torch.exp(y * 2) + 1), x, y)
+    assert fused_kernel_count(report) == 2
+    assert len(pointwise._kernels) - before <= 1
+
+
+def test_untranslatable_pointwise_op_is_a_hotspot():
+    x = random_tensor((6, 7), torch.float32)
+    report = check(lambda x: torch.atan2(x * 2, x + 1) * 3, x)
+    (hotspot,) = report.hotspots
+    assert hotspot.ops == ("aten.atan2",)
+    assert "no Triton translation" in hotspot.reason
+    assert hotspot.location.endswith("test_fusion.py:" + str(_line_of("torch.atan2(x * 2")))
+    assert hotspot.bytes == 3 * 6 * 7 * 4
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if text in line and "def " not in line)
