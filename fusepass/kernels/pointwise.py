@@ -191,8 +191,8 @@ def _coalesce(root: Sequence[int], order: Sequence[int], operands: list[tuple[in
         sizes.append(root[d])
         for st, op in zip(strides, operands):
             st.append(op[d])
-    if not sizes:
-        return [1], [[0] for _ in operands]
+    if not sizes:  # a single element: one dimension of size 1 keeps every offset a block
+        return [1], [[1] for _ in operands]
     return sizes, strides
 
 

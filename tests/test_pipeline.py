@@ -1,0 +1,118 @@
+"""The backend as users meet it: registration, options, fallbacks, devices, the rewritten graph."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from support import check, random_tensor, rewrites
+
+import fusepass
+from fusepass.kernels import pointwise
+
+
+def chain(x, b):
+    return F.gelu(x * 0.5 + b) * torch.sigmoid(x)
+
+
+def test_backend_is_registered_by_name():
+    assert "fusepass" in torch._dynamo.list_backends()
+
+
+def test_unknown_option_names_the_option():
+    with pytest.raises(TypeError, match="unknown option 'elementwsie'"):
+        fusepass.backend(elementwsie=False)
+
+
+def test_elementwise_can_be_switched_off():
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    report = check(chain, x, b, backend=fusepass.backend(elementwise=False))
+    assert not report.rewrites
+
+
+def test_reports_in_compile_order_and_reset():
+    fusepass.reset()
+    x = random_tensor((4, 4), torch.float32)
+    torch.compile(lambda x: torch.exp(x) * 2 + 1, backend="fusepass")(x)
+    torch.compile(lambda x: torch.sin(x) * 3 - 1, backend="fusepass")(x)
+    assert [r.graph for r in fusepass.reports()] == ["graph 0", "graph 1"]
+    assert fusepass.last_report() is fusepass.reports()[-1]
+    fusepass.reset()
+    assert fusepass.reports() == [] and fusepass.last_report() is None
+
+
+def _broken_source(*args, **kwargs):
+    return "@triton.jit\ndef broken(:\n"
+
+
+def test_a_kernel_that_fails_falls_back_with_a_warning(monkeypatch):
+    monkeypatch.setattr(pointwise, "kernel_source", _broken_source)
+    monkeypatch.setattr(pointwise, "_kernels", {})
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    with pytest.warns(RuntimeWarning, match="running it unfused"):
+        report = check(chain, x, b)
+    (hotspot,) = report.hotspots
+    assert hotspot.kind == "elementwise" and "failed" in hotspot.reason
+
+
+def test_strict_mode_raises(monkeypatch):
+    monkeypatch.setattr(pointwise, "kernel_source", _broken_source)
+    monkeypatch.setattr(pointwise, "_kernels", {})
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    with pytest.raises(SyntaxError):
+        torch.compile(chain, backend=fusepass.backend(strict=True))(x, b)
+
+
+def test_a_pass_that_fails_leaves_the_graph_unfused(monkeypatch):
+    def explode(*args, **kwargs):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr("fusepass.elementwise.fuse.partition", explode)
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    with pytest.warns(RuntimeWarning, match="planted"):
+        report = check(chain, x, b, backward=True)
+    assert not report.rewrites
+    assert all("planted" in h.reason for h in report.hotspots)
+
+
+def test_cpu_without_the_interpreter_plans_reports_and_runs_unfused(tmp_path):
+    script = tmp_path / "plain_cpu.py"
+    script.write_text(textwrap.dedent("""
+        import torch, fusepass
+        def f(x):
+            return torch.exp(x * 2) + 1
+        x = torch.randn(8, 8)
+        y = torch.compile(f, backend="fusepass")(x)
+        torch.testing.assert_close(y, f(x))
+        report = fusepass.last_report()
+        print(len(report.rewrites), report.notices[0])
+        print(any(type(n.target).__name__ == "PointwiseLauncher" for n in report.graphs["forward"].graph.nodes))
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.getcwd()
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
+    count, rest = out.stdout.split(" ", 1)
+    assert count == "1"
+    assert "kernels need a CUDA device" in rest
+    assert out.stdout.strip().endswith("False")
+
+
+class RewrittenGraph(expecttest.TestCase):
+    def test_snapshot_of_forward_and_backward(self):
+        x = random_tensor((8, 6), torch.float32)
+        b = random_tensor((6,), torch.float32)
+        report = check(chain, x, b, backward=True)
+        self.assertExpectedInline(str(report.graphs["forward"].graph).strip(), """\
+graph():
+    %primals_1 : [num_users=2] = placeholder[target=primals_1]
+    %primals_2 : [num_users=2] = placeholder[target=primals_2]
+    %fused_mul_add_gelu_sigmoid : [num_users=2] = call_function[target=fusepass.kernels.pointwise.fused_mul_add_gelu_sigmoid](args = (%primals_1, %primals_2), kwargs = {})
+    %getitem : [num_users=1] = call_function[target=operator.getitem](args = (%fused_mul_add_gelu_sigmoid, 0), kwargs = {})
+    %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%fused_mul_add_gelu_sigmoid, 1), kwargs = {})
+    return (getitem_1, primals_1, primals_2, getitem)""")
+        self.assertEqual(len(rewrites(report, phase="backward")), 1)
