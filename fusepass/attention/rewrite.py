@@ -1,10 +1,174 @@
-"""The attention pass: finds matmul → softmax → matmul and replaces it with the fused flash op."""
+"""The attention pass: each ``matmul → softmax → matmul`` becomes one call of the fused attention op.
+
+Its fixed shape: match (``match``), read the operands' layouts (``layout``), lift the score chain
+(``lift``), then replace the matched ops by ``torch.ops.fusepass.attention`` and record the rewrite. A
+declined match leaves the graph exactly as it was and becomes a hotspot with its reason.
+"""
 from __future__ import annotations
 
+import math
+import operator
+
+import torch
 import torch.fx
 
+from fusepass.attention.layout import OperandLayout, Unsupported, canonical, operand_view
+from fusepass.attention.lift import Canon, Lifter
+from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
+from fusepass.attention.op import AttentionSpec, register
 from fusepass.context import PassContext
+from fusepass.report.ledger import fused_bytes, op_bytes, unfused_bytes
+from fusepass.report.records import Hotspot, Rewrite
+from fusepass.source import location
+
+aten = torch.ops.aten
+HEAD_DIMS = range(16, 257)
+
+
+def _operand(node: torch.fx.Node, perm: tuple[int, ...] | None, batch: tuple[int, ...], heads: int,
+             transpose: bool = False) -> tuple[torch.fx.Node, OperandLayout]:
+    """An operand as the kernel reads it: [*batch, N, D] after ``perm`` (and a transpose of the last two)."""
+    source, meta, group, group_dim = operand_view(node)
+    if perm is not None:
+        meta = meta.permute(perm)
+        if group_dim is not None:
+            group_dim = perm.index(group_dim)
+    if transpose:
+        meta = meta.transpose(-1, -2)
+    return source, canonical(meta, group, group_dim, batch, heads)
+
+
+def _values_meta_batch(m: AttentionMatch, batch: tuple[int, ...]) -> tuple[int, ...]:
+    pv_batch = tuple(val(m.pv).shape[:-2]) if m.values.out_perm is None else None
+    if pv_batch is None:  # einsum: the canonical output order is [*batch, q, d]
+        canonical_out = [None] * val(m.pv).dim()
+        for i, p in enumerate(m.values.out_perm):
+            canonical_out[p] = val(m.pv).shape[i]
+        pv_batch = tuple(canonical_out[:-2])
+    return pv_batch
+
+
+def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Node], list[str]]:
+    """The spec of the rewrite and the graph values the op reads; raises ``Unsupported``."""
+    shape = tuple(val(m.qk).shape)
+    if not all(isinstance(s, int) for s in shape):
+        raise Unsupported("symbolic shapes")
+    batch = shape[:-2]
+    q_len, kv_len = shape[-2], shape[-1]
+    B = batch[0] if batch else 1
+    H = math.prod(batch[1:]) if len(batch) > 1 else 1
+    q_src, q = _operand(m.scores.left, m.scores.left_perm, batch, H)
+    k_src, k = _operand(m.scores.right, m.scores.right_perm, batch, H)
+    if q.group != 1:
+        raise Unsupported("queries shared across heads")
+    pv_batch = _values_meta_batch(m, batch)
+    if math.prod(pv_batch) != B * H:
+        raise Unsupported("the matmul with V has another batch than the scores")
+    v_perm = m.values.right_perm
+    v_src, v = _operand(m.values.right, v_perm, pv_batch, H if pv_batch == batch else math.prod(pv_batch[1:]),
+                        transpose=True)
+    if pv_batch != batch:
+        v = _rebatch(v, pv_batch, B, H)
+    dtypes = {val(q_src).dtype, val(k_src).dtype, val(v_src).dtype}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float16, torch.bfloat16):
+        raise Unsupported(f"Q, K, V dtypes {sorted(map(str, dtypes))}")
+    if k.group != v.group or k.size[1] != v.size[1]:
+        raise Unsupported("K and V have different head layouts")
+    if q.size[3] != k.size[3] or q.size[3] != v.size[3]:
+        raise Unsupported(f"head dims differ: q {q.size[3]}, k {k.size[3]}, v {v.size[3]}")
+    if q.size[3] not in HEAD_DIMS:
+        raise Unsupported(f"head dim {q.size[3]} outside 16..256")
+    canon = Canon(batch=B, heads=H, q_len=q_len, kv_len=kv_len, score_batch=batch)
+    lifted = Lifter(m, canon, name).lift()
+    spec = AttentionSpec(name=name, q=q, k=k, v=v, lifted=lifted, out_dtype=val(m.pv).dtype,
+                         dropout_p=m.dropout_p, aux_strides=[tuple(val(a).stride()) for a in lifted.aux])
+    features = list(lifted.features)
+    if k.group > 1:
+        features.append("gqa")
+    if q_len != kv_len:
+        features.append("cross")
+    if m.dropout_p > 0:
+        features.append("dropout")
+    return spec, [q_src, k_src, v_src], sorted(set(features))
+
+
+def _rebatch(v: OperandLayout, pv_batch: tuple[int, ...], B: int, H: int) -> OperandLayout:
+    """V laid out over the matmul's own batch dims (e.g. heads folded into the batch) → over (B, H)."""
+    b, h, n, d = v.size
+    meta = torch.empty_strided(v.size, v.stride, device="meta").reshape(b * h, n, d)
+    try:
+        meta = meta.view(B, H // v.group if v.group > 1 else H, n, d)
+    except RuntimeError:
+        raise Unsupported("V's batch cannot be read as the scores' batch and heads") from None
+    return OperandLayout(tuple(meta.shape), tuple(meta.stride()), v.offset, v.group)
+
+
+def _removed_nodes(m: AttentionMatch) -> list[torch.fx.Node]:
+    return [m.qk, *m.chain, m.softmax, *m.probability_path, m.pv]
 
 
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    graph = gm.graph
+    changed = False
+    for index, softmax in enumerate(softmaxes(graph)):
+        where = location(softmax)
+        try:
+            m = match(softmax)
+            spec, sources, features = plan(m, f"attention_{id(gm):x}_{index}")
+        except Unsupported as reason:
+            ctx.report.hotspots.append(Hotspot(kind="attention", phase="forward", location=where,
+                                               reason=str(reason), ops=("aten.softmax",),
+                                               bytes=op_bytes(softmax)))
+            continue
+        except Exception as error:
+            ctx.fallback("attention", where, "attention rewrite failed", error, ("aten.softmax",),
+                         op_bytes(softmax))
+            continue
+        removed = _removed_nodes(m)
+        batch, heads, q_len, head_dim = spec.out_shape
+        ctx.report.rewrites.append(Rewrite(
+            kind="attention", phase="forward", location=where, ops=tuple(_op_name(n) for n in removed),
+            bytes_unfused=unfused_bytes(removed), bytes_fused=fused_bytes(sources + spec.lifted.aux, [m.pv]),
+            flops=4 * batch * heads * q_len * spec.k.size[2] * head_dim, features=tuple(features),
+            detail={"shape": [batch, heads, q_len, spec.k.size[2], head_dim], "kv_heads": spec.k.size[1]}))
+        if ctx.run_kernels:
+            _replace(graph, m, register(spec), sources, spec)
+            changed = True
+    if changed:
+        graph.eliminate_dead_code()
+        gm.recompile()
     return gm
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    packet = getattr(node.target, "overloadpacket", None)
+    return f"aten.{packet.__name__}" if packet is not None else str(node.target)
+
+
+def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[torch.fx.Node],
+             spec: AttentionSpec) -> None:
+    with graph.inserting_before(m.pv):
+        if spec.dropout_p > 0:
+            seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]),
+                                       {"dtype": torch.int64, "device": torch.device("cpu")})
+        else:
+            seed = graph.call_function(aten.empty.memory_format, ([0],),
+                                       {"dtype": torch.int64, "device": torch.device("cpu")})
+        call = graph.call_function(torch.ops.fusepass.attention.default,
+                                   (*sources, list(spec.lifted.aux), seed, name))
+        call.meta["stack_trace"] = m.softmax.meta.get("stack_trace")
+        out = graph.call_function(operator.getitem, (call, 0))
+        result = _to_output_layout(graph, out, m.values, tuple(val(m.pv).shape))
+    m.pv.replace_all_uses_with(result)
+
+
+def _to_output_layout(graph: torch.fx.Graph, out: torch.fx.Node, values: Operands, shape: tuple[int, ...]
+                      ) -> torch.fx.Node:
+    """The op's [B, H, Nq, D] as the matmul with V produced it: its batch dims, its einsum order."""
+    if values.out_perm is None:
+        return graph.call_function(aten.view.default, (out, list(shape)))
+    canonical_shape = [None] * len(shape)
+    for i, p in enumerate(values.out_perm):
+        canonical_shape[p] = shape[i]
+    viewed = graph.call_function(aten.view.default, (out, canonical_shape))
+    return graph.call_function(aten.permute.default, (viewed, list(values.out_perm)))

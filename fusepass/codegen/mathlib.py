@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 # Triton's interpreter truncates float32 → bfloat16 (its round-to-nearest-even is off too); the GPU rounds.
-INTERPRETING: tl.constexpr = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit

@@ -608,15 +608,21 @@ def _bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[st
     return bound
 
 
-def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result_dtype: torch.dtype
-              ) -> Operand:
+def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result_dtype: torch.dtype,
+              round_casts: bool = True) -> Operand:
     """One op as an operand. Tensor arguments are ``Operand``s, the rest Python values.
 
     ``result_dtype`` is what eager produces (the node's fake value), the authority on the output dtype.
+    ``round_casts=False`` keeps float values in float32 across casts between float dtypes (the attention
+    kernel's scores: eager's own fused attention does not round them either).
     """
     packet = packet_of(target)
     if packet in CASTS:
-        return cast(args[1] if packet == aten.copy else args[0], result_dtype)
+        value = args[1] if packet == aten.copy else args[0]
+        if not round_casts and isinstance(value, Operand) and value.dtype.is_floating_point and \
+                held_dtype(result_dtype) == torch.float32:
+            return Operand(convert(value, torch.float32), result_dtype)
+        return cast(value, result_dtype)
     if packet in CONSTANTS:
         return Operand(literal(constant_value(packet, args, kwargs), held_dtype(result_dtype)), result_dtype)
     rule_ = RULES[packet]

@@ -103,7 +103,9 @@ def through_view(node: torch.fx.Node, m: Map, rank: int) -> Map | None:
         index = node.args[2] % in_shape[dim]
         constant = _zero(rank)[:-1] + (index,)
         return m[:dim] + (constant,) + m[dim:]
-    if target in (aten.view, aten.reshape, aten._unsafe_view, aten.alias, aten.flatten):
+    if target in (aten.alias, aten.detach):
+        return m
+    if target in (aten.view, aten.reshape, aten._unsafe_view, aten.flatten):
         if not (_static(in_shape) and _static(out_shape)):
             return m if in_shape == out_shape else None
         return _reshape(m, in_shape, out_shape, rank)
@@ -160,7 +162,7 @@ def _sliced(m: Map, in_shape: Sequence, node: torch.fx.Node, rank: int) -> Map |
 
 VIEW_OPS = frozenset({aten.expand, aten.permute, aten.transpose, aten.t, aten.numpy_T, aten.unsqueeze,
                       aten.squeeze, aten.slice, aten.select, aten.view, aten.reshape, aten._unsafe_view,
-                      aten.alias, aten.flatten})
+                      aten.alias, aten.flatten, aten.detach})
 
 
 def is_view(node: torch.fx.Node) -> bool:

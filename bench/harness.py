@@ -1,0 +1,77 @@
+"""What every benchmark shares: the machine it ran on, median timings, and the results it keeps.
+
+Timings are medians of ``triton.testing.do_bench`` after warm-up, on fresh random data. Each suite writes
+``bench/results/<suite>-<date>.json`` (every figure, with the environment) and a markdown table beside it,
+and prints the table last.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def environment() -> dict[str, Any]:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+
+
+def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 200) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def peak_memory_gib(fn: Callable[[], Any]) -> float:
+    """Peak device memory allocated while ``fn`` runs, above what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[dict[str, Any]]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def keep(suite: str, columns: Sequence[str], rows: Sequence[dict[str, Any]], notes: str = "") -> str:
+    """Write the suite's results into bench/results (and into $OUT when set) and return the table."""
+    env = environment()
+    table = markdown_table(columns, rows)
+    header = (f"# {suite}\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+              f"CUDA {env['cuda']}\n\n{notes}\n\n" if notes else
+              f"# {suite}\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
+              f"CUDA {env['cuda']}\n\n")
+    stem = f"{suite}-{env['date']}"
+    for folder in filter(None, (RESULTS, os.environ.get("OUT"))):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, stem + ".json"), "w") as f:
+            json.dump({"suite": suite, "environment": env, "rows": list(rows)}, f, indent=1)
+        with open(os.path.join(folder, stem + ".md"), "w") as f:
+            f.write(header + table + "\n")
+    return table

@@ -1,0 +1,759 @@
+"""Lift the score chain — every op between ``q @ kᵀ`` and the softmax — into the kernel's score functions.
+
+Each value the chain reads is evaluated at the coordinates the kernel is at: the flat batch-head index
+``f = b·H + h``, the query position ``q`` and the key position ``k`` (``index.Idx``). What that value is
+decides how the kernel gets it:
+
+- derived from ``arange``, constants and shapes (causal, window, ALiBi distances, T5 buckets): emitted as
+  index arithmetic, no tensor at all;
+- a tensor (a padding mask, ALiBi slopes, a bias table, a dense bias): loaded at its strides, gathered
+  when the index is computed (``embedding``), broadcast dims costing nothing;
+- the scores and what depends on them, or on a tensor that needs a gradient: a small FX graph ``E`` of
+  pointwise ops over those loaded and index values (its "leaves").
+
+Pointwise ops go through the one translator, in both places. ``E``'s derivative comes from torch's own
+autograd (``make_fx`` of its vjp), so the backward score functions need no second table of derivatives.
+A mask at the top of the chain (``masked_fill``, ``where``, or adding ``where(keep, 0, fill)``) is split
+off as ``keep`` so the kernel can skip empty tiles and skip mask arithmetic on full ones.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from fusepass.attention.index import Idx, Term, merge
+from fusepass.attention.layout import VIEW_OPS, Unsupported
+from fusepass.attention.match import AttentionMatch, packet, val
+from fusepass.codegen.pointwise import (CONSTANTS, TRITON_DTYPE, Emitter, Operand, constant_value, held_dtype,
+                                        is_supported, literal, translate)
+
+aten = torch.ops.aten
+LANES = 4  # the fake length of E's values: pointwise ops do not care
+
+
+@dataclass(frozen=True)
+class Canon:
+    """The attention's coordinates: batch B, heads H, query and key lengths; the scores' batch shape."""
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    score_batch: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Code:
+    """A value computed by index code: no gradient flows through it."""
+
+    expr: str
+    dtype: torch.dtype
+    uses: frozenset[str]  # of "b", "h", "q", "k": what it varies with
+    zero_dim: bool = False
+    mask: tuple[str, Any] | None = None  # for where(keep, 0, fill): (keep expression, fill)
+
+
+@dataclass(frozen=True)
+class Diff:
+    """A value of the differentiable graph E."""
+
+    node: torch.fx.Node
+
+
+@dataclass
+class GradLeaf:
+    """A tensor element E reads whose gradient the backward accumulates: aux ``index`` at ``offset``."""
+
+    aux: int
+    offset: str
+    mask: str | None
+    uses: frozenset[str]
+
+
+@dataclass
+class Lifted:
+    """The score chain as the kernel's functions' source, and the tensors those read."""
+
+    source: str  # the jit functions, named in ``functions``
+    functions: dict[str, str]  # score, score_grad, keep, fill, fill_grad → function name
+    aux: list[torch.fx.Node]
+    aux_needs_grad: list[bool]
+    fill_bound: float
+    keep_uses: frozenset[str]
+    keep_reads_aux: bool
+    features: list[str]
+
+
+class Lifter:
+    def __init__(self, m: AttentionMatch, canon: Canon, name: str) -> None:
+        self.m = m
+        self.canon = canon
+        self.name = name
+        self.code = Emitter(prefix="i")
+        self.graph = torch.fx.Graph()
+        self.fake = FakeTensorMode()
+        self.leaves: dict[torch.fx.Node, Code | GradLeaf | None] = {}  # E placeholder → what binds it
+        self.leaf_of_expr: dict[str, torch.fx.Node] = {}
+        self.aux: list[torch.fx.Node] = []
+        self.memo: dict[tuple[torch.fx.Node, tuple[Idx, ...]], Code | Diff] = {}
+        self.chain = set(m.chain)
+        self.features: set[str] = set()
+        self.aux_loads_in_code: set[int] = set()
+        self.s_leaf = self._placeholder("s", val(m.qk).dtype, False)
+        self.leaves[self.s_leaf] = None
+
+    # ---------------------------------------------------------------------------------- coordinates
+
+    def render(self, idx: Idx) -> tuple[str, frozenset[str]]:
+        """Code for an index and what it uses; the common batch/head splits render as ``b`` and ``h``."""
+        H, B = self.canon.heads, self.canon.batch
+        parts, uses = [], set()
+        for t in idx.terms:
+            if t.var == "f":
+                if t.div == H and (t.mod is None or t.mod == B):
+                    parts.append(_coef("b", t.coef))
+                    uses.add("b")
+                    continue
+                if t.div == 1 and t.mod == H:
+                    parts.append(_coef("h", t.coef))
+                    uses.add("h")
+                    continue
+                uses.update(("b", "h"))
+            elif t.var in ("q", "k"):
+                uses.add(t.var)
+                size = self.canon.q_len if t.var == "q" else self.canon.kv_len
+                if t.div == 1 and (t.mod is None or t.mod >= size):
+                    parts.append(_coef("q_idx" if t.var == "q" else "kv_idx", t.coef))
+                    continue
+            else:
+                uses.update(("b", "h", "q", "k"))
+            parts.append(Idx((t,)).render({"f": f"(b * {H} + h)", "q": "q_idx", "k": "kv_idx"}))
+        if idx.const or not parts:
+            parts.append(str(idx.const))
+        text = parts[0] if len(parts) == 1 else "(" + " + ".join(parts) + ")"
+        return text, frozenset(uses)
+
+    def root_coords(self, node: torch.fx.Node) -> tuple[Idx, ...]:
+        shape = tuple(val(node).shape)
+        return Idx.var("f").split(shape[:-2]) + (Idx.var("q"), Idx.var("k"))
+
+    def _bounds(self, uses: frozenset[str]) -> str | None:
+        terms = []
+        if "q" in uses:
+            terms.append(f"(q_idx < {self.canon.q_len})")
+        if "k" in uses:
+            terms.append(f"(kv_idx < {self.canon.kv_len})")
+        return " & ".join(terms) if terms else None
+
+    # ---------------------------------------------------------------------------------- E, the graph
+
+    def _placeholder(self, name: str, dtype: torch.dtype, zero_dim: bool) -> torch.fx.Node:
+        node = self.graph.placeholder(f"{name}{len(self.leaves)}")
+        with self.fake:
+            node.meta["val"] = torch.empty(() if zero_dim else (LANES,), dtype=dtype)
+        return node
+
+    def _leaf(self, code: Code) -> torch.fx.Node:
+        if code.expr not in self.leaf_of_expr:
+            node = self._placeholder("v", code.dtype, code.zero_dim)
+            self.leaves[node] = code
+            self.leaf_of_expr[code.expr] = node
+        return self.leaf_of_expr[code.expr]
+
+    def _e_node(self, target: Any, args: tuple, kwargs: dict) -> Diff:
+        def as_e(a: Any) -> Any:
+            if isinstance(a, Diff):
+                return a.node
+            if isinstance(a, Code):
+                return self._leaf(a)
+            if isinstance(a, (list, tuple)):
+                return type(a)(as_e(x) for x in a)
+            return a
+
+        e_args, e_kwargs = as_e(args), {k: as_e(v) for k, v in kwargs.items()}
+        node = self.graph.call_function(target, e_args, e_kwargs)
+        fake_args = torch.fx.node.map_arg(e_args, lambda n: n.meta["val"])
+        fake_kwargs = torch.fx.node.map_arg(e_kwargs, lambda n: n.meta["val"])
+        with self.fake:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        return Diff(node)
+
+    # ---------------------------------------------------------------------------------- evaluation
+
+    def value(self, node: Any, coords: tuple[Idx, ...]) -> Any:
+        if not isinstance(node, torch.fx.Node):
+            return node
+        key = (node, coords)
+        if key not in self.memo:
+            self.memo[key] = self._evaluate(node, coords)
+        return self.memo[key]
+
+    def _evaluate(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        kind = packet(node)
+        if node is self.m.qk:
+            return self._scores(coords)
+        if kind in VIEW_OPS:
+            return self.value(node.args[0], _view_coords(node, coords))
+        if node.op == "call_function" and kind in CONSTANTS:
+            value = constant_value(kind, node.args, node.kwargs)
+            return Code(literal(value, held_dtype(val(node).dtype)), val(node).dtype, frozenset(),
+                        val(node).dim() == 0)
+        if kind == aten.arange:
+            return self._arange(node, coords)
+        if kind in (aten.tril, aten.triu):
+            return self._triangle(node, coords)
+        if kind in (aten.embedding, aten.index):
+            return self._gather(node, coords)
+        if node.op == "call_function" and is_supported(node.target):
+            return self._pointwise(node, coords)
+        if node in self.chain:
+            raise Unsupported(f"the score chain has {node.target}")
+        return self._load(node, coords)
+
+    def _scores(self, coords: tuple[Idx, ...]) -> Diff:
+        batch = tuple(val(self.m.qk).shape[:-2])
+        c = self.canon
+        if not (merge(coords[:-2], batch).is_var("f", c.batch * c.heads) and coords[-2].is_var("q", c.q_len)
+                and coords[-1].is_var("k", c.kv_len)):
+            raise Unsupported("the scores are read at other coordinates than they are computed at")
+        s = Diff(self.s_leaf)
+        ops = self.m.scores
+        if ops.bias is None:
+            return s
+        if ops.alpha != 1:
+            s = self._e_node(aten.mul.Tensor, (s, ops.alpha), {})
+        bias = self.value(ops.bias, _broadcast(coords, tuple(val(self.m.qk).shape), tuple(val(ops.bias).shape)))
+        if ops.beta != 1:
+            bias = self._pointwise_value(aten.mul.Tensor, (bias, ops.beta), {}, val(self.m.qk).dtype)
+        self._note_bias(bias)
+        return self._e_node(aten.add.Tensor, (s, bias), {})
+
+    def _arange(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
+        args = list(node.args)
+        start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+        text, uses = self.render(coords[0])
+        dtype = val(node).dtype
+        expr = f"({start} + {step} * {text})" if (start, step) != (0, 1) else text
+        target = held_dtype(dtype)
+        return Code(self.code.let(f"({expr}).to({TRITON_DTYPE[target]})"), dtype, uses)
+
+    def _triangle(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
+        x = self.value(node.args[0], coords)
+        if not isinstance(x, Code):
+            raise Unsupported("tril/triu of the scores")
+        diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
+        row, row_uses = self.render(coords[-2])
+        col, col_uses = self.render(coords[-1])
+        op = "<=" if packet(node) == aten.tril else ">="
+        keep = f"(({col}) - ({row}) {op} {diagonal})"
+        self.features.add("causal" if diagonal in (0, 1) else "window")
+        zero = literal(0, held_dtype(x.dtype))
+        expr = self.code.let(f"tl.where({keep}, {x.expr}, {zero})")
+        return Code(expr, x.dtype, x.uses | row_uses | col_uses)
+
+    def _gather(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        if packet(node) == aten.embedding:
+            table, indices = node.args[0], node.args[1]
+            index_rank = val(indices).dim()
+            index_coords, rest = coords[:index_rank], coords[index_rank:]
+        else:
+            table, index_list = node.args[0], node.args[1]
+            if len(index_list) != 1 or index_list[0] is None:
+                raise Unsupported("advanced indexing other than table[indices]")
+            indices = index_list[0]
+            index_rank = val(indices).dim()
+            index_coords, rest = coords[:index_rank], coords[index_rank:]
+        index = self.value(indices, _broadcast(index_coords, tuple(val(node).shape[:index_rank]),
+                                               tuple(val(indices).shape)))
+        if not isinstance(index, Code):
+            raise Unsupported("a gather whose indices depend on the scores")
+        strides = val(table).stride()
+        parts = [f"{index.expr} * {strides[0]}"]
+        uses = set(index.uses)
+        for c, stride in zip(rest, strides[1:]):
+            text, u = self.render(c)
+            parts.append(f"{text} * {stride}")
+            uses |= u
+        self.features.add("relative_bias")
+        return self._read(table, " + ".join(parts), frozenset(uses))
+
+    def _load(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        tensor = val(node)
+        if not all(isinstance(s, int) for s in tensor.stride()):
+            raise Unsupported("a score input with symbolic strides")
+        coords = _broadcast(coords, tuple(tensor.shape), tuple(tensor.shape))
+        parts, uses = [], set()
+        for c, stride, size in zip(coords, tensor.stride(), tensor.shape):
+            if size == 1:
+                continue
+            text, u = self.render(c)
+            parts.append(f"{text} * {stride}" if stride != 1 else text)
+            uses |= u
+        return self._read(node, " + ".join(parts) if parts else "0", frozenset(uses))
+
+    def _read(self, tensor: torch.fx.Node, offset: str, uses: frozenset[str]) -> Code | Diff:
+        index = self._aux_index(tensor)
+        t = val(tensor)
+        mask = self._bounds(uses)
+        if "q" in uses and "k" in uses:
+            self.features.add("bias")
+        if t.requires_grad:
+            leaf = self._placeholder("g", t.dtype, t.dim() == 0)
+            self.leaves[leaf] = GradLeaf(index, offset, mask, uses)
+            return Diff(leaf)
+        self.aux_loads_in_code.add(index)
+        load = f"tl.load(aux[{index}] + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
+        if held_dtype(t.dtype) != t.dtype:
+            load += f".to({TRITON_DTYPE[held_dtype(t.dtype)]})"
+        return Code(self.code.let(load), t.dtype, uses, t.dim() == 0)
+
+    def _aux_index(self, tensor: torch.fx.Node) -> int:
+        if tensor not in self.aux:
+            self.aux.append(tensor)
+        return self.aux.index(tensor)
+
+    def _pointwise(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        shape = tuple(val(node).shape)
+
+        def arg_value(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return self.value(a, _broadcast(coords, shape, tuple(val(a).shape)))
+            if isinstance(a, (list, tuple)):
+                return type(a)(arg_value(x) for x in a)
+            return a
+
+        args = tuple(arg_value(a) for a in node.args)
+        kwargs = {k: arg_value(v) for k, v in node.kwargs.items()}
+        result = self._pointwise_value(node.target, args, kwargs, val(node).dtype, val(node).dim() == 0)
+        if isinstance(result, Code) and packet(node) in (aten.where, aten.masked_fill):
+            result = Code(result.expr, result.dtype, result.uses, result.zero_dim, _mask_of(node, args))
+        return result
+
+    def _pointwise_value(self, target: Any, args: tuple, kwargs: dict, dtype: torch.dtype,
+                         zero_dim: bool = False) -> Code | Diff:
+        flat = list(args) + list(kwargs.values())
+        if any(isinstance(a, Diff) for a in flat):
+            self._note_op(target, args)
+            return self._e_node(target, args, kwargs)
+
+        def operand(a: Any) -> Any:
+            if isinstance(a, Code):
+                return Operand(a.expr, a.dtype, a.zero_dim)
+            if isinstance(a, (list, tuple)):
+                return type(a)(operand(x) for x in a)
+            return a
+
+        uses = frozenset().union(*[a.uses for a in flat if isinstance(a, Code)])
+        self._note_comparison(target, args)
+        result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()}, dtype,
+                           round_casts=False)
+        return Code(self.code.let(result.expr), dtype, uses, zero_dim)
+
+    # ---------------------------------------------------------------------------------- features
+
+    def _note_comparison(self, target: Any, args: tuple) -> None:
+        codes = [a for a in args if isinstance(a, Code)]
+        uses = frozenset().union(*[c.uses for c in codes]) if codes else frozenset()
+        if packet(target) in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
+            self.features.add("causal_or_window")
+        if packet(target) == aten.eq and {"q", "k"} <= uses:
+            self.features.add("document")
+        if packet(target) in (aten.masked_fill, aten.where) and codes and codes[0].uses == {"b", "k"}:
+            self.features.add("padding_mask")
+
+    def _note_op(self, target: Any, args: tuple) -> None:
+        if packet(target) == aten.tanh:
+            self.features.add("softcap")
+        if packet(target) in (aten.masked_fill, aten.where):
+            condition = args[1] if packet(target) == aten.masked_fill else args[0]
+            if isinstance(condition, Code):
+                if condition.uses == {"b", "k"}:
+                    self.features.add("padding_mask")
+                if {"q", "k"} <= condition.uses:
+                    self.features.add("causal_or_window")
+        for a in args:
+            if isinstance(a, Code) and a.mask is not None and a.uses == {"b", "k"}:
+                self.features.add("padding_mask")
+            elif isinstance(a, Code) and a.mask is not None and {"q", "k"} <= a.uses:
+                self.features.add("causal_or_window")
+            elif isinstance(a, Code) and "h" in a.uses and "k" in a.uses and a.mask is None:
+                self.features.add("alibi")
+
+    def _note_bias(self, bias: Any) -> None:
+        if isinstance(bias, Code) and "h" in bias.uses and "k" in bias.uses:
+            self.features.add("alibi")
+
+    # ---------------------------------------------------------------------------------- output
+
+    def lift(self) -> Lifted:
+        root = self.m.softmax.args[0]
+        final = self.value(root, self.root_coords(root))
+        if not isinstance(final, Diff):
+            raise Unsupported("the softmax input does not depend on the scores")
+        self.graph.output(final.node)
+        keep, fill_value, score_graph, fill_graph = self._split_mask()
+        functions: dict[str, str] = {}
+        prelude = list(self.code.lines)
+        chunks = []
+        chunks.append(self._score_function(f"{self.name}_score", score_graph, prelude))
+        chunks.append(self._grad_function(f"{self.name}_score_grad", score_graph, prelude))
+        functions["score"], functions["score_grad"] = f"{self.name}_score", f"{self.name}_score_grad"
+        fill_bound = -math.inf
+        keep_uses: frozenset[str] = frozenset()
+        keep_reads_aux = False
+        if keep is not None:
+            keep_expr, keep_uses, keep_reads_aux = keep
+            chunks.append(_function(f"{self.name}_keep", "b, h, q_idx, kv_idx, aux", prelude,
+                                    f"return {keep_expr}"))
+            chunks.append(self._score_function(f"{self.name}_fill", fill_graph, prelude))
+            chunks.append(self._grad_function(f"{self.name}_fill_grad", fill_graph, prelude))
+            functions.update(keep=f"{self.name}_keep", fill=f"{self.name}_fill",
+                             fill_grad=f"{self.name}_fill_grad")
+            fill_bound = fill_value
+        features = self._features()
+        return Lifted(source="\n\n".join(chunks), functions=functions, aux=self.aux,
+                      aux_needs_grad=[bool(val(a).requires_grad) for a in self.aux], fill_bound=fill_bound,
+                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, features=features)
+
+    def _features(self) -> list[str]:
+        features = set(self.features)
+        if "causal_or_window" in features:
+            features.discard("causal_or_window")
+            features.add("mask")
+        return sorted(features)
+
+    def _split_mask(self):
+        """(keep, fill bound, score graph, fill graph): the outermost masks of the chain split off."""
+        out = self.graph.output_node() if hasattr(self.graph, "output_node") else list(self.graph.nodes)[-1]
+        top = out.args[0]
+        node, casts = top, []
+        while node.op == "call_function" and packet(node) in (aten.to, aten._to_copy) and len(node.users) == 1:
+            casts.append(node)
+            node = node.args[0]
+        masks = []
+        while True:
+            found = self._mask_at(node)
+            if found is None:
+                break
+            masks.append(found)
+            inner = found[2]
+            if len(inner.users) != 1 or inner.op != "call_function":
+                break
+            node = inner
+        fills = {repr(m[1]) for m in masks}
+        if not masks or len(fills) != 1:
+            return None, None, self._module(), None
+        fill = masks[0][1]
+        additive = any(m[3] for m in masks)
+        if isinstance(fill, float) and math.isnan(fill) or fill > -1e4:
+            return None, None, self._module(), None
+        if additive and not (fill == -math.inf or fill <= -1e30):
+            return None, None, self._module(), None
+        bound = fill if not additive or fill == -math.inf else fill / 2
+        keep_expr = " & ".join(f"({m[0]})" for m in masks)
+        keep_uses = frozenset().union(*[m[4] for m in masks])
+        reads_aux = any("aux[" in line for line in self.code.lines)  # conservative: any tensor read
+        inner = masks[-1][2]
+        score = self._module(replace={masks[0][5]: inner})
+        fill_replacement = self._fill_graph(inner, fill, additive)
+        fill_module = self._module(replace={masks[0][5]: fill_replacement})
+        return (keep_expr, keep_uses, reads_aux), bound, score, fill_module
+
+    def _mask_at(self, node: torch.fx.Node):
+        """``(keep, fill, inner, additive, uses, node)`` if ``node`` masks ``inner`` with a constant."""
+        if node.op != "call_function":
+            return None
+        kind = packet(node)
+        if kind == aten.masked_fill and isinstance(node.args[2], (int, float)):
+            condition = self.leaves.get(node.args[1])
+            if isinstance(condition, Code) and isinstance(node.args[0], torch.fx.Node):
+                return (f"~{condition.expr}", float(node.args[2]), node.args[0], False, condition.uses, node)
+        if kind == aten.where:
+            condition = self.leaves.get(node.args[0])
+            a, b = node.args[1], node.args[2]
+            if isinstance(condition, Code):
+                if isinstance(a, torch.fx.Node) and isinstance(b, (int, float)):
+                    return (condition.expr, float(b), a, False, condition.uses, node)
+                if isinstance(b, torch.fx.Node) and isinstance(a, (int, float)):
+                    return (f"~{condition.expr}", float(a), b, False, condition.uses, node)
+        if kind == aten.add and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
+            for x, y in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+                mask = self.leaves.get(y) if isinstance(y, torch.fx.Node) else None
+                if isinstance(mask, Code) and mask.mask is not None and isinstance(x, torch.fx.Node):
+                    keep, fill = mask.mask
+                    return (keep, float(fill), x, True, mask.uses, node)
+        return None
+
+    def _fill_graph(self, inner: torch.fx.Node, fill: float, additive: bool) -> Any:
+        return ("add", inner, fill) if additive else ("constant", fill)
+
+    def _module(self, replace: dict | None = None) -> torch.fx.GraphModule:
+        """E as a module, with a node replaced by another node or by ``("constant", v)`` or
+        ``("add", node, v)``."""
+        graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, Any] = {}
+        replace = replace or {}
+        for node in self.graph.nodes:
+            if node in replace:
+                how = replace[node]
+                if isinstance(how, torch.fx.Node):
+                    env[node] = env[how]
+                elif how[0] == "constant":
+                    env[node] = graph.call_function(aten.full_like.default, (env[self.s_leaf], how[1]),
+                                                    {"dtype": node.meta["val"].dtype})
+                    env[node].meta["val"] = node.meta["val"]
+                else:
+                    env[node] = graph.call_function(aten.add.Tensor, (env[how[1]], how[2]))
+                    env[node].meta["val"] = node.meta["val"]
+                continue
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        graph.eliminate_dead_code()
+        module = torch.fx.GraphModule({}, graph)
+        module.meta["leaves"] = [n.name for n in graph.nodes if n.op == "placeholder"]
+        return module
+
+    # ---------------------------------------------------------------------------------- code
+
+    def _bind_leaves(self, module: torch.fx.GraphModule, lines: list[str]) -> dict[str, Operand]:
+        """Operands for E's placeholders: s, index values, and tensor elements loaded for a gradient."""
+        by_name = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+        env = {}
+        for node in module.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            leaf = by_name.get(node.name)
+            binding = self.leaves.get(leaf) if leaf is not None else None
+            dtype = node.meta["val"].dtype
+            zero_dim = node.meta["val"].dim() == 0
+            if leaf is self.s_leaf:
+                env[node.name] = Operand("s", dtype)
+            elif isinstance(binding, Code):
+                env[node.name] = Operand(binding.expr, binding.dtype, binding.zero_dim)
+            elif isinstance(binding, GradLeaf):
+                t = val(self.aux[binding.aux])
+                load = f"tl.load(aux[{binding.aux}] + {binding.offset}" + (
+                    f", mask={binding.mask}, other=0)" if binding.mask else ")")
+                if held_dtype(t.dtype) != t.dtype:
+                    load += f".to({TRITON_DTYPE[held_dtype(t.dtype)]})"
+                lines.append(f"{node.name} = {load}")
+                env[node.name] = Operand(node.name, dtype, zero_dim)
+        return env
+
+    def _score_function(self, name: str, module: torch.fx.GraphModule, prelude: list[str]) -> str:
+        lines = list(prelude)
+        env = self._bind_leaves(module, lines)
+        result = _emit_graph(module, env, lines, "e")[0]
+        return _function(name, "s, b, h, q_idx, kv_idx, aux", lines,
+                         f"return ({result.expr} + tl.zeros_like(s)).to(tl.float32)")
+
+    def _grad_function(self, name: str, module: torch.fx.GraphModule, prelude: list[str]) -> str:
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        by_name = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+        differentiable = [i for i, n in enumerate(placeholders)
+                          if by_name.get(n.name) is self.s_leaf or isinstance(self.leaves.get(by_name.get(n.name)),
+                                                                               GradLeaf)]
+        backward = _vjp_graph(module, differentiable)
+        lines = list(prelude)
+        env = self._bind_leaves(module, lines)
+        env_backward = {}
+        backward_placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
+        for n, p in zip(backward_placeholders, placeholders + [None]):
+            env_backward[n.name] = env[p.name] if p is not None else Operand("ds", torch.float32)
+        grads = _emit_graph(backward, env_backward, lines, "d")
+        result = "tl.zeros_like(s)"
+        for i, grad in zip(differentiable, grads):
+            leaf = by_name.get(placeholders[i].name)
+            if grad is None:
+                continue
+            if leaf is self.s_leaf:
+                result = f"({grad.expr} + tl.zeros_like(s)).to(tl.float32)"
+            else:
+                lines += _accumulate(self.leaves[leaf], grad.expr)
+        return _function(name, "s, ds, b, h, q_idx, kv_idx, aux, aux_grad", lines, f"return {result}")
+
+
+def _accumulate(leaf: GradLeaf, grad: str) -> list[str]:
+    """Add a gradient tile into the aux tensor's gradient, summing first over the axes it is broadcast on."""
+    full = f"({grad} + tl.zeros_like(s)).to(tl.float32)"
+    if "q" not in leaf.uses and "k" not in leaf.uses:
+        return [f"tl.atomic_add(aux_grad[{leaf.aux}] + {leaf.offset}, tl.sum({full}))"]
+    if "q" not in leaf.uses:
+        return [f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), tl.sum({full}, 0)[None, :], "
+                f"mask={leaf.mask})"]
+    if "k" not in leaf.uses:
+        return [f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), tl.sum({full}, 1)[:, None], "
+                f"mask={leaf.mask})"]
+    return [f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), {full}, mask={leaf.mask})"]
+
+
+def _vjp_graph(module: torch.fx.GraphModule, differentiable: list[int]) -> torch.fx.GraphModule:
+    """E's vector-Jacobian product as a graph of pointwise ATen ops, traced by torch's autograd:
+    inputs are E's inputs and the output's gradient, outputs the gradients of ``differentiable``."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    # Small real tensors to trace with: make_fx fakes them itself.
+    inputs = [torch.ones(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype) for n in placeholders]
+    out_val = [n for n in module.graph.nodes if n.op == "output"][0].args[0].meta["val"]
+    ds = torch.ones(tuple(out_val.shape), dtype=out_val.dtype)
+
+    def vjp(*args):
+        xs = list(args[:-1])
+        for i in differentiable:
+            xs[i] = xs[i].detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = module(*xs)
+            if not out.requires_grad:  # a constant (a mask's fill): no gradient flows
+                return tuple(torch.zeros_like(xs[i]) for i in differentiable)
+            grads = torch.autograd.grad(out, [xs[i] for i in differentiable], args[-1], allow_unused=True)
+        return tuple(g if g is not None else torch.zeros_like(xs[i]) for g, i in zip(grads, differentiable))
+
+    return make_fx(vjp, tracing_mode="fake")(*inputs, ds)
+
+
+def _emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: list[str], prefix: str
+                ) -> list[Operand | None]:
+    """Translate a graph of pointwise ops; returns its outputs as operands."""
+    values: dict[torch.fx.Node, Any] = {}
+    count = 0
+    for node in module.graph.nodes:
+        if node.op == "placeholder":
+            values[node] = env[node.name]
+        elif node.op == "call_function":
+            def resolve(a):
+                if isinstance(a, torch.fx.Node):
+                    return values[a]
+                if isinstance(a, (list, tuple)):
+                    return type(a)(resolve(x) for x in a)
+                return a
+
+            target = node.target
+            if packet(node) in (aten.detach, aten.alias, aten.view, aten.expand, aten.clone, aten._to_copy) and \
+                    node.meta["val"].dtype == resolve(node.args[0]).dtype:
+                values[node] = resolve(node.args[0])
+                continue
+            if packet(node) in (aten.full_like, aten.zeros_like, aten.ones_like, aten.full, aten.zeros, aten.ones,
+                                aten.scalar_tensor):
+                value = constant_value(packet(node), node.args, node.kwargs)
+                values[node] = Operand(literal(value, held_dtype(node.meta["val"].dtype)), node.meta["val"].dtype)
+                continue
+            result = translate(target, resolve(node.args), {k: resolve(v) for k, v in node.kwargs.items()},
+                               node.meta["val"].dtype, round_casts=False)
+            name = f"{prefix}{count}"
+            count += 1
+            lines.append(f"{name} = {result.expr}")
+            values[node] = Operand(name, result.dtype, node.meta["val"].dim() == 0)
+        elif node.op == "output":
+            outs = node.args[0]
+            outs = outs if isinstance(outs, (list, tuple)) else (outs,)
+            return [values[o] if isinstance(o, torch.fx.Node) else None for o in outs]
+    raise AssertionError("graph without output")
+
+
+def _function(name: str, params: str, lines: list[str], ret: str) -> str:
+    body = "\n".join(f"    {line}" for line in lines + [ret])
+    return f"@triton.jit\ndef {name}({params}):\n{body}\n"
+
+
+def _coef(name: str, coef: int) -> str:
+    return name if coef == 1 else f"{coef} * {name}"
+
+
+def _broadcast(coords: tuple[Idx, ...], shape: tuple, arg_shape: tuple) -> tuple[Idx, ...]:
+    offset = len(shape) - len(arg_shape)
+    return tuple(Idx.constant(0) if (size == 1 and shape[i + offset] != 1) else coords[i + offset]
+                 for i, size in enumerate(arg_shape))
+
+
+def _mask_of(node: torch.fx.Node, args: tuple) -> tuple[str, Any] | None:
+    """``(keep, fill)`` when ``node`` is ``where(keep, 0, fill)`` or ``masked_fill(zeros, ~keep, fill)``:
+    a mask meant to be added to the scores."""
+    kind = packet(node)
+    if kind == aten.where and isinstance(args[0], Code):
+        a, b = args[1], args[2]
+        if _is_zero(a) and isinstance(b, (int, float)):
+            return args[0].expr, b
+        if _is_zero(b) and isinstance(a, (int, float)):
+            return f"~{args[0].expr}", a
+    if kind == aten.masked_fill and isinstance(args[1], Code) and _is_zero(args[0]) and \
+            isinstance(args[2], (int, float)):
+        return f"~{args[1].expr}", args[2]
+    return None
+
+
+def _is_zero(a: Any) -> bool:
+    if isinstance(a, (int, float)):
+        return a == 0
+    return isinstance(a, Code) and a.expr in ("0", "0.0", "False")
+
+
+def _view_coords(node: torch.fx.Node, coords: tuple[Idx, ...]) -> tuple[Idx, ...]:
+    """The coordinates of a view's input, given those its output is read at."""
+    kind = packet(node)
+    source = node.args[0]
+    in_shape, out_shape = tuple(val(source).shape), tuple(val(node).shape)
+    ndim = len(in_shape)
+    if kind in (aten.alias, aten.clone, aten.contiguous, aten.detach, aten.lift_fresh_copy):
+        return coords
+    if kind == aten.expand:
+        return _broadcast(coords, out_shape, in_shape)
+    if kind in (aten.permute, aten.transpose, aten.t):
+        if kind == aten.permute:
+            order = [d % ndim for d in node.args[1]]
+        elif kind == aten.transpose:
+            order = list(range(ndim))
+            a, b = node.args[1] % ndim, node.args[2] % ndim
+            order[a], order[b] = order[b], order[a]
+        else:
+            order = list(range(ndim))[::-1]
+        result = [None] * ndim
+        for j, i in enumerate(order):
+            result[i] = coords[j]
+        return tuple(result)
+    if kind == aten.slice:
+        dim = (node.args[1] if len(node.args) > 1 else 0) % ndim
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        step = node.args[4] if len(node.args) > 4 else 1
+        if start < 0:
+            start += in_shape[dim]
+        start = min(max(start, 0), in_shape[dim])
+        return coords[:dim] + (coords[dim].scaled(step, start),) + coords[dim + 1:]
+    if kind == aten.select:
+        dim = node.args[1] % ndim
+        index = node.args[2] % in_shape[dim]
+        return coords[:dim] + (Idx.constant(index),) + coords[dim:]
+    if not (all(isinstance(s, int) for s in in_shape) and all(isinstance(s, int) for s in out_shape)):
+        raise Unsupported("a view with symbolic sizes in the score chain")
+    return _reshape_coords(coords, out_shape, in_shape)
+
+
+def _reshape_coords(coords: tuple[Idx, ...], out_shape: tuple[int, ...], in_shape: tuple[int, ...]
+                    ) -> tuple[Idx, ...]:
+    """view, reshape, unsqueeze, squeeze, flatten, unflatten keep row-major order: match the input and
+    output dims in groups of equal size and, within each, merge the output coordinates and split them
+    over the input dims (size-1 dims carry coordinate 0 and are set aside)."""
+    out_dims = [j for j, s in enumerate(out_shape) if s != 1]
+    in_dims = [i for i, s in enumerate(in_shape) if s != 1]
+    result = [Idx.constant(0)] * len(in_shape)
+    i = j = 0
+    while i < len(in_dims) or j < len(out_dims):
+        group_in, group_out = [in_dims[i]], [out_dims[j]]
+        i, j = i + 1, j + 1
+        size_in, size_out = in_shape[group_in[0]], out_shape[group_out[0]]
+        while size_in != size_out:
+            if size_in < size_out:
+                group_in.append(in_dims[i])
+                size_in *= in_shape[in_dims[i]]
+                i += 1
+            else:
+                group_out.append(out_dims[j])
+                size_out *= out_shape[out_dims[j]]
+                j += 1
+        flat = merge(tuple(coords[d] for d in group_out), tuple(out_shape[d] for d in group_out))
+        for d, part in zip(group_in, flat.split(tuple(in_shape[d] for d in group_in))):
+            result[d] = part
+    return tuple(result)
