@@ -7,6 +7,8 @@ Three kernels, no atomics for dQ / dK / dV:
    q blocks the block map lists for its kv block, accumulating dK and dV in registers;
 3. dQ: one program per (batch, query head, q block) walks the kv blocks of its q block.
 
+dO may come in `out`'s dtype; the dots read it in the inputs' dtype.
+
 Both recompute the weights p = exp(x - m - log_sum) from the forward's lse and log_sum (m = lse - log_sum,
 see FlashForwardExtra), then ds = p · (dp - delta) with dp = dO · Vᵀ, and push ds through the score chain
 with `score_grad` (and `fill_grad` on PARTIAL tiles). Aux-tensor gradients accumulate in the dK/dV kernel
@@ -28,7 +30,7 @@ from fusepass.attention.blockmap import (
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import backward_config, head_block
 from fusepass.kernels.flash_fwd import (
-    LOG2E, FlashForwardExtra, check_attention_inputs, dropout_kept, load_rows, masked_scores, store_rows)
+    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, masked_scores, store_rows)
 
 
 @triton.jit
@@ -83,7 +85,7 @@ def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, 
 
     `visit` (a scalar) zeroes both for a tile that must not count (see the dK/dV fallback loop)."""
     q_idx = tl.minimum(rows, Nq - 1)[:, None]
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    s = dot(q, tl.trans(k))
     if PARTIAL:
         kv_in = (cols < Nk)[None, :]
         kv_idx = tl.minimum(cols, Nk - 1)[None, :]
@@ -95,7 +97,7 @@ def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, 
         x = SCORE(s, b, h, q_idx, kv_idx, aux)
     p = tl.math.exp2((x - shift[:, None]) * LOG2E - log2_sum[:, None])
     p = tl.where(visit, p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+    dp = dot(do, tl.trans(v))
     if DROPOUT:
         kept_weights = dropout_kept(seed, dropout_p, (bh * Nq + rows) * Nk, cols)
         keep_scale = 1.0 / (1.0 - dropout_p)
@@ -117,13 +119,13 @@ def _dkdv_tile(dk, dv, k, v, q_block, visit, Q_bh, DO_bh, q_strides, do_strides,
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
-    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True)
+    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True).to(q.dtype)
     shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
     p, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux,
                               aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL,
                               DROPOUT)
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision="ieee")
-    dk += tl.dot(tl.trans(grad.to(q.dtype)), q, input_precision="ieee")
+    dv += dot(tl.trans(p.to(do.dtype)), do)
+    dk += dot(tl.trans(grad.to(q.dtype)), q)
     return dk, dv
 
 
@@ -210,7 +212,7 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides,
     v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, PARTIAL)
     _, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, True, b, h, bh, rows, cols, Nq, Nk, aux, None,
                               seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT)
-    return dq + tl.dot(grad.to(k.dtype), k, input_precision="ieee")
+    return dq + dot(grad.to(k.dtype), k)
 
 
 @triton.jit
@@ -235,7 +237,7 @@ def _flash_backward_dq_kernel(
     K_bh = K + b.to(tl.int64) * k_strides[0] + (h // group).to(tl.int64) * k_strides[1]
     V_bh = V + b.to(tl.int64) * v_strides[0] + (h // group).to(tl.int64) * v_strides[1]
     q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
-    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True)
+    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True).to(q.dtype)
     shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
 
     if KEEP is None:
@@ -319,7 +321,8 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     n_q_blocks, n_kv_blocks = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
 
-    delta = torch.empty_like(lse)
+    lse, log_sum = lse.contiguous(), extra.log_sum.contiguous()
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     _delta_kernel[(n_q_blocks, q_heads, batch)](out, do, delta, out.stride(), do.stride(), q_len,
                                                 HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, **launch)
 
@@ -334,7 +337,6 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     scores = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
                   FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, BLOCK_M=block_m,
                   BLOCK_N=block_n, BLOCK_D=block_d)
-    lse, log_sum = lse.contiguous(), extra.log_sum.contiguous()
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)

@@ -15,6 +15,7 @@ The jit helpers at the top are shared with the backward kernels (flash_bwd.py), 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,18 @@ from fusepass.kernels.flash_config import forward_config, head_block
 LOG2E = tl.constexpr(1.4426950408889634)
 # A skipped (masked-out) tile is exact only if exp(FILL - row max) vanishes next to the row's kept weights.
 SKIP_MARGIN = tl.constexpr(-60.0)
+# Triton's interpreter keeps bf16 as uint16 and its tl.dot multiplies the bit patterns
+# (triton-lang/triton#11584), so interpreted bf16 dots run in fp32. Compiled kernels never take that branch.
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def dot(a, b):
+    """a @ b accumulated in fp32; fp32 operands in full precision (no TF32) so results match eager fp32."""
+    if INTERPRETED and a.dtype == tl.bfloat16:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -82,7 +95,7 @@ def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
     offs_d = tl.arange(0, BLOCK_D)
     k = load_rows(K_bh, cols, Nk, k_strides[2], offs_d, k_strides[3], HEAD_DIM, PARTIAL)
     v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, PARTIAL)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    s = dot(q, tl.trans(k))
     if PARTIAL:
         x, _ = masked_scores(s, b, h, q_idx, tl.minimum(cols, Nk - 1)[None, :], (cols < Nk)[None, :], aux,
                              SCORE, KEEP, FILL)
@@ -97,7 +110,7 @@ def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
     l = l * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows, cols), p, 0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
     return acc, m_new, l
 
 

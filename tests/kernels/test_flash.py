@@ -2,10 +2,12 @@
 
 Each case pairs hand-written `@triton.jit` score functions (what the attention pass would generate) with
 the same math in torch. Shapes are deliberately not multiples of the 16 × 16 interpreter tiles. Under
-Triton's interpreter the cost is per program and per op, so batch × heads stays small.
+Triton's interpreter the cost is per program and per op, so batch × heads stays small. With a GPU present
+the same tests run the compiled kernels (at the GPU tile sizes).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ from typing import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -21,8 +24,12 @@ from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_fwd import flash_attention_forward
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32_MIN = float(torch.finfo(torch.float32).min)
-WINDOW = 8
+# Constants the score functions read (jit functions see only tl.constexpr globals).
+F32_MIN_FILL = tl.constexpr(F32_MIN)
+WINDOW = tl.constexpr(8)
+PENALTY = tl.constexpr(2.0)
 
 
 @pytest.fixture(autouse=True)
@@ -68,12 +75,18 @@ def fill_neg_inf(s, b, h, q_idx, kv_idx, aux):
 
 @triton.jit
 def fill_f32_min(s, b, h, q_idx, kv_idx, aux):
-    return tl.full(s.shape, F32_MIN, tl.float32)
+    return tl.full(s.shape, F32_MIN_FILL, tl.float32)
 
 
 @triton.jit
 def constant_fill_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
     return tl.zeros(ds.shape, tl.float32)
+
+
+@triton.jit
+def penalised(s, b, h, q_idx, kv_idx, aux):
+    # A soft mask: masked-out scores are lowered, not removed (FILL reads s, so it has a gradient).
+    return s * aux[0] - PENALTY
 
 
 @triton.jit
@@ -152,14 +165,14 @@ def scale_only(shape: Shape) -> Inputs:
 def left_padding(shape: Shape) -> Inputs:
     # Batch b's keys before pads[b] are padding, so (causal) its query rows before pads[b] keep no key.
     pads = torch.tensor([5, 20])[: shape.batch]
-    key_valid = torch.arange(shape.kv_len)[None, :] >= pads[:, None]
+    key_valid = (torch.arange(shape.kv_len)[None, :] >= pads[:, None]).to(DEVICE)
     mask = key_valid.to(torch.int8)
     scale = shape.head_dim ** -0.5
     return Inputs(aux=(scale, mask, mask.stride(0)), ref=dict(scale=scale, key_valid=key_valid))
 
 
 def alibi_slopes(shape: Shape) -> Inputs:
-    slopes = 2.0 ** (-8.0 * torch.arange(1, shape.q_heads + 1) / shape.q_heads)
+    slopes = 2.0 ** (-8.0 * torch.arange(1, shape.q_heads + 1, device=DEVICE) / shape.q_heads)
     scale = shape.head_dim ** -0.5
     return Inputs(aux=(scale, slopes), ref=dict(scale=scale, slopes=slopes.double()))
 
@@ -173,7 +186,7 @@ def softcap_inputs(shape: Shape) -> Inputs:
 
 
 def learnable_bias(shape: Shape) -> Inputs:
-    bias = torch.randn(shape.batch, shape.q_heads, shape.q_len, shape.kv_len)
+    bias = torch.randn(shape.batch, shape.q_heads, shape.q_len, shape.kv_len).to(DEVICE)
     scale = shape.head_dim ** -0.5
     return Inputs(aux=(scale, bias, *bias.stride()), aux_grad=(torch.zeros_like(bias),),
                   ref=dict(scale=scale, bias=bias.double().requires_grad_()))
@@ -185,6 +198,11 @@ def masked(name, keep, fill, score=scaled, score_grad=scaled_grad, **flags) -> S
                     fill_bound=fill, **flags)
 
 
+# A fill with no upper bound: no tile may be skipped, every row takes the all-tiles fallback.
+SOFT_CAUSAL = ScoreMod("t_causal", scaled, scaled_grad, keep=causal, fill=penalised, fill_grad=scaled_grad,
+                       fill_bound=math.inf)
+
+
 def where(keep, scores, fill):
     return torch.where(keep, scores, torch.tensor(fill, dtype=torch.float64))
 
@@ -194,7 +212,7 @@ def is_causal(i):
 
 
 def in_window(i):
-    return (i.kv <= i.q) & (i.kv > i.q - WINDOW)
+    return (i.kv <= i.q) & (i.kv > i.q - WINDOW.value)
 
 
 def left_padded(i, r):
@@ -207,7 +225,11 @@ CASES = {
                        lambda s, i, r: where(is_causal(i), s * r["scale"], -math.inf), scale_only),
     "causal_min": Case(masked("t_causal", causal, F32_MIN),
                        lambda s, i, r: where(is_causal(i), s * r["scale"], F32_MIN), scale_only),
-    "window_min": Case(masked("t_window", sliding_window, F32_MIN),
+    "causal_soft": Case(SOFT_CAUSAL,
+                        lambda s, i, r: torch.where(is_causal(i), s * r["scale"], s * r["scale"] - PENALTY.value),
+                        scale_only),
+    # keep_uses_head gives the map a head axis (the window is the same for every head): exercises its indexing.
+    "window_min": Case(masked("t_window", sliding_window, F32_MIN, keep_uses_head=True),
                        lambda s, i, r: where(in_window(i), s * r["scale"], F32_MIN), scale_only),
     "alibi_causal": Case(masked("t_alibi", causal, -math.inf, score=alibi),
                          lambda s, i, r: where(is_causal(i), s * r["scale"] + r["slopes"][i.h] * (i.kv - i.q),
@@ -232,15 +254,16 @@ def make_qkv(shape: Shape, dtype: torch.dtype, layout: str = "bhnd"):
     """q, k, v, do; layout "bnhd" gives [B, H, N, D] views of [B, N, H, D] storage."""
     def make(heads, length):
         if layout == "bnhd":
-            return torch.randn(shape.batch, length, heads, shape.head_dim).to(dtype).transpose(1, 2)
-        return torch.randn(shape.batch, heads, length, shape.head_dim).to(dtype)
+            return torch.randn(shape.batch, length, heads, shape.head_dim).to(DEVICE, dtype).transpose(1, 2)
+        return torch.randn(shape.batch, heads, length, shape.head_dim).to(DEVICE, dtype)
     return (make(shape.q_heads, shape.q_len), make(shape.kv_heads, shape.kv_len),
             make(shape.kv_heads, shape.kv_len), make(shape.q_heads, shape.q_len))
 
 
 def positions(batch, heads, q_len, kv_len) -> Index:
-    return Index(torch.arange(batch).view(-1, 1, 1, 1), torch.arange(heads).view(1, -1, 1, 1),
-                 torch.arange(q_len).view(-1, 1), torch.arange(kv_len).view(1, -1))
+    def arange(n, *view):
+        return torch.arange(n, device=DEVICE).view(*view)
+    return Index(arange(batch, -1, 1, 1, 1), arange(heads, 1, -1, 1, 1), arange(q_len, -1, 1), arange(kv_len, 1, -1))
 
 
 def reference(case: Case, ref: dict, q, k, v, do, dropout_kept=None, dropout_p=0.0) -> dict:
@@ -258,15 +281,19 @@ def reference(case: Case, ref: dict, q, k, v, do, dropout_kept=None, dropout_p=0
     return dict(out=out, lse=torch.logsumexp(final, -1), dq=q.grad, dk=k.grad, dv=v.grad)
 
 
-def run_flash(case: Case, inputs: Inputs, q, k, v, do, **dropout) -> dict:
-    out, lse, extra = flash_attention_forward(q, k, v, case.mod, inputs.aux, out_dtype=q.dtype, **dropout)
+def run_flash(case: Case, inputs: Inputs, q, k, v, do, forward_map=None, **dropout) -> dict:
+    out, lse, extra = flash_attention_forward(q, k, v, case.mod, inputs.aux, block_map=forward_map,
+                                              out_dtype=q.dtype, **dropout)
     dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, extra, case.mod, inputs.aux, inputs.aux_grad,
                                           **dropout)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, extra=extra)
 
 
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # relative and absolute
+
+
 def assert_matches(got: dict, expected: dict, dtype: torch.dtype):
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = TOLERANCE[dtype]
     for name in ("out", "lse", "dq", "dk", "dv"):
         torch.testing.assert_close(got[name].double(), expected[name].detach(), rtol=tol, atol=tol,
                                    equal_nan=True, msg=lambda m: f"{name}: {m}")
@@ -282,12 +309,12 @@ MATRIX = [
     ("plain", bf16, Shape(1, 2, 1, 37, 29, 100), "bnhd"),  # MQA, head dim padded to 128, strided views
     ("causal_inf", f32, Shape(1, 2, 2, 45, 45, 80), "bnhd"),
     ("causal_min", f16, Shape(1, 4, 2, 37, 53, 24), "bhnd"),
+    ("causal_min", f32, Shape(1, 2, 2, 5, 20, 16), "bhnd"),  # fewer queries than one tile, smallest head dim
+    ("causal_soft", f32, Shape(1, 2, 1, 37, 53, 24), "bhnd"),
     ("window_min", f32, Shape(1, 2, 1, 53, 53, 24), "bhnd"),
     ("alibi_causal", bf16, Shape(1, 4, 2, 37, 37, 24), "bhnd"),
     ("softcap", f32, Shape(1, 2, 2, 37, 53, 24), "bhnd"),
     ("bias_grad", f32, Shape(2, 2, 1, 37, 53, 24), "bhnd"),
-    ("left_pad_min", f32, Shape(2, 2, 1, 37, 37, 24), "bhnd"),
-    ("left_pad_inf", f32, Shape(2, 2, 1, 37, 37, 24), "bhnd"),
 ]
 
 
@@ -305,20 +332,105 @@ def test_matches_reference(name, dtype, shape, layout):
         torch.testing.assert_close(inputs.aux_grad[0].double(), inputs.ref["bias"].grad, rtol=1e-5, atol=1e-5)
 
 
-def test_fully_masked_rows():
-    """Rows keeping no key: finfo.min fills average V uniformly (as eager), -inf fills give NaN; the forward
-    flags exactly those rows for the all-tiles fallback."""
+@pytest.mark.parametrize("name, forward_block_m", [("left_pad_min", None), ("left_pad_inf", None),
+                                                   ("left_pad_min", 32)])
+def test_fully_masked_rows(name, forward_block_m):
+    """Rows keeping no key (left padding under a causal mask) are recomputed over all tiles, forward and
+    backward: finfo.min fills average V uniformly, -inf fills give NaN, both exactly as eager. With
+    `forward_block_m` the forward runs on taller tiles than the backward, which then maps the forward's
+    fallback rows onto its own q blocks."""
     torch.manual_seed(0)
     shape = Shape(2, 2, 1, 37, 37, 24)
+    case = CASES[name]
+    inputs = case.make_inputs(shape)
     q, k, v, do = make_qkv(shape, f32)
-    inputs = left_padding(shape)
+    forward_map = None if forward_block_m is None else build_block_map(
+        case.mod, inputs.aux, shape.batch, shape.q_heads, shape.q_len, shape.kv_len, forward_block_m, 16, DEVICE)
+    got = run_flash(case, inputs, q, k, v, do, forward_map=forward_map)
+    assert_matches(got, reference(case, inputs.ref, q, k, v, do), f32)
+
     fully_masked = ~inputs.ref["key_valid"][:, None, :shape.q_len].expand(-1, shape.q_heads, -1)
+    assert torch.equal(got["extra"].fallback_rows.bool(), fully_masked)
+    if case.mod.fill_bound == F32_MIN:
+        uniform = v.mean(2, keepdim=True).expand(-1, shape.q_heads, shape.q_len, -1)
+        torch.testing.assert_close(got["out"][fully_masked], uniform[fully_masked], rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(got["out"].isnan().all(-1), fully_masked)
+        assert not got["out"][~fully_masked].isnan().any()
 
-    got_min = run_flash(CASES["left_pad_min"], inputs, q, k, v, do)
-    uniform = v.mean(2, keepdim=True).repeat_interleave(2, 1).expand(-1, -1, shape.q_len, -1)
-    torch.testing.assert_close(got_min["out"][fully_masked], uniform[fully_masked], rtol=1e-5, atol=1e-6)
-    assert torch.equal(got_min["extra"].fallback_rows.bool(), fully_masked)
 
-    got_inf = run_flash(CASES["left_pad_inf"], inputs, q, k, v, do)
-    assert torch.equal(got_inf["out"].isnan().all(-1), fully_masked)
-    assert not got_inf["out"][~fully_masked].isnan().any()
+# ---- dropout ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["plain", "causal_min"])
+def test_dropout(name):
+    """The kernel's dropout mask, read back through V = identity, drops about p of the weights, is the same
+    in the backward (gradients match a reference using that mask) and changes with the seed."""
+    torch.manual_seed(0)
+    p, seed = 0.3, 1234
+    shape = Shape(1, 2, 1, 37, 40, 40)  # head dim = Nk, so V can be the identity
+    case = CASES[name]
+    inputs = case.make_inputs(shape)
+    q, k, v, do = make_qkv(shape, f32)
+
+    def dropped_weights(seed):
+        identity = torch.eye(shape.kv_len, device=DEVICE).expand(1, 1, -1, -1)
+        out, _, _ = flash_attention_forward(q, k, identity, case.mod, inputs.aux, dropout_p=p, seed=seed)
+        return out  # out[b, h, i, j] = weight_ij · kept_ij / (1 - p)
+
+    dropped = dropped_weights(seed)
+    idx = positions(1, 1, shape.q_len, shape.kv_len)
+    allowed = (is_causal(idx) if case.mod.has_mask else torch.ones((), dtype=torch.bool, device=DEVICE))
+    allowed = allowed.expand(dropped.shape)
+    kept = dropped != 0
+    assert not kept[~allowed].any()
+    assert abs(1.0 - kept[allowed].double().mean().item() - p) < 0.04
+
+    got = run_flash(case, inputs, q, k, v, do, dropout_p=p, seed=seed)
+    expected = reference(case, inputs.ref, q, k, v, do, dropout_kept=kept.double(), dropout_p=p)
+    assert_matches(got, expected, f32)
+    assert not torch.equal(dropped_weights(seed + 1) != 0, kept)
+
+
+# ---- block map --------------------------------------------------------------------------------------------
+
+def dense_tile_kinds(keep: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor:
+    """Tile kinds of a dense [..., Nq, Nk] keep mask; columns past Nk count as masked."""
+    q_len, kv_len = keep.shape[-2:]
+    rows = torch.arange(triton.cdiv(q_len, block_m) * block_m, device=keep.device).clamp(max=q_len - 1)
+    tiles = F.pad(keep[..., rows, :], (0, -kv_len % block_n))  # rows past Nq repeat the last row
+    tiles = tiles.unflatten(-1, (-1, block_n)).unflatten(-3, (-1, block_m))
+    full, any_kept = tiles.all(-1).all(-2), tiles.any(-1).any(-2)
+    return torch.where(full, FULL.value, torch.where(any_kept, PARTIAL.value, EMPTY.value)).to(torch.int8)
+
+
+@pytest.mark.parametrize("name", ["causal_min", "window_min", "left_pad_min"])
+def test_block_map_matches_dense_mask(name):
+    shape = Shape(2, 2, 1, 37, 53, 24)
+    case = CASES[name]
+    inputs = case.make_inputs(shape)
+    block_map = build_block_map(case.mod, inputs.aux, shape.batch, shape.q_heads, shape.q_len, shape.kv_len,
+                                16, 16, DEVICE)
+    map_shape = (shape.batch if case.mod.keep_uses_batch else 1, shape.q_heads if case.mod.keep_uses_head else 1,
+                 shape.q_len, shape.kv_len)
+    # Final scores of an all-zero score matrix are F32_MIN exactly where the mask drops an element.
+    zeros = torch.zeros(map_shape, dtype=torch.float64, device=DEVICE)
+    keep = case.final_scores(zeros, positions(*map_shape), inputs.ref) != F32_MIN
+    expected = dense_tile_kinds(keep, 16, 16)
+    assert torch.equal(block_map.kind, expected)
+    for lists, kinds in ((block_map.rows, expected), (block_map.cols, expected.transpose(-1, -2))):
+        for which, kind in enumerate((FULL.value, PARTIAL.value)):
+            for block in itertools.product(*map(range, kinds.shape[:3])):
+                listed = lists.index[block][which][: lists.count[block][which]]
+                assert torch.equal(listed, (kinds[block] == kind).nonzero().flatten().to(torch.int32))
+
+
+def test_block_map_cache():
+    causal_map = block_map_for(CASES["causal_min"].mod, (0.1,), 2, 2, 37, 53, 16, 16, DEVICE)
+    # Maps depend on KEEP only: the -inf variant (same name, same keep) shares it; other tiles do not.
+    assert block_map_for(CASES["causal_inf"].mod, (0.1,), 2, 2, 37, 53, 16, 16, DEVICE) is causal_map
+    assert block_map_for(CASES["causal_min"].mod, (0.1,), 2, 2, 37, 53, 16, 32, DEVICE) is not causal_map
+    # A KEEP reading aux tensors is evaluated per call.
+    shape = Shape(2, 2, 1, 37, 37, 24)
+    aux = left_padding(shape).aux
+    first, second = (block_map_for(CASES["left_pad_min"].mod, aux, 2, 2, 37, 37, 16, 16, DEVICE) for _ in range(2))
+    assert first is not second and torch.equal(first.kind, second.kind)
