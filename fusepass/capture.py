@@ -23,4 +23,21 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> torch
     fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     with fake_mode, torch.fx.traceback.preserve_node_meta():
         traced = make_fx(torch.fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+    mark_requires_grad(traced.graph, example_inputs)
     return traced
+
+
+def mark_requires_grad(graph: torch.fx.Graph, example_inputs: Sequence[object]) -> None:
+    """``node.meta["requires_grad"]``: whether a gradient will flow to the node's value (the fake values
+    of a graph traced before autograd do not say)."""
+    inputs = iter(example_inputs)
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder":
+            x = next(inputs, None)
+            node.meta["requires_grad"] = bool(getattr(x, "requires_grad", False))
+        elif node.op == "call_function":
+            differentiable = isinstance(val, torch.Tensor) and val.is_floating_point() and \
+                node.target is not torch.ops.aten.detach.default
+            node.meta["requires_grad"] = differentiable and any(
+                a.meta.get("requires_grad", False) for a in node.all_input_nodes)

@@ -64,6 +64,7 @@ class Diff:
     """A value of the differentiable graph E."""
 
     node: torch.fx.Node
+    uses: frozenset[str] = frozenset(("b", "h", "q", "k"))
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Lifter:
         self.memo: dict[tuple[torch.fx.Node, tuple[Idx, ...]], Code | Diff] = {}
         self.chain = set(m.chain)
         self.features: set[str] = set()
+        self.comparisons = 0  # of query against key positions: one is causal, two a window
         self.aux_loads_in_code: set[int] = set()
         self.s_leaf = self._placeholder("s", val(m.qk).dtype, False)
         self.leaves[self.s_leaf] = None
@@ -166,7 +168,7 @@ class Lifter:
             self.leaf_of_expr[code.expr] = node
         return self.leaf_of_expr[code.expr]
 
-    def _e_node(self, target: Any, args: tuple, kwargs: dict) -> Diff:
+    def _e_node(self, target: Any, args: tuple, kwargs: dict, uses: frozenset[str] | None = None) -> Diff:
         def as_e(a: Any) -> Any:
             if isinstance(a, Diff):
                 return a.node
@@ -182,7 +184,10 @@ class Lifter:
         fake_kwargs = torch.fx.node.map_arg(e_kwargs, lambda n: n.meta["val"])
         with self.fake:
             node.meta["val"] = target(*fake_args, **fake_kwargs)
-        return Diff(node)
+        if uses is None:
+            uses = frozenset().union(*[a.uses for a in list(args) + list(kwargs.values())
+                                       if isinstance(a, (Code, Diff))])
+        return Diff(node, uses)
 
     # ---------------------------------------------------------------------------------- evaluation
 
@@ -222,7 +227,7 @@ class Lifter:
         if not (merge(coords[:-2], batch).is_var("f", c.batch * c.heads) and coords[-2].is_var("q", c.q_len)
                 and coords[-1].is_var("k", c.kv_len)):
             raise Unsupported("the scores are read at other coordinates than they are computed at")
-        s = Diff(self.s_leaf)
+        s = Diff(self.s_leaf, frozenset(("b", "h", "q", "k")))
         ops = self.m.scores
         if ops.bias is None:
             return s
@@ -231,7 +236,6 @@ class Lifter:
         bias = self.value(ops.bias, _broadcast(coords, tuple(val(self.m.qk).shape), tuple(val(ops.bias).shape)))
         if ops.beta != 1:
             bias = self._pointwise_value(aten.mul.Tensor, (bias, ops.beta), {}, val(self.m.qk).dtype)
-        self._note_bias(bias)
         return self._e_node(aten.add.Tensor, (s, bias), {})
 
     def _arange(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
@@ -301,12 +305,11 @@ class Lifter:
         index = self._aux_index(tensor)
         t = val(tensor)
         mask = self._bounds(uses)
-        if "q" in uses and "k" in uses:
-            self.features.add("bias")
-        if t.requires_grad:
+        self._note_read(t, uses)
+        if tensor.meta.get("requires_grad", False):
             leaf = self._placeholder("g", t.dtype, t.dim() == 0)
             self.leaves[leaf] = GradLeaf(index, offset, mask, uses)
-            return Diff(leaf)
+            return Diff(leaf, uses)
         self.aux_loads_in_code.add(index)
         load = f"tl.load(aux[{index}] + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
         if held_dtype(t.dtype) != t.dtype:
@@ -358,36 +361,31 @@ class Lifter:
     # ---------------------------------------------------------------------------------- features
 
     def _note_comparison(self, target: Any, args: tuple) -> None:
-        codes = [a for a in args if isinstance(a, Code)]
-        uses = frozenset().union(*[c.uses for c in codes]) if codes else frozenset()
-        if packet(target) in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
-            self.features.add("causal_or_window")
-        if packet(target) == aten.eq and {"q", "k"} <= uses:
+        """Features the report names, read off the index code as it is emitted."""
+        kind = getattr(target, "overloadpacket", None)
+        values = [a for a in args if isinstance(a, (Code, Diff))]
+        uses = frozenset().union(*[a.uses for a in values]) if values else frozenset()
+        if kind in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
+            self.comparisons += 1
+        if kind == aten.eq and {"q", "k"} <= uses and "b" in uses:
             self.features.add("document")
-        if packet(target) in (aten.masked_fill, aten.where) and codes and codes[0].uses == {"b", "k"}:
-            self.features.add("padding_mask")
-
-    def _note_op(self, target: Any, args: tuple) -> None:
-        if packet(target) == aten.tanh:
-            self.features.add("softcap")
-        if packet(target) in (aten.masked_fill, aten.where):
-            condition = args[1] if packet(target) == aten.masked_fill else args[0]
-            if isinstance(condition, Code):
-                if condition.uses == {"b", "k"}:
-                    self.features.add("padding_mask")
-                if {"q", "k"} <= condition.uses:
-                    self.features.add("causal_or_window")
-        for a in args:
-            if isinstance(a, Code) and a.mask is not None and a.uses == {"b", "k"}:
-                self.features.add("padding_mask")
-            elif isinstance(a, Code) and a.mask is not None and {"q", "k"} <= a.uses:
-                self.features.add("causal_or_window")
-            elif isinstance(a, Code) and "h" in a.uses and "k" in a.uses and a.mask is None:
+        if kind == aten.mul and len(values) == 2:
+            a, b = values
+            # a per-(batch, head) value times a position-derived one: ALiBi's slope × distance
+            if any(isinstance(y, Code) and x.uses and x.uses <= {"b", "h"} and "k" in y.uses
+                   for x, y in ((a, b), (b, a))):
                 self.features.add("alibi")
 
-    def _note_bias(self, bias: Any) -> None:
-        if isinstance(bias, Code) and "h" in bias.uses and "k" in bias.uses:
-            self.features.add("alibi")
+    def _note_op(self, target: Any, args: tuple) -> None:
+        self._note_comparison(target, args)
+        if getattr(target, "overloadpacket", None) == aten.tanh:
+            self.features.add("softcap")
+
+    def _note_read(self, tensor: torch.Tensor, uses: frozenset[str]) -> None:
+        if uses and uses <= {"b", "k"} and "k" in uses:
+            self.features.add("padding_mask")
+        elif {"q", "k"} <= uses:
+            self.features.add("mask" if tensor.dtype == torch.bool else "bias")
 
     # ---------------------------------------------------------------------------------- output
 
@@ -418,14 +416,16 @@ class Lifter:
             fill_bound = fill_value
         features = self._features()
         return Lifted(source="\n\n".join(chunks), functions=functions, aux=self.aux,
-                      aux_needs_grad=[bool(val(a).requires_grad) for a in self.aux], fill_bound=fill_bound,
+                      aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
+                      fill_bound=fill_bound,
                       keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, features=features)
 
     def _features(self) -> list[str]:
         features = set(self.features)
-        if "causal_or_window" in features:
-            features.discard("causal_or_window")
-            features.add("mask")
+        if self.comparisons == 1:
+            features.add("causal")
+        elif self.comparisons > 1:
+            features.add("window")
         return sorted(features)
 
     def _split_mask(self):
@@ -574,7 +574,9 @@ class Lifter:
             if leaf is self.s_leaf:
                 result = f"({grad.expr} + tl.zeros_like(s)).to(tl.float32)"
             else:
-                lines += _accumulate(self.leaves[leaf], grad.expr)
+                # The dQ kernel passes aux_grad=None: the dK/dV kernel alone accumulates aux gradients.
+                lines.append("if aux_grad is not None:")
+                lines += ["    " + line for line in _accumulate(self.leaves[leaf], grad.expr)]
         return _function(name, "s, ds, b, h, q_idx, kv_idx, aux, aux_grad", lines, f"return {result}")
 
 

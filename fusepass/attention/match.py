@@ -147,6 +147,11 @@ def _depends_on(node: torch.fx.Node, target: torch.fx.Node, order: dict) -> bool
     return False
 
 
+def _reads_dtype_only(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """``x.type_as(node)`` reads only ``node``'s dtype."""
+    return packet(user) == aten.type_as and user.args[0] is not node
+
+
 def _probability_path(softmax: torch.fx.Node) -> tuple[list[torch.fx.Node], torch.fx.Node, float]:
     path, node, dropout_p = [], softmax, 0.0
     while True:
@@ -187,13 +192,10 @@ def match(softmax: torch.fx.Node) -> AttentionMatch:
     for node in chain:
         if not _is_liftable_op(node):
             raise Unsupported(f"the score chain has {packet(node) or node.target}, which has no per-tile form")
-    for node in chain:
-        outside = [u for u in node.users if u not in chain and u is not softmax]
+    for node in [*chain, qk]:
+        outside = [u for u in node.users if u not in chain and u is not softmax and not _reads_dtype_only(u, node)]
         if outside:
             raise Unsupported(f"scores also used by {packet(outside[0]) or outside[0].op}")
-    outside = [u for u in qk.users if u not in chain and u is not softmax]
-    if outside:
-        raise Unsupported(f"scores also used by {packet(outside[0]) or outside[0].op}")
     scores = operands(qk, scores=True)
     values = operands(pv, scores=False)
     probabilities = path[-1] if path else softmax

@@ -429,19 +429,30 @@ def _logical_not(c, self):
     return f"(~{_as_bool(c, self)})" if c.compute == torch.bool else f"({self} == 0)"
 
 
-@rule(aten.bitwise_and, operands=BINARY)
+# The operator spellings (__and__, ...) reach graphs traced before autograd.
+@rule(aten.bitwise_and, aten.__and__, operands=BINARY)
 def _bitwise_and(c, self, other):
     return f"({self} & {other})"
 
 
-@rule(aten.bitwise_or, operands=BINARY)
+@rule(aten.bitwise_or, aten.__or__, operands=BINARY)
 def _bitwise_or(c, self, other):
     return f"({self} | {other})"
 
 
-@rule(aten.bitwise_xor, operands=BINARY)
+@rule(aten.bitwise_xor, aten.__xor__, operands=BINARY)
 def _bitwise_xor(c, self, other):
     return f"({self} ^ {other})"
+
+
+@rule(aten.bitwise_left_shift, aten.__lshift__, operands=BINARY)
+def _left_shift(c, self, other):
+    return f"({self} << {other})"
+
+
+@rule(aten.bitwise_right_shift, aten.__rshift__, operands=BINARY)
+def _right_shift(c, self, other):
+    return f"({self} >> {other})"
 
 
 @rule(aten.bitwise_not)

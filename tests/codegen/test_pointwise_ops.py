@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_close, random_tensor
+from support import DEVICE, assert_close, random_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.elementwise.lower import lower
@@ -73,20 +73,20 @@ def test_unary_float(name, dtype):
     fn, domain = UNARY_FLOAT[name]
     x = random_tensor(SHAPE, dtype, **domain)
     if name.startswith("nan_to_num"):
-        x[0, :3] = torch.tensor([0.0, -1.0, float("inf")], dtype=dtype)  # -inf, nan, inf after log
+        x[0, :3] = torch.tensor([0.0, -1.0, float("inf")], dtype=dtype, device=DEVICE)  # -inf, nan, inf after log
     if name in ("isnan", "isinf", "isfinite"):
-        x[1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+        x[1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype, device=DEVICE)
     check_op(fn, x)
 
 
 def test_float32_special_functions_stay_accurate_near_zero():
-    x = torch.cat([torch.logspace(-8, 0, 40), -torch.logspace(-8, 0, 40)])
+    x = torch.cat([torch.logspace(-8, 0, 40), -torch.logspace(-8, 0, 40)]).to(DEVICE)
     for fn in (torch.tanh, torch.expm1, torch.log1p, lambda x: F.mish(x)):
         check_op(fn, x, rtol=2e-6, atol=1e-12)
 
 
 def test_round_is_half_to_even():
-    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 2.4999, 1e8 + 0.0])
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 2.4999, 1e8 + 0.0], device=DEVICE)
     check_op(torch.round, x, rtol=0, atol=0)
 
 
@@ -145,6 +145,8 @@ def test_bitwise(dtype):
     a, b = random_tensor(SHAPE, dtype, low=-50, high=50), random_tensor(SHAPE, dtype, low=-50, high=50)
     check_op(lambda a, b: (a & b) | (a ^ b), a, b)
     check_op(lambda a, b: ~(a | b), a, b)
+    if dtype != torch.bool:
+        check_op(lambda a, b: (a << 2) ^ (b >> 1), a, b)
 
 
 def test_ternary():
@@ -210,7 +212,7 @@ def test_constants_are_inlined():
 
 
 def test_infinities_and_nans_propagate():
-    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0])
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0], device=DEVICE)
     for fn in (torch.relu, lambda x: torch.clamp(x, -1, 1), torch.sigmoid, torch.tanh,
                lambda x: torch.maximum(x, torch.zeros_like(x)), lambda x: torch.minimum(x, -x)):
         check_op(fn, x)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support import check, fused_kernel_count, random_tensor, rewrites
+from support import DEVICE, check, fused_kernel_count, random_tensor, rewrites
 
 import fusepass
 
@@ -66,7 +66,7 @@ def test_merging_view_ends_a_group_but_stays_exact():
 
 def test_zero_dim_tensors_and_scalars():
     x = random_tensor((5, 7), torch.bfloat16)
-    s = torch.tensor(1.5)
+    s = torch.tensor(1.5)  # a host scalar beside device tensors is passed by value
     check(lambda x, s: (x * s + 2.0) / (s - 0.25), x, s)
 
 
@@ -140,9 +140,9 @@ class SwiGLU(nn.Module):
 @pytest.mark.parametrize("block", [MLP, SwiGLU])
 def test_small_models_forward_and_backward(block):
     torch.manual_seed(0)
-    model = block()
+    model = block().to(DEVICE)
     x = random_tensor((3, 11, 24), torch.float32)
-    copy = block()
+    copy = block().to(DEVICE)
     copy.load_state_dict(model.state_dict())
     compiled = torch.compile(copy, backend="fusepass")
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()

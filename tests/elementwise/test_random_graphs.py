@@ -7,7 +7,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import assert_close
+from support import DEVICE, assert_close
 
 UNARY = [torch.tanh, torch.sigmoid, torch.relu, torch.neg, torch.abs, torch.sin, F.gelu,
          lambda x: x * 0.5, lambda x: x + 1.0, lambda x: torch.exp(torch.clamp(x, max=4.0))]
@@ -39,7 +39,7 @@ def build(program, n_inputs):
        seed=st.integers(0, 2**16))
 def test_random_pointwise_dags_match_eager(program, shapes, seed):
     torch.manual_seed(seed)
-    inputs = [torch.randn(s, dtype=torch.float32) for s in shapes]
+    inputs = [torch.randn(s, dtype=torch.float32, device=DEVICE) for s in shapes]
     inputs[0] = inputs[0].expand(2, 6, 6)  # outputs always span the full shape
     fn = build(program, len(inputs))
     torch._dynamo.reset()

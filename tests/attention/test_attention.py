@@ -1,0 +1,345 @@
+"""Attention however it is written: rewritten into the fused kernel, forward and backward equal to eager."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import DEVICE, check, random_tensor, rewrites
+from support import check as check_exactly
+
+import fusepass
+
+B, H, NQ, NK, D = 2, 3, 37, 45, 24
+# Scores of a few units in fp32: rounding differences of 1e-7 grow through exp to about 1e-5.
+FP32 = dict(rtol=1e-4, atol=1e-4)
+
+
+def check(fn, *inputs, **kwargs):
+    if not any(isinstance(x, torch.Tensor) and x.dtype in (torch.float16, torch.bfloat16) for x in inputs):
+        kwargs = {**FP32, **kwargs}
+    return check_exactly(fn, *inputs, **kwargs)
+
+
+def qkv(dtype=torch.float32, b=B, h=H, nq=NQ, nk=NK, d=D, kv_heads=None):
+    q = random_tensor((b, h, nq, d), dtype)
+    k = random_tensor((b, kv_heads or h, nk, d), dtype)
+    v = random_tensor((b, kv_heads or h, nk, d), dtype)
+    return q, k, v
+
+
+def attention_rewrite(report) -> fusepass.Rewrite:
+    (rewrite,) = rewrites(report, kind="attention")
+    return rewrite
+
+
+def assert_no_quadratic_tensor(report, nq=NQ, nk=NK):
+    """No value of the rewritten graphs is as large as one head's N×N scores."""
+    for phase, gm in report.graphs.items():
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            for v in val if isinstance(val, (tuple, list)) else (val,):
+                if isinstance(v, torch.Tensor) and v.dim() >= 2:
+                    assert tuple(v.shape[-2:]) != (nq, nk), f"{phase}: {node} is {tuple(v.shape)}"
+
+
+def plain(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_plain_attention(dtype):
+    report = check(plain, *qkv(dtype), backward=True, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    rewrite = attention_rewrite(report)
+    assert rewrite.ops[0] == "aten.matmul" and "aten.softmax" in rewrite.ops
+    assert rewrite.bytes_fused < rewrite.bytes_unfused
+    assert_no_quadratic_tensor(report)
+
+
+def causal_masked_fill(q, k, v):
+    n = q.shape[-2]
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_causal_triangle_mask(dtype):
+    tol = {} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    report = check(causal_masked_fill, *qkv(dtype, nk=NQ), backward=True, **tol)
+    assert "mask" in attention_rewrite(report).features or "causal" in attention_rewrite(report).features
+
+
+def bmm_folded_heads(q, k, v):
+    b, h, n, d = q.shape
+    qq, kk, vv = (t.reshape(b * h, -1, d) for t in (q, k, v))
+    s = torch.bmm(qq, kk.transpose(1, 2)) / math.sqrt(d)
+    i = torch.arange(n, device=q.device)
+    s = s.masked_fill(i[None, :, None] < i[None, None, :], float("-inf"))
+    return torch.bmm(torch.softmax(s, dim=-1), vv).view(b, h, n, d).transpose(1, 2)
+
+
+def test_bmm_with_heads_folded_into_the_batch():
+    check(bmm_folded_heads, *qkv(nk=NQ), backward=True)
+
+
+def einsum_gqa_interleave(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("bhqd,bhkd->bhqk", q * q.shape[-1] ** -0.5, k)
+    p = torch.softmax(s.float(), dim=-1).to(q.dtype)
+    return torch.einsum("bhqk,bhkd->bqhd", p, v)
+
+
+def repeat_kv(x, group):
+    b, h, n, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, group, n, d).reshape(b, h * group, n, d)
+
+
+def llama_style_gqa(q, k, v):
+    group = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, group), repeat_kv(v, group)
+    s = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.shape[-1])
+    return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+@pytest.mark.parametrize("fn", [einsum_gqa_interleave, llama_style_gqa])
+def test_grouped_query_attention_reads_shared_heads(fn):
+    q, k, v = qkv(h=4, kv_heads=2)
+    report = check(fn, q, k, v, backward=True)
+    rewrite = attention_rewrite(report)
+    assert "gqa" in rewrite.features and rewrite.detail["kv_heads"] == 2
+    graph = report.graphs["forward"].graph
+    assert not any(getattr(n.target, "overloadpacket", None) in (torch.ops.aten.repeat_interleave,
+                                                                  torch.ops.aten.expand) for n in graph.nodes)
+
+
+def test_multi_query_by_broadcasting():
+    q, k, v = qkv(kv_heads=1)
+    report = check(plain, q, k, v, backward=True)
+    assert "gqa" in attention_rewrite(report).features
+
+
+def bloom_alibi(q, k, v, slopes):
+    b, h, n, d = q.shape
+    positions = torch.arange(n, device=q.device)
+    alibi = (slopes[:, None] * positions[None, :]).reshape(1, h, 1, n).expand(b, h, 1, n).reshape(b * h, 1, n)
+    s = torch.baddbmm(alibi, q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2), beta=1.0,
+                      alpha=1 / math.sqrt(d))
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = torch.where(causal, s, torch.finfo(s.dtype).min)
+    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(p, v.reshape(b * h, n, d)).view(b, h, n, d)
+
+
+def test_alibi_with_baddbmm():
+    slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)], device=DEVICE)
+    report = check(bloom_alibi, *qkv(nk=NQ), slopes, backward=True)
+    assert "alibi" in attention_rewrite(report).features
+
+
+def t5_bias(q, k, v, table):
+    n_q, n_k = q.shape[-2], k.shape[-2]
+    context = torch.arange(n_q, device=q.device)[:, None]
+    memory = torch.arange(n_k, device=q.device)[None, :]
+    relative = memory - context
+    buckets = (relative > 0).to(torch.long) * 8
+    distance = torch.abs(relative)
+    large = 4 + (torch.log(distance.float().clamp(min=1) / 4) / math.log(32 / 4) * 4).to(torch.long)
+    buckets = buckets + torch.where(distance < 4, distance, torch.clamp(large, max=7))
+    bias = F.embedding(buckets, table).permute(2, 0, 1).unsqueeze(0)
+    s = q @ k.transpose(-1, -2) + bias
+    return torch.softmax(s.float(), dim=-1).type_as(s) @ v
+
+
+def test_t5_relative_bias_with_a_learnable_table():
+    table = random_tensor((16, H), torch.float32)
+    report = check(t5_bias, *qkv(), table, backward=True)
+    assert "relative_bias" in attention_rewrite(report).features
+
+
+def sliding_window(q, k, v):
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    distance = i[:, None] - i[None, :]
+    keep = (distance >= 0) & (distance < 8)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = torch.where(keep, s, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_sliding_window():
+    check(sliding_window, *qkv(nk=NQ), backward=True)
+
+
+def softcap_causal(q, k, v):
+    n = q.shape[-2]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = torch.tanh(s / 5.0) * 5.0
+    s = s + torch.triu(torch.full((n, n), float("-inf"), device=q.device), diagonal=1)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_softcap_with_an_additive_triangle():
+    report = check(softcap_causal, *qkv(nk=NQ), backward=True)
+    assert "softcap" in attention_rewrite(report).features
+
+
+def padded_causal(q, k, v, keep):
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    allowed = causal[None, None] & keep[:, None, None, :]
+    additive = torch.where(allowed, 0.0, torch.finfo(q.dtype).min)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + additive
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_left_padded_batch_fully_masked_rows_match_eager():
+    keep = torch.ones(B, NQ, dtype=torch.bool, device=DEVICE)
+    keep[0, :5] = False  # left padding: the first rows of batch 0 see no key at all
+    report = check(padded_causal, *qkv(nk=NQ), keep, backward=True)
+    assert "padding_mask" in attention_rewrite(report).features
+
+
+def minus_inf_padding(q, k, v, keep):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_rows_masked_with_minus_inf_are_nan_like_eager():
+    keep = torch.ones(B, NK, dtype=torch.bool, device=DEVICE)
+    keep[1] = False
+    q, k, v = qkv()
+    out = torch.compile(minus_inf_padding, backend="fusepass")(q, k, v, keep)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    torch.testing.assert_close(out[0], minus_inf_padding(q, k, v, keep)[0], rtol=1e-5, atol=1e-5)
+
+
+def bert_additive_mask(q, k, v, mask):
+    extended = (1.0 - mask[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min  # a float mask
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s + extended
+    return torch.matmul(F.dropout(F.softmax(s, dim=-1), 0.0, training=False), v)
+
+
+def test_bert_style_float_mask():
+    mask = torch.rand(B, NK, device=DEVICE) > 0.3  # bool here (no gradient), float inside
+    check(bert_additive_mask, *qkv(), mask, backward=True)
+
+
+def dense_bias(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.2 + bias, dim=-1) @ v
+
+
+def test_dense_bias_input_gets_its_gradient():
+    bias = random_tensor((1, H, NQ, NK), torch.float32)
+    report = check(dense_bias, *qkv(), bias, backward=True)
+    assert "bias" in attention_rewrite(report).features
+
+
+def document_mask(q, k, v, segments):
+    same = segments[:, :, None] == segments[:, None, :]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~same[:, None], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_document_mask_from_segment_ids():
+    segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
+    check(document_mask, *qkv(nk=NQ), segments, backward=True)
+
+
+def test_cross_attention():
+    report = check(plain, *qkv(nq=19, nk=53), backward=True)
+    assert "cross" in attention_rewrite(report).features
+
+
+@pytest.mark.parametrize("d", [16, 80, 96])
+def test_head_dims(d):
+    check(causal_masked_fill, *qkv(d=d, nk=NQ), backward=True)
+
+
+def two_layers_one_mask(x, wq, wk, wv):
+    n = x.shape[-2]
+    mask = torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), diagonal=1)
+    for _ in range(2):
+        q, k, v = x @ wq, x @ wk, x @ wv
+        s = (q @ k.transpose(-1, -2)).masked_fill(mask, -1e9)
+        x = torch.softmax(s, dim=-1) @ v
+    return x
+
+
+def test_one_mask_shared_by_two_layers():
+    x = random_tensor((B, NQ, D), torch.float32)
+    w = [random_tensor((D, D), torch.float32) * 0.05 for _ in range(3)]
+    report = check(two_layers_one_mask, x, *w, backward=True)
+    assert len(rewrites(report, kind="attention")) == 2
+
+
+# --- what must not be rewritten -------------------------------------------------------------------------
+
+
+def probabilities_returned(q, k, v):
+    p = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+    return p @ v, p
+
+
+def softmax_over_queries(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-2) @ v
+
+
+def scores_returned(q, k, v):
+    s = q @ k.transpose(-1, -2)
+    return torch.softmax(s, dim=-1) @ v, s.sum()
+
+
+def scores_with_a_row_reduction(q, k, v):
+    s = q @ k.transpose(-1, -2)
+    s = s - s.amax(dim=-1, keepdim=True)
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn, reason", [
+    (probabilities_returned, "probabilities also used"),
+    (softmax_over_queries, "not the key axis"),
+    (scores_returned, "scores also used"),
+    (scores_with_a_row_reduction, "amax"),
+])
+def test_declined_attention_stays_exact_and_says_why(fn, reason):
+    report = check(fn, *qkv(), backward=True)
+    assert not rewrites(report, kind="attention")
+    (hotspot,) = [h for h in report.hotspots if h.kind == "attention"]
+    assert reason in hotspot.reason
+    assert hotspot.location.startswith("tests/attention/test_attention.py:")
+
+
+# --- dropout ---------------------------------------------------------------------------------------------
+
+
+def dropout_attention(q, k, v):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return F.dropout(torch.softmax(s, dim=-1), p=0.25, training=True) @ v
+
+
+def test_dropout_in_kernel_matches_its_own_backward():
+    n = 32
+    q = random_tensor((B, H, n, n), torch.float32).requires_grad_()
+    k = random_tensor((B, H, n, n), torch.float32).requires_grad_()
+    eye = torch.eye(n, device=DEVICE).expand(B, H, n, n).contiguous().requires_grad_()
+    out = torch.compile(dropout_attention, backend="fusepass")(q, k, eye)  # V = I: out is the dropped P
+    assert "dropout" in attention_rewrite(fusepass.last_report()).features
+    p = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(n), dim=-1)
+    dropped = out == 0
+    assert abs(dropped.float().mean().item() - 0.25) < 0.05
+    torch.testing.assert_close(out[~dropped], (p / 0.75)[~dropped], rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(out)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, eye), grad)
+    torch.testing.assert_close(dv, out.transpose(-1, -2) @ grad, rtol=1e-5, atol=1e-5)
+    d_p = grad * out / p.detach()  # the gradient reaching P through the kept, rescaled entries
+    d_s = p.detach() * (d_p - (d_p * p.detach()).sum(-1, keepdim=True)) / math.sqrt(n)
+    torch.testing.assert_close(dq, d_s @ k.detach(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dk, d_s.transpose(-1, -2) @ q.detach(), rtol=1e-4, atol=1e-5)
