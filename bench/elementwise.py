@@ -95,8 +95,9 @@ def run_case(case: Case, n: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the peer's case at 8192x8192 only")
+    parser.add_argument("--sizes", default="19,25,29", help="log2 of the element counts")
     args = parser.parse_args()
-    sizes = [1 << 26] if args.quick else [1 << 19, 1 << 25, 1 << 29]
+    sizes = [1 << 26] if args.quick else [1 << int(e) for e in args.sizes.split(",")]
     cases = CASES[:1] if args.quick else CASES
     rows = []
     for case in cases:

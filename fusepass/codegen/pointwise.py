@@ -220,7 +220,7 @@ def _neg(c, self):
 
 @rule(aten.reciprocal, kind=Kind.INT_TO_FLOAT)
 def _reciprocal(c, self):
-    return f"(1.0 / {self})"
+    return f"({c.lit(1)} / {self})"
 
 
 @rule(aten.pow, operands=("self", "exponent"), kind=Kind.BOOL_TO_LONG)
@@ -239,7 +239,7 @@ def _pow(c, self, exponent):
         if c.is_float and e == -0.5:
             return f"tl.rsqrt({self})"
         if c.is_float and e == -1:
-            return f"(1.0 / {self})"
+            return f"({c.lit(1)} / {self})"
     return f"fm.pow({self}, {exponent})" if c.is_float else f"fm.int_pow({self}, {exponent})"
 
 
@@ -258,7 +258,7 @@ for _packet, _fn in (
 
 @rule(aten.log10, kind=Kind.INT_TO_FLOAT)
 def _log10(c, self):
-    return f"(tl.log2({self}) * 0.30102999566398120)"
+    return f"(tl.log2({self}) * {c.lit(0.30102999566398120)})"
 
 
 @rule(aten.tan, kind=Kind.INT_TO_FLOAT)
@@ -335,12 +335,12 @@ def _softplus(c, self, beta=1, threshold=20):
 
 @rule(aten.hardsigmoid)
 def _hardsigmoid(c, self):
-    return f"(tl.minimum(tl.maximum({self} + 3.0, 0.0), 6.0) / 6.0)"
+    return f"({_clamp_expr(c, f'({self} + {c.lit(3)})', c.lit(0), c.lit(6))} / {c.lit(6)})"
 
 
 @rule(aten.hardswish)
 def _hardswish(c, self):
-    return f"({self} * tl.minimum(tl.maximum({self} + 3.0, 0.0), 6.0) / 6.0)"
+    return f"({self} * {_hardsigmoid(c, self)})"
 
 
 def _clamp_expr(c, x: str, low: str | None, high: str | None) -> str:
@@ -511,12 +511,12 @@ def _threshold_backward(c, grad_output, self, threshold):
 
 @rule(aten.sigmoid_backward, operands=("grad_output", "output"))
 def _sigmoid_backward(c, grad_output, output):
-    return f"({grad_output} * {output} * (1.0 - {output}))"
+    return f"({grad_output} * {output} * ({c.lit(1)} - {output}))"
 
 
 @rule(aten.tanh_backward, operands=("grad_output", "output"))
 def _tanh_backward(c, grad_output, output):
-    return f"({grad_output} * (1.0 - {output} * {output}))"
+    return f"({grad_output} * ({c.lit(1)} - {output} * {output}))"
 
 
 @rule(aten.gelu_backward, operands=("grad_output", "self"))

@@ -106,6 +106,7 @@ def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
     # exp(-inf - -inf) = NaN; a row that stays so gets l = 0 and out = 0 / 0 = NaN, as eager softmax.
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2((m - shift) * LOG2E)
+    # Subtract before scaling by log2(e): finfo.min * log2(e) would overflow to -inf.
     p = tl.math.exp2((x - shift[:, None]) * LOG2E)
     l = l * alpha + tl.sum(p, 1)
     if DROPOUT:
@@ -122,10 +123,12 @@ def _flash_forward_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
+    n_q_blocks = tl.num_programs(0)
+    # Last q blocks first: under a causal mask they hold the most tiles, so the long programs start early
+    # and the short ones fill the tail.
+    q_block = n_q_blocks - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    n_q_blocks = tl.num_programs(0)
     n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
     bh = b.to(tl.int64) * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -1,0 +1,240 @@
+"""Attention, side by side: the hand-written code in eager, under Inductor and under fusepass, against
+``F.scaled_dot_product_attention`` and FlexAttention given the same mask or bias.
+
+    PYTHONPATH=. python bench/attention.py [--quick] [--cases causal,alibi] [--shapes small,large]
+
+TFLOP/s count only the unmasked work (4·B·H·Nq·Nk·D per forward, × 2.5 for forward+backward).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from harness import keep, median_ms, peak_memory_gib
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import fusepass
+
+WINDOW = 1024
+SHAPES = {"small": (8, 16, 2048, 64), "large": (2, 16, 8192, 128)}
+
+
+def slopes(heads: int, device: str) -> torch.Tensor:
+    return torch.tensor([2 ** (-8 * (i + 1) / heads) for i in range(heads)], device=device)
+
+
+# The hand-written attention of each case: what users write, what eager, Inductor and fusepass run.
+
+def plain(q, k, v):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def causal(q, k, v):
+    n = q.shape[-2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def sliding_window(q, k, v):
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    distance = i[:, None] - i[None, :]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill((distance < 0) | (distance >= WINDOW), float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def alibi_causal(q, k, v, m):
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    bias = m[:, None, None] * (i[None, None, :] - i[None, :, None])
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
+    s = s.masked_fill(i[None, :, None] < i[None, None, :], float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def t5_bucket(relative: torch.Tensor) -> torch.Tensor:
+    buckets = (relative > 0).to(torch.long) * 16
+    distance = relative.abs()
+    large = 8 + (torch.log(distance.float().clamp(min=1) / 8) / math.log(128 / 8) * 8).to(torch.long)
+    return buckets + torch.where(distance < 8, distance, large.clamp(max=15))
+
+
+def t5_bias(q, k, v, table):
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    bias = F.embedding(t5_bucket(i[None, :] - i[:, None]), table).permute(2, 0, 1)
+    s = q @ k.transpose(-1, -2) + bias
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def softcap_causal(q, k, v):
+    n = q.shape[-2]
+    s = torch.tanh(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) / 20.0) * 20.0
+    s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def padding(q, k, v, lengths):
+    n = q.shape[-2]
+    keep = torch.arange(n, device=q.device)[None, :] < lengths[:, None]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def document(q, k, v, segments):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(segments[:, None, :, None] != segments[:, None, None, :], float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+@dataclass
+class Case:
+    name: str
+    fn: Callable
+    extra: Callable  # (B, H, N, device) -> extra inputs
+    sdpa: Callable | None  # (q, k, v, *extra) -> output, or None where SDPA cannot say it
+    flex: Callable  # (B, H, N, *extra) -> (score_mod, mask_mod)
+    density: Callable  # (N) -> fraction of (q, k) pairs computed
+
+
+def no_extra(b, h, n, device):
+    return ()
+
+
+def _causal_mask(b, h, q, kv):
+    return q >= kv
+
+
+CASES = {
+    "plain": Case("plain", plain, no_extra, lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+                  lambda b, h, n: (None, None), lambda n: 1.0),
+    "causal": Case("causal", causal, no_extra,
+                   lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                   lambda b, h, n: (None, _causal_mask), lambda n: (n + 1) / (2 * n)),
+    "window": Case(
+        "sliding window 1024", sliding_window, no_extra,
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_window_dense(q.shape[-2], q.device)),
+        lambda b, h, n: (None, lambda b, h, q, kv: (q >= kv) & (q - kv < WINDOW)),
+        lambda n: min(1.0, (WINDOW * n - WINDOW * (WINDOW - 1) / 2) / (n * n))),
+    "alibi": Case(
+        "ALiBi + causal", alibi_causal, lambda b, h, n, device: (slopes(h, device),),
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=_alibi_dense(m, q.shape[-2])),
+        lambda b, h, n, m: (lambda s, b, h, q, kv: s + m[h] * (kv - q), _causal_mask),
+        lambda n: (n + 1) / (2 * n)),
+    "t5": Case(
+        "T5 bucketed bias", t5_bias,
+        lambda b, h, n, device: (torch.randn(32, h, device=device, dtype=torch.bfloat16),), None,
+        lambda b, h, n, table: (lambda s, b, h, q, kv: s + table[t5_bucket(kv - q), h], None), lambda n: 1.0),
+    "softcap": Case(
+        "softcap + causal", softcap_causal, no_extra, None,
+        lambda b, h, n: (lambda s, b, h, q, kv: torch.tanh(s / 20.0) * 20.0, _causal_mask),
+        lambda n: (n + 1) / (2 * n)),
+    "padding": Case(
+        "padding mask", padding,
+        lambda b, h, n, device: (torch.randint(n // 2, n + 1, (b,), device=device),),
+        lambda q, k, v, lengths: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=(torch.arange(q.shape[-2], device=q.device)[None, :] < lengths[:, None])[:, None, None]),
+        lambda b, h, n, lengths: (None, lambda b, h, q, kv: kv < lengths[b]), lambda n: 0.75),
+    "document": Case(
+        "document mask", document,
+        lambda b, h, n, device: (torch.sort(torch.randint(0, 8, (b, n), device=device), dim=-1).values,), None,
+        lambda b, h, n, seg: (None, lambda b, h, q, kv: seg[b, q] == seg[b, kv]), lambda n: 1 / 8),
+}
+
+
+def _window_dense(n, device):
+    i = torch.arange(n, device=device)
+    d = i[:, None] - i[None, :]
+    return (d >= 0) & (d < WINDOW)
+
+
+def _alibi_dense(m, n):
+    i = torch.arange(n, device=m.device)
+    bias = m[:, None, None] * (i[None, None, :] - i[None, :, None]).to(m.dtype)
+    return bias.masked_fill(i[:, None] < i[None, :], float("-inf")).to(torch.bfloat16)
+
+
+def run(case: Case, shape: tuple[int, int, int, int], peers: set[str], backward: bool) -> dict:
+    b, h, n, d = shape
+    device = "cuda"
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, requires_grad=backward)
+               for _ in range(3))
+    extra = case.extra(b, h, n, device)
+    grad = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16)
+    variants: dict[str, Callable] = {}
+    if "eager" in peers:
+        variants["eager"] = lambda: case.fn(q, k, v, *extra)
+    if "inductor" in peers:
+        inductor = torch.compile(case.fn, backend="inductor")
+        variants["inductor"] = lambda: inductor(q, k, v, *extra)
+    fused = torch.compile(case.fn, backend="fusepass")
+    variants["fusepass"] = lambda: fused(q, k, v, *extra)
+    if case.sdpa is not None:
+        variants["sdpa"] = lambda: case.sdpa(q, k, v, *extra)
+    score_mod, mask_mod = case.flex(b, h, n, *extra)
+    block_mask = create_block_mask(mask_mod, b, h, n, n, device=device) if mask_mod else None
+    flex = torch.compile(flex_attention)
+    variants["flex"] = lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+
+    reference = variants["sdpa" if "sdpa" in variants else "flex"]().float()
+    out = variants["fusepass"]().float()
+    error = ((out - reference).norm() / reference.norm()).item()
+    report = fusepass.last_report()
+    rewritten = any(r.kind == "attention" for r in report.rewrites) if report else False
+
+    def step(fn):
+        if not backward:
+            return fn
+        return lambda: torch.autograd.grad(fn(), (q, k, v), grad)
+
+    flops = 4 * b * h * n * n * d * case.density(n) * (2.5 if backward else 1.0)
+    row = {"case": case.name, "shape": f"B{b} H{h} N{n} D{d}", "pass": "fwd+bwd" if backward else "fwd",
+           "rewritten": rewritten, "error vs peer": error}
+    for name, fn in variants.items():
+        ms = median_ms(step(fn))
+        row[f"{name} ms"] = ms
+        row[f"{name} TFLOP/s"] = flops / ms / 1e9
+        if backward:
+            row[f"{name} GiB"] = peak_memory_gib(step(fn))
+    row["vs flex"] = row["flex ms"] / row["fusepass ms"]
+    if "sdpa ms" in row:
+        row["vs sdpa"] = row["sdpa ms"] / row["fusepass ms"]
+    if "inductor ms" in row:
+        row["vs inductor"] = row["inductor ms"] / row["fusepass ms"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--shapes", default="small,large")
+    parser.add_argument("--peers", default="sdpa,flex", help="also: eager, inductor")
+    parser.add_argument("--no-backward", action="store_true")
+    args = parser.parse_args()
+    peers = set(args.peers.split(","))
+    rows = []
+    for shape_name in args.shapes.split(","):
+        for name in args.cases.split(","):
+            for backward in ((False,) if args.no_backward else (False, True)):
+                fusepass.reset()
+                torch._dynamo.reset()
+                row = run(CASES[name], SHAPES[shape_name], peers, backward)
+                rows.append(row)
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    columns = ["case", "shape", "pass", "rewritten", "error vs peer", "fusepass ms", "fusepass TFLOP/s",
+               "flex ms", "sdpa ms", "inductor ms", "eager ms", "vs flex", "vs sdpa", "vs inductor",
+               "fusepass GiB", "sdpa GiB", "flex GiB"]
+    print(keep("attention", [c for c in columns if any(c in r for r in rows)], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Tile configs of the flash kernels, timed on causal attention: what ``flash_config`` should choose.
+
+    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2]
+
+Calls the kernels directly (no compile step), with a causal score function written here by hand.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import triton
+import triton.language as tl
+from harness import keep, median_ms
+
+from fusepass.attention.score_mod import ScoreMod
+from fusepass.kernels import flash_bwd, flash_fwd
+from fusepass.kernels.flash_config import FlashConfig
+
+
+@triton.jit
+def scaled(s, b, h, q_idx, kv_idx, aux):
+    return s * 0.08838834764831845
+
+
+@triton.jit
+def scaled_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    return ds * 0.08838834764831845
+
+
+@triton.jit
+def causal_keep(b, h, q_idx, kv_idx, aux):
+    return q_idx >= kv_idx
+
+
+@triton.jit
+def minus_inf(s, b, h, q_idx, kv_idx, aux):
+    return tl.full(s.shape, float("-inf"), tl.float32)
+
+
+@triton.jit
+def no_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    return tl.zeros(s.shape, tl.float32)
+
+
+CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf,
+                  fill_grad=no_grad)
+
+FORWARD = [FlashConfig(128, 128, 8, 3), FlashConfig(128, 128, 8, 4), FlashConfig(128, 64, 8, 3),
+           FlashConfig(128, 128, 4, 3)]
+BACKWARD = [FlashConfig(128, 64, 8, 2), FlashConfig(128, 64, 8, 3), FlashConfig(128, 32, 8, 3),
+            FlashConfig(64, 64, 4, 2), FlashConfig(128, 64, 4, 2)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    args = parser.parse_args()
+    b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    flops = 4 * b * h * n * n * d * (n + 1) / (2 * n)
+    rows = []
+    sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
+    out = lse = extra = None
+    for config in FORWARD:
+        flash_fwd.forward_config = lambda *a, c=config: c
+        try:
+            out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ())
+            error = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+            ms = median_ms(lambda: flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ()))
+            rows.append({"kernel": "forward", "config": str(config), "ms": ms, "TFLOP/s": flops / ms / 1e9,
+                         "error": error})
+        except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
+            rows.append({"kernel": "forward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
+        print(rows[-1], flush=True)
+    flash_fwd.forward_config = lambda *a: FlashConfig(128, 128, 8, 3)
+    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ())
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    sdpa_bwd = median_ms(lambda: torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True))
+    rows.append({"kernel": "sdpa backward", "config": "-", "ms": sdpa_bwd, "TFLOP/s": 2.5 * flops / sdpa_bwd / 1e9})
+    expected = torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True)
+    for config in BACKWARD:
+        flash_bwd.backward_config = lambda *a, c=config: c
+        try:
+            grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (), None)
+            error = max(((g.float() - e.float()).norm() / e.float().norm()).item() for g, e in zip(grads, expected))
+            ms = median_ms(lambda: flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (),
+                                                                      None))
+            rows.append({"kernel": "backward", "config": str(config), "ms": ms,
+                         "TFLOP/s": 2.5 * flops / ms / 1e9, "error": error})
+        except Exception as e:
+            rows.append({"kernel": "backward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
+        print(rows[-1], flush=True)
+    print(keep(f"flash-sweep-d{d}-n{n}", ["kernel", "config", "ms", "TFLOP/s", "error"], rows))
+
+
+if __name__ == "__main__":
+    main()
