@@ -176,7 +176,7 @@ def run(case: Case, shape: tuple[int, int, int, int], peers: set[str], backward:
     if "inductor" in peers:
         inductor = torch.compile(case.fn, backend="inductor")
         variants["inductor"] = lambda: inductor(q, k, v, *extra)
-    fused = torch.compile(case.fn, backend="fusepass")
+    fused = torch.compile(case.fn, backend=fusepass.backend(strict=True))  # no silent fallback
     variants["fusepass"] = lambda: fused(q, k, v, *extra)
     if case.sdpa is not None:
         variants["sdpa"] = lambda: case.sdpa(q, k, v, *extra)

@@ -8,6 +8,7 @@ that tensor's strides gives the strided view the kernel reads; a repeat of heads
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,17 +38,18 @@ class OperandLayout:
     def view(self, source: torch.Tensor) -> torch.Tensor:
         return source.as_strided(self.size, self.stride, source.storage_offset() + self.offset)
 
-    @property
-    def covers_source_exactly(self) -> bool:
-        """Whether the view is the source's every element once, as a permutation of its dims would be
-        (then a gradient can be written through the view with nothing left unwritten)."""
-        dense = sorted((s, n) for s, n in zip(self.stride, self.size) if n > 1)
-        expected = 1
-        for s, n in dense:
-            if s != expected:
-                return False
-            expected *= n
-        return self.offset == 0
+    def covers(self, source: torch.Tensor) -> bool:
+        """Whether the view is each element of ``source`` exactly once (then writing a gradient through it
+        leaves nothing unwritten)."""
+        if math.prod(self.size) != source.numel() or self.offset != 0:
+            return False
+        dims = sorted((st, n) for st, n in zip(self.stride, self.size) if n > 1)
+        reach = 0  # the furthest offset the dims so far reach, plus one
+        for stride, size in dims:
+            if stride < reach:
+                return False  # overlapping
+            reach = stride * (size - 1) + reach if reach else stride * (size - 1) + 1
+        return True
 
 
 def _val(node: torch.fx.Node) -> torch.Tensor:
@@ -111,35 +113,109 @@ def _walk_up(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], t
     return node, ops, (ops.index(repeat[0]), repeat[1], repeat[2])
 
 
-def _replay(node: torch.fx.Node, meta: torch.Tensor) -> torch.Tensor:
-    """Apply one view op to a meta tensor that stands for the source's memory."""
+def _replay(node: torch.fx.Node, meta: torch.Tensor) -> torch.Tensor | None:
+    """Apply one view op to a meta tensor that stands for the source's memory; None if it would copy."""
     if _packet(node) in (aten.clone, aten.contiguous, aten.lift_fresh_copy, aten.detach, aten.alias):
         return meta  # the same values: read the original
     out = node.target(meta, *node.args[1:], **node.kwargs)
-    if out._base is None:
-        raise Unsupported(f"{node.target} of an operand copies it")
-    return out
+    return out if out._base is not None else None
 
 
-def operand_view(operand: torch.fx.Node) -> tuple[torch.fx.Node, torch.Tensor, int, int | None]:
-    """The source node, a meta tensor with the operand's shape and the strides it has in the source's
-    memory, and the head repeat (group, at which dim of the operand) if there is one."""
+@dataclass
+class OperandView:
+    """An operand as the kernel will read it: its source, and a meta tensor with the source's strides whose
+    last two dims are the operand's (N, D) and whose leading dims, flattened, are the operand's batch dims
+    flattened. Those may be finer than the operand's own batch dims, where a reshape merged dims that no
+    single stride describes (Bloom's ``[B, H] → [B·H]``): the kernel reads them separately."""
+
+    source: torch.fx.Node
+    meta: torch.Tensor
+    batch: tuple[int, ...]  # the operand's own batch dims (the matmul sees these)
+    group: int = 1  # a head repeat (repeat_interleave or expand + reshape) of ``group`` ...
+    group_dim: int | None = None  # ... at this leading dim of ``meta``
+
+    @property
+    def merged(self) -> bool:
+        return tuple(self.meta.shape[:-2]) != self.batch
+
+    def swap_last(self) -> "OperandView":
+        return OperandView(self.source, self.meta.transpose(-1, -2), self.batch, self.group, self.group_dim)
+
+    def permute(self, perm: tuple[int, ...]) -> "OperandView":
+        rank = len(perm)
+        if tuple(perm[:rank - 2]) != tuple(range(rank - 2)):
+            if self.merged or self.group_dim is not None:
+                raise Unsupported("an einsum that reorders the batch of a reshaped operand")
+            return OperandView(self.source, self.meta.permute(perm), tuple(self.meta.permute(perm).shape[:-2]))
+        return self.swap_last() if tuple(perm[rank - 2:]) == (rank - 1, rank - 2) else self
+
+
+def operand_view(operand: torch.fx.Node) -> OperandView:
+    """Walk up from a matmul operand to its source, replaying the views on a meta tensor."""
     source, ops, repeat = _walk_up(operand)
     val = _val(source)
     if not _static(val.shape):
         raise Unsupported("symbolic shapes")
     meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+    shape = tuple(val.shape)  # the logical shape so far (meta may be finer in its leading dims)
     group, group_dim = 1, None
     for i, op in enumerate(ops):
+        out_shape = tuple(_val(op).shape)
         if repeat is not None and i == repeat[0]:
+            if tuple(meta.shape) != shape:
+                raise Unsupported("K/V heads repeated after a reshape that copies")
             group, group_dim = repeat[2], repeat[1]
+            shape = out_shape
             continue  # read the unrepeated tensor; the group stands for the repeat
-        if repeat is not None and i > repeat[0]:
+        if group_dim is not None:
             if _packet(op) not in (aten.transpose, aten.permute, aten.t):
                 raise Unsupported("a view after repeating K/V heads")
             group_dim = _moved_dim(op, group_dim, meta.dim())
-        meta = _replay(op, meta)
-    return source, meta, group, group_dim
+        if tuple(meta.shape) == shape:
+            replayed = _replay(op, meta)
+            if replayed is not None:
+                meta, shape = replayed, out_shape
+                continue
+        meta = _replay_on_finer(op, meta, shape, out_shape)
+        shape = out_shape
+    return OperandView(source, meta, shape[:-2], group, group_dim)
+
+
+def _replay_on_finer(op: torch.fx.Node, meta: torch.Tensor, shape: tuple[int, ...], out_shape: tuple[int, ...]
+                     ) -> torch.Tensor:
+    """An op on an operand whose leading dims no stride merges: a reshape of its batch dims only, or a
+    swap of its last two dims."""
+    if out_shape[-2:] == shape[-2:] and _packet(op) in (aten.reshape, aten.view, aten._unsafe_view, aten.flatten,
+                                                         aten.unflatten, aten.unsqueeze, aten.squeeze) \
+            and math.prod(out_shape[:-2]) == math.prod(shape[:-2]) and _nests(out_shape[:-2], meta.shape[:-2]):
+        return meta
+    if _packet(op) in (aten.transpose, aten.t, aten.permute):
+        rank = len(shape)
+        order = list(range(rank))
+        if _packet(op) == aten.permute:
+            order = [d % rank for d in op.args[1]]
+        elif _packet(op) == aten.transpose:
+            a, b = op.args[1] % rank, op.args[2] % rank
+            order[a], order[b] = order[b], order[a]
+        else:
+            order.reverse()
+        if order[:rank - 2] == list(range(rank - 2)):
+            return meta.transpose(-1, -2) if order[rank - 2:] == [rank - 1, rank - 2] else meta
+    raise Unsupported(f"{op.target} of an operand whose batch dims were merged by a copying reshape")
+
+
+def _nests(coarse: tuple[int, ...], fine: tuple[int, ...]) -> bool:
+    """Whether every boundary between ``coarse`` dims is one between ``fine`` dims."""
+    boundaries, product = set(), 1
+    for size in fine:
+        product *= size
+        boundaries.add(product)
+    product = 1
+    for size in coarse:
+        product *= size
+        if product not in boundaries and size != 1:
+            return False
+    return True
 
 
 def _moved_dim(op: torch.fx.Node, dim: int, ndim: int) -> int:
@@ -149,50 +225,76 @@ def _moved_dim(op: torch.fx.Node, dim: int, ndim: int) -> int:
     return b if dim == a else a if dim == b else dim
 
 
-def canonical(meta: torch.Tensor, group: int, group_dim: int | None, batch: tuple[int, ...], heads: int
-              ) -> OperandLayout:
-    """Lay an operand of shape [*its batch, N, D] out as the kernel's [B, H_source, N, D].
-
-    ``batch`` is the attention's batch shape (the matmul's broadcast batch); B = its first dim, H the
-    product of the rest (``heads``). K/V heads shared by several query heads come from a head repeat
-    (``group``) or from a size-1 or stride-0 head dimension (broadcast).
-    """
-    n, d = meta.shape[-2], meta.shape[-1]
-    rank = len(batch)
-    pad = rank - (meta.dim() - 2)
+def broadcast_to(view: OperandView, batch: tuple[int, ...]) -> OperandView:
+    """The operand broadcast to the attention's batch dims, as the matmul broadcasts it."""
+    if view.batch == batch:
+        return view
+    if view.merged:
+        raise Unsupported("a reshaped operand broadcast over the batch")
+    meta = view.meta
+    pad = len(batch) - len(view.batch)
+    meta = meta.reshape((1,) * pad + tuple(meta.shape))
+    group_dim = None if view.group_dim is None else view.group_dim + pad
+    target = list(batch)
     if group_dim is not None:
-        group_dim += pad
-    meta = meta.reshape((1,) * pad + tuple(meta.shape)) if pad else meta
-    if group_dim is not None:  # the unrepeated head dim has size H / group
-        full = list(batch)
-        full[group_dim] //= group
-        meta = meta.expand(*full, n, d)
-    else:
-        meta = meta.expand(*batch, n, d)
-    size, stride = list(meta.shape[:-2]), list(meta.stride()[:-2])
-    b_size = size[0] if rank else 1
-    b_stride = stride[0] if rank else 0
-    head_sizes, head_strides = size[1:], stride[1:]
-    # The head dims, outer to inner: merge into one, or recognise a broadcast inner dim as a group.
-    h_size, h_stride, shared = 1, 0, 1
-    for i, (s, st) in enumerate(zip(head_sizes, head_strides)):
-        if s == 1:
+        target[group_dim] //= view.group  # the unrepeated dim stays its size
+    return OperandView(view.source, meta.expand(*target, *meta.shape[-2:]), tuple(batch), view.group, group_dim)
+
+
+def canonical(view: OperandView, batch: int, heads: int) -> OperandLayout:
+    """The operand as the kernel's [B, H_source, N, D] for an attention of ``batch`` × ``heads`` (whose flat
+    index the operand's leading dims, flattened, also count).
+
+    Each leading dim is (size, stride, repeat): a head repeat or a broadcast (stride 0) dim reads source
+    index ``h // repeat``. The leading dims whose sizes multiply to ``batch`` must merge into one stride;
+    the rest into one head dim with one repeat: the group of query heads per K/V head.
+    """
+    meta = view.meta
+    dims = []
+    for i, (size, stride) in enumerate(zip(meta.shape[:-2], meta.stride()[:-2])):
+        repeat = view.group if i == view.group_dim else 1
+        if stride == 0 and size > 1:
+            size, repeat = 1, repeat * size
+        dims.append([size, stride, repeat])
+    b_dims, h_dims, product = [], [], 1
+    for size, stride, repeat in dims:
+        logical = size * repeat
+        if product < batch:
+            if repeat > 1 and logical > 1:
+                raise Unsupported("an operand broadcast or repeated over the batch")
+            if product * logical > batch:  # split this dim between batch and heads
+                inner = product * logical // batch
+                b_dims.append([size // inner, stride * inner, 1])
+                h_dims.append([inner, stride, 1])
+            else:
+                b_dims.append([size, stride, 1])
+            product *= logical
+        else:
+            h_dims.append([size, stride, repeat])
+    b_size, b_stride = _merge(b_dims, "batch")[:2]
+    h_size, h_stride, group = _merge(h_dims, "heads")
+    if b_size != batch or h_size * group != heads:
+        raise Unsupported("an operand's batch and heads do not match the scores'")
+    return OperandLayout(size=(b_size, h_size, meta.shape[-2], meta.shape[-1]),
+                         stride=(b_stride, h_stride, meta.stride(-2), meta.stride(-1)),
+                         offset=meta.storage_offset(), group=group)
+
+
+def _merge(dims: list[list[int]], what: str) -> tuple[int, int, int]:
+    """Merge (size, stride, repeat) dims, outer to inner, into one; raises where no one stride does."""
+    size, stride, repeat = 1, 0, 1
+    for s, st, r in dims:
+        if s == 1 and r == 1:
             continue
-        if st == 0 and (i + 1 == rank - 1 or all(x == 1 for x in head_sizes[i + 1:])):
-            shared *= s  # the innermost varying head dim is broadcast: query heads share
+        if size == 1 and repeat == 1:
+            size, stride, repeat = s, st, r
             continue
-        if st == 0:
-            raise Unsupported("K/V broadcast over an outer head dimension")
-        if h_size > 1 and h_stride != st * s:
-            raise Unsupported("heads of an operand cannot be read as one strided dimension")
-        h_size, h_stride = h_size * s, st
-    if group_dim is not None and group_dim > 1 and any(x > 1 for x in head_sizes[group_dim:]):
-        raise Unsupported("K/V heads repeated on a dimension that is not the innermost head dimension")
-    total_group = shared * group
-    if h_size * total_group != heads:
-        raise Unsupported("K/V heads do not divide the query heads evenly")
-    if b_stride == 0 and b_size > 1:
-        raise Unsupported("an operand broadcast over the batch")
-    return OperandLayout(size=(b_size, h_size, n, d), stride=(b_stride, h_stride, meta.stride(-2),
-                                                            meta.stride(-1)),
-                         offset=meta.storage_offset(), group=total_group)
+        if s == 1:  # a broadcast inner dim: the merged dim repeats each entry r more times
+            if repeat != 1:
+                raise Unsupported(f"{what} repeated twice")
+            repeat = r
+            continue
+        if repeat != 1 or stride != st * s:
+            raise Unsupported(f"the {what} of an operand cannot be read with one stride")
+        size, stride, repeat = size * s, st, r
+    return size, stride, repeat

@@ -262,29 +262,34 @@ class Lifter:
         return Code(expr, x.dtype, x.uses | row_uses | col_uses)
 
     def _gather(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        """``table[i0, i1, ...]`` (``aten.index``, ``embedding``): index tensors evaluated at the output's
+        coordinates, the other dims read at theirs, as advanced indexing places them."""
         if packet(node) == aten.embedding:
-            table, indices = node.args[0], node.args[1]
-            index_rank = val(indices).dim()
-            index_coords, rest = coords[:index_rank], coords[index_rank:]
+            table, indices = node.args[0], [node.args[1]]
         else:
-            table, index_list = node.args[0], node.args[1]
-            if len(index_list) != 1 or index_list[0] is None:
-                raise Unsupported("advanced indexing other than table[indices]")
-            indices = index_list[0]
-            index_rank = val(indices).dim()
-            index_coords, rest = coords[:index_rank], coords[index_rank:]
-        index = self.value(indices, _broadcast(index_coords, tuple(val(node).shape[:index_rank]),
-                                               tuple(val(indices).shape)))
-        if not isinstance(index, Code):
-            raise Unsupported("a gather whose indices depend on the scores")
-        strides = val(table).stride()
-        parts = [f"{index.expr} * {strides[0]}"]
-        uses = set(index.uses)
-        for c, stride in zip(rest, strides[1:]):
-            text, u = self.render(c)
-            parts.append(f"{text} * {stride}")
-            uses |= u
-        self.features.add("relative_bias")
+            table, indices = node.args[0], list(node.args[1])
+        present = [d for d, ix in enumerate(indices) if ix is not None]
+        index_shape = tuple(torch.broadcast_shapes(*[tuple(val(indices[d]).shape) for d in present]))
+        table_shape = tuple(val(table).shape)
+        adjacent = present == list(range(present[0], present[-1] + 1))
+        start = present[0] if adjacent else 0
+        index_coords = coords[start:start + len(index_shape)]
+        plain = iter(coords[:start] + coords[start + len(index_shape):])
+        parts, uses = [], set()
+        for d, (size, stride) in enumerate(zip(table_shape, val(table).stride())):
+            if d in present:
+                i = self.value(indices[d], _broadcast(index_coords, index_shape, tuple(val(indices[d]).shape)))
+                if not isinstance(i, Code):
+                    raise Unsupported("a gather whose indices depend on the scores")
+                wrapped = self.code.let(f"tl.where({i.expr} < 0, {i.expr} + {size}, {i.expr})")
+                parts.append(f"{wrapped} * {stride}")
+                uses |= i.uses
+            else:
+                text, u = self.render(next(plain))
+                parts.append(f"{text} * {stride}")
+                uses |= u
+        if table.meta.get("requires_grad", False) or "q" in uses and "k" in uses:
+            self.features.add("relative_bias")
         return self._read(table, " + ".join(parts), frozenset(uses))
 
     def _load(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:

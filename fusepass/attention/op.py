@@ -111,7 +111,10 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                              aux_grad, dropout_p=s.dropout_p, seed=_seed(seed))
     grads = []
     for source, layout, grad4 in ((q, s.q, dq4), (k, s.k, dk4), (v, s.v, dv4)):
-        grad = torch.zeros_like(source) if not layout.covers_source_exactly else torch.empty_like(source)
+        # The layout's strides are the source's: the gradient takes them too.
+        grad = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device=source.device)
+        if not layout.covers(source):
+            grad.zero_()
         layout.view(grad).copy_(grad4)
         grads.append(grad)
     return grads[0], grads[1], grads[2], [g.to(a.dtype) for g, a in zip(aux_grad, aux)]

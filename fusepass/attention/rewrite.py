@@ -12,7 +12,7 @@ import operator
 import torch
 import torch.fx
 
-from fusepass.attention.layout import OperandLayout, Unsupported, canonical, operand_view
+from fusepass.attention.layout import OperandView, Unsupported, broadcast_to, canonical, operand_view
 from fusepass.attention.lift import Canon, Lifter
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
 from fusepass.attention.op import AttentionSpec, register
@@ -25,27 +25,26 @@ aten = torch.ops.aten
 HEAD_DIMS = range(16, 257)
 
 
-def _operand(node: torch.fx.Node, perm: tuple[int, ...] | None, batch: tuple[int, ...], heads: int,
-             transpose: bool = False) -> tuple[torch.fx.Node, OperandLayout]:
-    """An operand as the kernel reads it: [*batch, N, D] after ``perm`` (and a transpose of the last two)."""
-    source, meta, group, group_dim = operand_view(node)
+def _operand_view(node: torch.fx.Node, perm: tuple[int, ...] | None, batch: tuple[int, ...],
+                  swap: bool = False) -> OperandView:
+    """A matmul operand read as [*batch, N, D]: permuted (einsum), last two dims swapped (Kᵀ, V), broadcast."""
+    view = operand_view(node)
     if perm is not None:
-        meta = meta.permute(perm)
-        if group_dim is not None:
-            group_dim = perm.index(group_dim)
-    if transpose:
-        meta = meta.transpose(-1, -2)
-    return source, canonical(meta, group, group_dim, batch, heads)
+        view = view.permute(perm)
+    if swap:
+        view = view.swap_last()
+    return broadcast_to(view, batch)
 
 
-def _values_meta_batch(m: AttentionMatch, batch: tuple[int, ...]) -> tuple[int, ...]:
-    pv_batch = tuple(val(m.pv).shape[:-2]) if m.values.out_perm is None else None
-    if pv_batch is None:  # einsum: the canonical output order is [*batch, q, d]
-        canonical_out = [None] * val(m.pv).dim()
-        for i, p in enumerate(m.values.out_perm):
-            canonical_out[p] = val(m.pv).shape[i]
-        pv_batch = tuple(canonical_out[:-2])
-    return pv_batch
+def _pv_batch(m: AttentionMatch) -> tuple[int, ...]:
+    """The batch dims of the matmul with V, in [*batch, q, d] order (an einsum may write them otherwise)."""
+    shape = tuple(val(m.pv).shape)
+    if m.values.out_perm is None:
+        return shape[:-2]
+    canonical_out = [0] * len(shape)
+    for i, p in enumerate(m.values.out_perm):
+        canonical_out[p] = shape[i]
+    return tuple(canonical_out[:-2])
 
 
 def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Node], list[str]]:
@@ -53,22 +52,21 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
     shape = tuple(val(m.qk).shape)
     if not all(isinstance(s, int) for s in shape):
         raise Unsupported("symbolic shapes")
-    batch = shape[:-2]
-    q_len, kv_len = shape[-2], shape[-1]
-    B = batch[0] if batch else 1
-    H = math.prod(batch[1:]) if len(batch) > 1 else 1
-    q_src, q = _operand(m.scores.left, m.scores.left_perm, batch, H)
-    k_src, k = _operand(m.scores.right, m.scores.right_perm, batch, H)
+    batch, q_len, kv_len = shape[:-2], shape[-2], shape[-1]
+    flat = math.prod(batch)
+    q_view = _operand_view(m.scores.left, m.scores.left_perm, batch)
+    k_view = _operand_view(m.scores.right, m.scores.right_perm, batch)
+    pv_batch = _pv_batch(m)
+    if math.prod(pv_batch) != flat:
+        raise Unsupported("the matmul with V has another batch than the scores")
+    v_view = _operand_view(m.values.right, m.values.right_perm, pv_batch, swap=True)
+    # The kernel's batch: the first of Q's leading dims (finer than the scores' where a reshape merged them).
+    B = q_view.meta.shape[0] if q_view.meta.dim() > 2 else 1
+    H = flat // B
+    q, k, v = (canonical(view, B, H) for view in (q_view, k_view, v_view))
+    q_src, k_src, v_src = q_view.source, k_view.source, v_view.source
     if q.group != 1:
         raise Unsupported("queries shared across heads")
-    pv_batch = _values_meta_batch(m, batch)
-    if math.prod(pv_batch) != B * H:
-        raise Unsupported("the matmul with V has another batch than the scores")
-    v_perm = m.values.right_perm
-    v_src, v = _operand(m.values.right, v_perm, pv_batch, H if pv_batch == batch else math.prod(pv_batch[1:]),
-                        transpose=True)
-    if pv_batch != batch:
-        v = _rebatch(v, pv_batch, B, H)
     dtypes = {val(q_src).dtype, val(k_src).dtype, val(v_src).dtype}
     if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float16, torch.bfloat16):
         raise Unsupported(f"Q, K, V dtypes {sorted(map(str, dtypes))}")
@@ -90,17 +88,6 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
     if m.dropout_p > 0:
         features.append("dropout")
     return spec, [q_src, k_src, v_src], sorted(set(features))
-
-
-def _rebatch(v: OperandLayout, pv_batch: tuple[int, ...], B: int, H: int) -> OperandLayout:
-    """V laid out over the matmul's own batch dims (e.g. heads folded into the batch) → over (B, H)."""
-    b, h, n, d = v.size
-    meta = torch.empty_strided(v.size, v.stride, device="meta").reshape(b * h, n, d)
-    try:
-        meta = meta.view(B, H // v.group if v.group > 1 else H, n, d)
-    except RuntimeError:
-        raise Unsupported("V's batch cannot be read as the scores' batch and heads") from None
-    return OperandLayout(tuple(meta.shape), tuple(meta.stride()), v.offset, v.group)
 
 
 def _removed_nodes(m: AttentionMatch) -> list[torch.fx.Node]:

@@ -117,7 +117,6 @@ def int_remainder(a, b):
 @triton.jit
 def pow(x, y):
     # x ** y for float x, y: exact signs for negative bases with integral exponents, C's special cases.
-    y = tl.zeros_like(x) + y
     mag = tl.exp2(y * tl.log2(tl.abs(x)))
     y_is_int = tl.floor(y) == y
     y_is_odd = y_is_int & ((y - 2.0 * tl.floor(y * 0.5)) != 0.0)
@@ -130,7 +129,6 @@ def pow(x, y):
 def int_pow(x, y):
     # Integer power by repeated squaring (exponents of int tensors are small); negative exponents give 0
     # except for bases 1 and -1, as in eager.
-    y = tl.zeros_like(x) + y
     result = tl.full(x.shape, 1, x.dtype)
     base = x
     e = tl.where(y < 0, 0, y)

@@ -240,6 +240,15 @@ def _pow(c, self, exponent):
             return f"tl.rsqrt({self})"
         if c.is_float and e == -1:
             return f"({c.lit(1)} / {self})"
+    base = c.raw["self"]
+    if c.is_float and isinstance(base, (int, float)) and not isinstance(base, bool) and base > 0:
+        # a constant base: one exp2 (exact for powers of two, as ALiBi's slopes are)
+        return f"tl.exp2({exponent} * {c.lit(math.log2(base))})"
+    # The math functions take tensors: a literal operand is broadcast against the other one.
+    if not self.isidentifier():
+        self = f"(tl.zeros_like({exponent}) + {self})"
+    elif not exponent.isidentifier():
+        exponent = f"(tl.zeros_like({self}) + {exponent})"
     return f"fm.pow({self}, {exponent})" if c.is_float else f"fm.int_pow({self}, {exponent})"
 
 
@@ -563,7 +572,7 @@ def _elu_backward(c, grad_output, alpha, scale, input_scale, is_result, self_or_
 CASTS = {aten._to_copy, aten.to, prims.convert_element_type, aten.clone, aten.alias, aten.copy,
          aten.lift_fresh_copy, aten.detach, aten.type_as}
 CONSTANTS = {aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.zeros_like, aten.ones_like,
-             aten.full_like}
+             aten.full_like, aten.new_ones, aten.new_zeros, aten.new_full}
 
 
 def cast(value: Operand | bool | int | float, dtype: torch.dtype) -> Operand:
@@ -575,12 +584,14 @@ def cast(value: Operand | bool | int | float, dtype: torch.dtype) -> Operand:
 
 
 def constant_value(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if packet in (aten.zeros, aten.zeros_like):
+    if packet in (aten.zeros, aten.zeros_like, aten.new_zeros):
         return 0
-    if packet in (aten.ones, aten.ones_like):
+    if packet in (aten.ones, aten.ones_like, aten.new_ones):
         return 1
     if packet == aten.scalar_tensor:
         return args[0]
+    if packet == aten.new_full:
+        return args[2]  # new_full(self, size, value)
     return args[1]  # full(size, value), full_like(self, value)
 
 
