@@ -26,6 +26,7 @@ from fusepass.kernels.pointwise import interpreting
 from fusepass.options import Options
 from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, new_report
+from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
 CPU_NOTICE = ("kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU): rewrites are planned and "
               "reported, the graph runs its ops unfused")
@@ -46,6 +47,16 @@ class Backend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         report = new_report()
+        if has_higher_order_ops(gm):
+            try:
+                return compile_around_higher_order_ops(
+                    gm, example_inputs, lambda piece, inputs: self._compile(piece, inputs, report))
+            except Exception as error:
+                return self._give_up(gm, report, "splitting at higher-order ops", error)
+        return self._compile(gm, example_inputs, report)
+
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], report: Report
+                 ) -> Callable[..., Any]:
         try:
             graph = capture(gm, example_inputs)
         except Exception as error:

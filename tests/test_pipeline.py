@@ -117,3 +117,25 @@ graph():
     %getitem_1 : [num_users=1] = call_function[target=operator.getitem](args = (%fused_mul_add_gelu_sigmoid, 1), kwargs = {})
     return (getitem_1, primals_1, primals_2, getitem)""")
         self.assertEqual(len(rewrites(report, phase="backward")), 1)
+
+
+class ScaledTanh(torch.autograd.Function):
+    """An autograd.Function with a backward of its own (deliberately not tanh's true derivative)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.tanh(x) * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 3 + x
+
+
+def test_autograd_functions_keep_their_own_backward():
+    def fn(x):
+        return torch.sigmoid(ScaledTanh.apply(x * 1.5 + 1) * 0.5) - 1
+
+    report = check(fn, random_tensor((6, 7), torch.float32), backward=True)
+    assert report.rewrites  # the chains around the function are still fused

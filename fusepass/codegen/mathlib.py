@@ -117,6 +117,8 @@ def int_remainder(a, b):
 @triton.jit
 def pow(x, y):
     # x ** y for float x, y: exact signs for negative bases with integral exponents, C's special cases.
+    x = x + tl.zeros_like(y)  # one shape for both (either may be a 0-d value)
+    y = y + tl.zeros_like(x)
     mag = tl.exp2(y * tl.log2(tl.abs(x)))
     y_is_int = tl.floor(y) == y
     y_is_odd = y_is_int & ((y - 2.0 * tl.floor(y * 0.5)) != 0.0)
@@ -129,6 +131,8 @@ def pow(x, y):
 def int_pow(x, y):
     # Integer power by repeated squaring (exponents of int tensors are small); negative exponents give 0
     # except for bases 1 and -1, as in eager.
+    x = x + tl.zeros_like(y)
+    y = y + tl.zeros_like(x)
     result = tl.full(x.shape, 1, x.dtype)
     base = x
     e = tl.where(y < 0, 0, y)

@@ -245,11 +245,20 @@ def _pow(c, self, exponent):
         # a constant base: one exp2 (exact for powers of two, as ALiBi's slopes are)
         return f"tl.exp2({exponent} * {c.lit(math.log2(base))})"
     # The math functions take tensors: a literal operand is broadcast against the other one.
-    if not self.isidentifier():
+    if _is_literal(self):
         self = f"(tl.zeros_like({exponent}) + {self})"
-    elif not exponent.isidentifier():
+    elif _is_literal(exponent):
         exponent = f"(tl.zeros_like({self}) + {exponent})"
     return f"fm.pow({self}, {exponent})" if c.is_float else f"fm.int_pow({self}, {exponent})"
+
+
+def _is_literal(expr: str) -> bool:
+    """Whether an operand's code is a constant (a literal), not a tensor."""
+    try:
+        float(expr)
+        return True
+    except ValueError:
+        return expr.startswith(("float(", "tl.full([]", "True", "False"))
 
 
 def _unary_float(fn: str) -> Callable[..., str]:

@@ -140,6 +140,12 @@ def test_pow_tensor_exponent():
     check_op(torch.pow, -base, exponent.round())
 
 
+def test_pow_of_a_zero_dim_base():
+    powers = torch.arange(1, 9, dtype=torch.int32, device=DEVICE)
+    check_op(lambda p, b: torch.pow(b, p) * 2 - 1, powers, torch.tensor(0.0625, device=DEVICE))
+    check_op(lambda p, b: torch.pow(b, p) + p, powers, torch.tensor(3, device=DEVICE))
+
+
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.int64], ids=str)
 def test_bitwise(dtype):
     a, b = random_tensor(SHAPE, dtype, low=-50, high=50), random_tensor(SHAPE, dtype, low=-50, high=50)
