@@ -227,12 +227,16 @@ def main() -> None:
             for backward in ((False,) if args.no_backward else (False, True)):
                 fusepass.reset()
                 torch._dynamo.reset()
-                row = run(CASES[name], SHAPES[shape_name], peers, backward)
+                try:
+                    row = run(CASES[name], SHAPES[shape_name], peers, backward)
+                except Exception as error:  # one failing case is reported in its row, the suite goes on
+                    row = {"case": CASES[name].name, "shape": shape_name, "pass": "fwd+bwd" if backward else "fwd",
+                           "error": f"{type(error).__name__}: {str(error)[-300:]}"}
                 rows.append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     columns = ["case", "shape", "pass", "rewritten", "error vs peer", "fusepass ms", "fusepass TFLOP/s",
                "flex ms", "sdpa ms", "inductor ms", "eager ms", "vs flex", "vs sdpa", "vs inductor",
-               "fusepass GiB", "sdpa GiB", "flex GiB"]
+               "fusepass GiB", "sdpa GiB", "flex GiB", "error"]
     print(keep("attention", [c for c in columns if any(c in r for r in rows)], rows))
 
 

@@ -67,16 +67,24 @@ UNARY_FLOAT = {
 }
 
 
+# Where eager itself is inexact on CUDA: its hardsigmoid multiplies by a float32 1/6 even in float64, and
+# its half-precision round(decimals) rounds the scaled value to half first.
+CUDA_EAGER_TOLERANCE = {("hardsigmoid", torch.float64): dict(rtol=1e-7, atol=1e-7),
+                        ("hardswish", torch.float64): dict(rtol=1e-7, atol=1e-7),
+                        ("round_decimals", torch.float16): dict(rtol=0, atol=0.011)}
+
+
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("name", sorted(UNARY_FLOAT))
 def test_unary_float(name, dtype):
     fn, domain = UNARY_FLOAT[name]
+    tol = CUDA_EAGER_TOLERANCE.get((name, dtype), {}) if DEVICE == "cuda" else {}
     x = random_tensor(SHAPE, dtype, **domain)
     if name.startswith("nan_to_num"):
         x[0, :3] = torch.tensor([0.0, -1.0, float("inf")], dtype=dtype, device=DEVICE)  # -inf, nan, inf after log
     if name in ("isnan", "isinf", "isfinite"):
         x[1, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype, device=DEVICE)
-    check_op(fn, x)
+    check_op(fn, x, **tol)
 
 
 def test_float32_special_functions_stay_accurate_near_zero():

@@ -289,7 +289,7 @@ def run_flash(case: Case, inputs: Inputs, q, k, v, do, forward_map=None, **dropo
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, extra=extra)
 
 
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # relative and absolute
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}  # relative and absolute
 
 
 def assert_matches(got: dict, expected: dict, dtype: torch.dtype):
