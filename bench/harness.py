@@ -22,8 +22,10 @@ def environment() -> dict[str, Any]:
     import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    now = datetime.datetime.now(datetime.timezone.utc)
     return {
-        "date": datetime.date.today().isoformat(),
+        "date": now.date().isoformat(),
+        "time": now.strftime("%H%M"),
         "gpu": gpu,
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -67,7 +69,7 @@ def keep(suite: str, columns: Sequence[str], rows: Sequence[dict[str, Any]], not
               f"CUDA {env['cuda']}\n\n{notes}\n\n" if notes else
               f"# {suite}\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}, "
               f"CUDA {env['cuda']}\n\n")
-    stem = f"{suite}-{env['date']}"
+    stem = f"{suite}-{env['date']}-{env['time']}"
     for folder in filter(None, (RESULTS, os.environ.get("OUT"))):
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, stem + ".json"), "w") as f:
