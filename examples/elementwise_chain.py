@@ -4,26 +4,19 @@
 """
 from __future__ import annotations
 
-from common import DEVICE, ON_GPU, compare
+from common import DEVICE, compare, size
 
 import torch
 import torch.nn.functional as F
-
-import fusepass
 
 
 def chain(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.gelu(x * 0.5 + b) * torch.sigmoid(x)
 
 
-def main() -> None:
-    n = 8192 if ON_GPU else 96
-    x = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
-    b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
-    fused = torch.compile(chain, backend="fusepass")
-    compare(f"gelu(x*0.5+b)*sigmoid(x), {n}x{n} bf16", chain, fused, x, b)
-    print(fusepass.last_report())
-
-
 if __name__ == "__main__":
-    main()
+    n = size(8192, 96)
+    x = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(n, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    compare(f"gelu(x*0.5+b)*sigmoid(x), {n}x{n} bf16", chain, torch.compile(chain, backend="fusepass"), x, b,
+            backward=True)

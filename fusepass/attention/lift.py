@@ -57,6 +57,7 @@ class Code:
     uses: frozenset[str]  # of "b", "h", "q", "k": what it varies with
     zero_dim: bool = False
     mask: tuple[str, Any] | None = None  # for where(keep, 0, fill): (keep expression, fill)
+    compares: int = 0  # comparisons of query against key positions it depends on (1: causal, 2: a band)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Lifter:
         self.memo: dict[tuple[torch.fx.Node, tuple[Idx, ...]], Code | Diff] = {}
         self.chain = set(m.chain)
         self.features: set[str] = set()
-        self.comparisons = 0  # of query against key positions: one is causal, two a window
+        self.mask_compares = 0  # the most query-against-key comparisons a mask condition depends on
         self.aux_loads_in_code: set[int] = set()
         self.s_leaf = self._placeholder("s", val(m.qk).dtype, False)
         self.leaves[self.s_leaf] = None
@@ -256,10 +257,9 @@ class Lifter:
         col, col_uses = self.render(coords[-1])
         op = "<=" if packet(node) == aten.tril else ">="
         keep = f"(({col}) - ({row}) {op} {diagonal})"
-        self.features.add("causal" if diagonal in (0, 1) else "window")
         zero = literal(0, held_dtype(x.dtype))
         expr = self.code.let(f"tl.where({keep}, {x.expr}, {zero})")
-        return Code(expr, x.dtype, x.uses | row_uses | col_uses)
+        return Code(expr, x.dtype, x.uses | row_uses | col_uses, compares=x.compares + 1)
 
     def _gather(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
         """``table[i0, i1, ...]`` (``aten.index``, ``embedding``): index tensors evaluated at the output's
@@ -290,7 +290,7 @@ class Lifter:
                 uses |= u
         if table.meta.get("requires_grad", False) or "q" in uses and "k" in uses:
             self.features.add("relative_bias")
-        return self._read(table, " + ".join(parts), frozenset(uses))
+        return self._read(table, " + ".join(parts), frozenset(uses), gathered=True)
 
     def _load(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
         tensor = val(node)
@@ -306,11 +306,13 @@ class Lifter:
             uses |= u
         return self._read(node, " + ".join(parts) if parts else "0", frozenset(uses))
 
-    def _read(self, tensor: torch.fx.Node, offset: str, uses: frozenset[str]) -> Code | Diff:
+    def _read(self, tensor: torch.fx.Node, offset: str, uses: frozenset[str], gathered: bool = False
+              ) -> Code | Diff:
         index = self._aux_index(tensor)
         t = val(tensor)
         mask = self._bounds(uses)
-        self._note_read(t, uses)
+        if not gathered:
+            self._note_read(t, uses)
         if tensor.meta.get("requires_grad", False):
             leaf = self._placeholder("g", t.dtype, t.dim() == 0)
             self.leaves[leaf] = GradLeaf(index, offset, mask, uses)
@@ -340,7 +342,8 @@ class Lifter:
         kwargs = {k: arg_value(v) for k, v in node.kwargs.items()}
         result = self._pointwise_value(node.target, args, kwargs, val(node).dtype, val(node).dim() == 0)
         if isinstance(result, Code) and packet(node) in (aten.where, aten.masked_fill):
-            result = Code(result.expr, result.dtype, result.uses, result.zero_dim, _mask_of(node, args))
+            mask = _mask_of(node, args)
+            result = Code(result.expr, result.dtype, result.uses, result.zero_dim, mask, result.compares)
         return result
 
     def _pointwise_value(self, target: Any, args: tuple, kwargs: dict, dtype: torch.dtype,
@@ -357,21 +360,25 @@ class Lifter:
                 return type(a)(operand(x) for x in a)
             return a
 
-        uses = frozenset().union(*[a.uses for a in flat if isinstance(a, Code)])
-        self._note_comparison(target, args)
+        codes = [a for a in flat if isinstance(a, Code)]
+        uses = frozenset().union(*[a.uses for a in codes])
+        compares = sum(a.compares for a in codes)
+        if getattr(target, "overloadpacket", None) in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
+            compares += 1
+        self._note_op(target, args)
         result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()}, dtype,
                            round_casts=False)
-        return Code(self.code.let(result.expr), dtype, uses, zero_dim)
+        return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares)
 
     # ---------------------------------------------------------------------------------- features
 
-    def _note_comparison(self, target: Any, args: tuple) -> None:
-        """Features the report names, read off the index code as it is emitted."""
+    def _note_op(self, target: Any, args: tuple) -> None:
+        """Features the report names, read off the ops as they are lifted."""
         kind = getattr(target, "overloadpacket", None)
         values = [a for a in args if isinstance(a, (Code, Diff))]
         uses = frozenset().union(*[a.uses for a in values]) if values else frozenset()
-        if kind in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
-            self.comparisons += 1
+        if kind == aten.tanh and any(isinstance(a, Diff) for a in values):
+            self.features.add("softcap")
         if kind == aten.eq and {"q", "k"} <= uses and "b" in uses:
             self.features.add("document")
         if kind == aten.mul and len(values) == 2:
@@ -380,11 +387,14 @@ class Lifter:
             if any(isinstance(y, Code) and x.uses and x.uses <= {"b", "h"} and "k" in y.uses
                    for x, y in ((a, b), (b, a))):
                 self.features.add("alibi")
-
-    def _note_op(self, target: Any, args: tuple) -> None:
-        self._note_comparison(target, args)
-        if getattr(target, "overloadpacket", None) == aten.tanh:
-            self.features.add("softcap")
+        if kind in (aten.masked_fill, aten.where) and any(isinstance(a, Diff) for a in values):
+            condition = args[1] if kind == aten.masked_fill else args[0]
+            if isinstance(condition, Code):
+                self.mask_compares = max(self.mask_compares, condition.compares)
+        if kind == aten.add:
+            for a in values:
+                if isinstance(a, Code) and a.mask is not None:
+                    self.mask_compares = max(self.mask_compares, a.compares)
 
     def _note_read(self, tensor: torch.Tensor, uses: frozenset[str]) -> None:
         if uses and uses <= {"b", "k"} and "k" in uses:
@@ -427,9 +437,9 @@ class Lifter:
 
     def _features(self) -> list[str]:
         features = set(self.features)
-        if self.comparisons == 1:
+        if self.mask_compares == 1:
             features.add("causal")
-        elif self.comparisons > 1:
+        elif self.mask_compares > 1:
             features.add("window")
         return sorted(features)
 
