@@ -308,8 +308,10 @@ class Lifter:
 
     def _read(self, tensor: torch.fx.Node, offset: str, uses: frozenset[str], gathered: bool = False
               ) -> Code | Diff:
-        index = self._aux_index(tensor)
         t = val(tensor)
+        if t.device != val(self.m.qk).device:
+            raise Unsupported(f"a score input on {t.device}, the scores on {val(self.m.qk).device}")
+        index = self._aux_index(tensor)
         mask = self._bounds(uses)
         if not gathered:
             self._note_read(t, uses)
@@ -613,8 +615,10 @@ def _vjp_graph(module: torch.fx.GraphModule, differentiable: list[int]) -> torch
     """E's vector-Jacobian product as a graph of pointwise ATen ops, traced by torch's autograd:
     inputs are E's inputs and the output's gradient, outputs the gradients of ``differentiable``."""
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    # Small real tensors to trace with: make_fx fakes them itself.
-    inputs = [torch.ones(tuple(n.meta["val"].shape), dtype=n.meta["val"].dtype) for n in placeholders]
+    # Small real tensors to trace with: make_fx fakes them itself. Every input gets the lanes, 0-d ones
+    # too: a 0-d input's gradient is then per element (autograd would sum it), and the kernel sums it
+    # as it accumulates.
+    inputs = [torch.ones((LANES,), dtype=n.meta["val"].dtype) for n in placeholders]
     out_val = [n for n in module.graph.nodes if n.op == "output"][0].args[0].meta["val"]
     ds = torch.ones(tuple(out_val.shape), dtype=out_val.dtype)
 

@@ -253,6 +253,15 @@ def test_document_mask_from_segment_ids():
     check(document_mask, *qkv(nk=NQ), segments, backward=True)
 
 
+def scaled_by_a_tensor(q, k, v, temperature):
+    return torch.softmax((q @ k.transpose(-1, -2)) * temperature, dim=-1) @ v
+
+
+def test_scale_as_a_zero_dim_tensor_that_learns():
+    temperature = torch.tensor(0.3, device=DEVICE)
+    check(scaled_by_a_tensor, *qkv(), temperature, backward=True)
+
+
 def test_cross_attention():
     report = check(plain, *qkv(nq=19, nk=53), backward=True)
     assert "cross" in attention_rewrite(report).features
