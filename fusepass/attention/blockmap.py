@@ -45,6 +45,17 @@ def block_list(count, index, map_bh, block, n_blocks, n_other_blocks, WHICH: tl.
 
 
 @triton.jit
+def row_lists(lists, b, h, block, n_blocks, n_other_blocks):
+    """(n_full, full, n_partial, partial): both lists of `block` of (b, h) in the row lists `lists`
+    (count, index, batch stride, head stride)."""
+    count, index, map_batch_stride, map_head_stride = lists
+    map_bh = b * map_batch_stride + h * map_head_stride
+    n_full, full = block_list(count, index, map_bh, block, n_blocks, n_other_blocks, FULL_LIST)
+    n_partial, partial = block_list(count, index, map_bh, block, n_blocks, n_other_blocks, PARTIAL_LIST)
+    return n_full, full, n_partial, partial
+
+
+@triton.jit
 def _tile_kind_kernel(Kind, q_len, kv_len, map_heads, aux, KEEP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     q_block = tl.program_id(0)

@@ -414,13 +414,13 @@ def _masked_fill(c, self, mask, value):
     return f"tl.where({mask}, {value}, {self})"
 
 
-def _comparison(op: str) -> Callable[..., str]:
+def _infix(op: str) -> Callable[..., str]:
     return lambda c, self, other: f"({self} {op} {other})"
 
 
 for _packet, _op in ((aten.eq, "=="), (aten.ne, "!="), (aten.lt, "<"), (aten.le, "<="), (aten.gt, ">"),
                      (aten.ge, ">=")):
-    rule(_packet, operands=BINARY, kind=Kind.ALWAYS_BOOL)(_comparison(_op))
+    rule(_packet, operands=BINARY, kind=Kind.ALWAYS_BOOL)(_infix(_op))
 
 
 def _as_bool(c, x: str) -> str:
@@ -448,29 +448,10 @@ def _logical_not(c, self):
 
 
 # The operator spellings (__and__, ...) reach graphs traced before autograd.
-@rule(aten.bitwise_and, aten.__and__, operands=BINARY)
-def _bitwise_and(c, self, other):
-    return f"({self} & {other})"
-
-
-@rule(aten.bitwise_or, aten.__or__, operands=BINARY)
-def _bitwise_or(c, self, other):
-    return f"({self} | {other})"
-
-
-@rule(aten.bitwise_xor, aten.__xor__, operands=BINARY)
-def _bitwise_xor(c, self, other):
-    return f"({self} ^ {other})"
-
-
-@rule(aten.bitwise_left_shift, aten.__lshift__, operands=BINARY)
-def _left_shift(c, self, other):
-    return f"({self} << {other})"
-
-
-@rule(aten.bitwise_right_shift, aten.__rshift__, operands=BINARY)
-def _right_shift(c, self, other):
-    return f"({self} >> {other})"
+for _packets, _op in (((aten.bitwise_and, aten.__and__), "&"), ((aten.bitwise_or, aten.__or__), "|"),
+                      ((aten.bitwise_xor, aten.__xor__), "^"), ((aten.bitwise_left_shift, aten.__lshift__), "<<"),
+                      ((aten.bitwise_right_shift, aten.__rshift__), ">>")):
+    rule(*_packets, operands=BINARY)(_infix(_op))
 
 
 @rule(aten.bitwise_not)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from fusepass.attention.blockmap import (
-    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists)
+    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, row_lists)
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import backward_config, head_block
 from fusepass.kernels.flash_fwd import (
@@ -244,11 +244,8 @@ def _flash_backward_dq_kernel(
         n_full = Nk // BLOCK_N
         n_partial = n_kv_blocks - n_full
     else:
-        count, index, map_batch_stride, map_head_stride = kv_lists
-        map_bh = b * map_batch_stride + h * map_head_stride
-        n_full, full_blocks = block_list(count, index, map_bh, q_block, n_q_blocks, n_kv_blocks, FULL_LIST)
-        n_partial, partial_blocks = block_list(count, index, map_bh, q_block, n_q_blocks, n_kv_blocks,
-                                               PARTIAL_LIST)
+        n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
+                                                                   n_kv_blocks)
         # A q block holding a row the forward recomputed over all tiles walks every kv tile instead.
         n_all = tl.load(fallback_blocks + bh * n_q_blocks + q_block).to(tl.int32) * n_kv_blocks
         n_full = tl.where(n_all > 0, 0, n_full)

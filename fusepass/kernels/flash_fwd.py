@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.attention.blockmap import FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for
+from fusepass.attention.blockmap import BlockMap, block_map_for, row_lists
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import forward_config, head_block
 
@@ -147,11 +147,8 @@ def _flash_forward_kernel(
         n_full = Nk // BLOCK_N
         n_partial = n_kv_blocks - n_full
     else:
-        count, index, map_batch_stride, map_head_stride = kv_lists
-        map_bh = b * map_batch_stride + h * map_head_stride
-        n_full, full_blocks = block_list(count, index, map_bh, q_block, n_q_blocks, n_kv_blocks, FULL_LIST)
-        n_partial, partial_blocks = block_list(count, index, map_bh, q_block, n_q_blocks, n_kv_blocks,
-                                               PARTIAL_LIST)
+        n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
+                                                                   n_kv_blocks)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
