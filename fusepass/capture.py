@@ -31,11 +31,12 @@ def mark_requires_grad(graph: torch.fx.Graph, example_inputs: Sequence[object]) 
     """``node.meta["requires_grad"]``: whether a gradient will flow to the node's value (the fake values
     of a graph traced before autograd do not say)."""
     inputs = iter(example_inputs)
+    grad_mode = torch.is_grad_enabled()  # Dynamo compiles under the caller's grad mode
     for node in graph.nodes:
         val = node.meta.get("val")
         if node.op == "placeholder":
             x = next(inputs, None)
-            node.meta["requires_grad"] = bool(getattr(x, "requires_grad", False))
+            node.meta["requires_grad"] = grad_mode and bool(getattr(x, "requires_grad", False))
         elif node.op == "call_function":
             differentiable = isinstance(val, torch.Tensor) and val.is_floating_point() and \
                 node.target is not torch.ops.aten.detach.default

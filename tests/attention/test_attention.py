@@ -30,7 +30,7 @@ def qkv(dtype=torch.float32, b=B, h=H, nq=NQ, nk=NK, d=D, kv_heads=None):
 
 
 def attention_rewrite(report) -> fusepass.Rewrite:
-    (rewrite,) = rewrites(report, kind="attention")
+    (rewrite,) = rewrites(report, kind="attention", phase="forward")
     return rewrite
 
 
@@ -286,7 +286,7 @@ def test_one_mask_shared_by_two_layers():
     x = random_tensor((B, NQ, D), torch.float32)
     w = [random_tensor((D, D), torch.float32) * 0.05 for _ in range(3)]
     report = check(two_layers_one_mask, x, *w, backward=True)
-    assert len(rewrites(report, kind="attention")) == 2
+    assert len(rewrites(report, kind="attention", phase="forward")) == 2
 
 
 # --- what must not be rewritten -------------------------------------------------------------------------
@@ -352,3 +352,11 @@ def test_dropout_in_kernel_matches_its_own_backward():
     d_s = p.detach() * (d_p - (d_p * p.detach()).sum(-1, keepdim=True)) / math.sqrt(n)
     torch.testing.assert_close(dq, d_s @ k.detach(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(dk, d_s.transpose(-1, -2) @ q.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_no_grad_and_inference_mode(mode):
+    with mode():
+        report = check(causal_masked_fill, *qkv(nk=NQ))
+    assert rewrites(report, kind="attention")
+    assert not rewrites(report, kind="attention", phase="backward")
