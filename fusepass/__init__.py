@@ -9,8 +9,10 @@ from fusepass.pipeline import Backend, backend, fusepass_backend
 from fusepass.options import Options
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.report.report import Report, last_report, reports, reset
+from fusepass.report.roofline import Ceilings, measure_ceilings, set_ceilings
 
-__all__ = ["Backend", "Hotspot", "Options", "Report", "Rewrite", "backend", "last_report", "reports", "reset"]
+__all__ = ["Backend", "Ceilings", "Hotspot", "Options", "Report", "Rewrite", "backend", "last_report",
+           "measure_ceilings", "reports", "reset", "set_ceilings"]
 
 
 def _register() -> None:

@@ -5,6 +5,9 @@
                 backward never keeps the N×N probabilities)
     autograd    AOTAutograd splits forward and backward graphs
     elementwise pointwise chains in both graphs → generated Triton kernels
+    report      each compiled graph's records get their roofline estimates; once the forward graph and,
+                where a gradient flows, the backward graph are compiled, the report hook runs
+                (FUSEPASS_REPORT, fusepass/report/hooks.py)
 A step that fails leaves the graph as it was, with a warning and a hotspot (``strict=True`` raises).
 """
 from __future__ import annotations
@@ -24,6 +27,8 @@ from fusepass.context import PassContext, graph_device
 from fusepass.elementwise.fuse import fuse_elementwise
 from fusepass.kernels.pointwise import interpreting
 from fusepass.options import Options
+from fusepass.report import hooks, profile, roofline
+from fusepass.report.intermediates import largest_intermediates
 from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, new_report
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
@@ -36,6 +41,49 @@ def kernels_can_run(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and interpreting())
 
 
+class _Compiling:
+    """A report while its graphs compile. Each compiled graph gives the new records their roofline
+    estimates; the report is complete, and its hook runs, once every forward graph is compiled and every
+    backward graph that follows one (AOTAutograd compiles a backward graph at the first backward call)."""
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+        self.forwards_done = False
+        self.backwards_pending = 0
+
+    def forward_compiled(self, backward_follows: bool) -> None:
+        self.backwards_pending += backward_follows
+        self.settle()
+
+    def backward_compiled(self) -> None:
+        self.backwards_pending -= 1
+        self.settle()
+
+    def all_forwards_compiled(self) -> None:
+        self.forwards_done = True
+        self.settle()
+
+    def settle(self) -> None:
+        roofline.estimate(self.report)
+        if self.forwards_done and not self.backwards_pending and not self.report.complete:
+            hooks.report_complete(self.report)
+
+
+def _notice(report: Report, notice: str | None) -> None:
+    if notice and notice not in report.notices:
+        report.notices.append(notice)
+
+
+def _ceilings_notice(report: Report, device: torch.device) -> str | None:
+    if device.type != "cuda" or report.ceilings.source != "default":
+        return None
+    name = torch.cuda.get_device_name(device)
+    if "H200" in name:
+        return None
+    return (f"roofline estimates use the H200's ceilings on a {name}: give yours with fusepass.set_ceilings("
+            "fusepass.measure_ceilings())")
+
+
 class Backend:
     """A configured fusepass backend: ``torch.compile(model, backend=Backend(Options(...)))``."""
 
@@ -46,25 +94,32 @@ class Backend:
         return f"fusepass.backend({self.options})"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-        report = new_report()
+        compiling = _Compiling(new_report())
         if has_higher_order_ops(gm):
             try:
-                return compile_around_higher_order_ops(
-                    gm, example_inputs, lambda piece, inputs: self._compile(piece, inputs, report))
+                compiled = compile_around_higher_order_ops(
+                    gm, example_inputs, lambda piece, inputs: self._compile(piece, inputs, compiling))
             except Exception as error:
-                return self._give_up(gm, report, "splitting at higher-order ops", error)
-        return self._compile(gm, example_inputs, report)
+                compiled = self._give_up(gm, compiling.report, "splitting at higher-order ops", error)
+        else:
+            compiled = self._compile(gm, example_inputs, compiling)
+        compiling.all_forwards_compiled()
+        return compiled
 
-    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], report: Report
+    def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compiling: _Compiling
                  ) -> Callable[..., Any]:
+        report = compiling.report
         try:
             graph = capture(gm, example_inputs)
         except Exception as error:
             return self._give_up(gm, report, "capture", error)
         device = graph_device(graph.graph)
+        report.device = str(device)
         run_kernels = kernels_can_run(device)
         if not run_kernels:
-            report.notices.append(CPU_NOTICE)
+            _notice(report, CPU_NOTICE)
+        _notice(report, profile.notice(device))
+        _notice(report, _ceilings_notice(report, device))
 
         def context(phase: str) -> PassContext:
             return PassContext(report, self.options, phase, device, run_kernels)
@@ -72,18 +127,26 @@ class Backend:
         if self.options.attention:
             graph = self._step(rewrite_attention, graph, context("forward"), "attention rewrite")
 
-        def compiler(phase: str) -> Callable[..., Any]:
+        def compiler(phase: str, backward_follows: bool = False) -> Callable[..., Any]:
             def compile_graph(module: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 if self.options.elementwise:
                     module = self._step(fuse_elementwise, module, context(phase), "elementwise fusion")
                 report.graphs[phase] = module
+                if phase == "backward":
+                    compiling.backward_compiled()
+                else:
+                    if run_kernels:  # otherwise the graph still holds what the rewrites would remove
+                        self._list_intermediates(module, context(phase))
+                    compiling.forward_compiled(backward_follows)
                 return make_boxed_func(module.forward)
 
             return compile_graph
 
         try:
-            return aot_module_simplified(graph, example_inputs, fw_compiler=compiler("forward"),
+            # A forward graph compiled as the inference graph has no backward to wait for.
+            return aot_module_simplified(graph, example_inputs, fw_compiler=compiler("forward", True),
                                          bw_compiler=compiler("backward"),
+                                         inference_compiler=compiler("forward"),
                                          partition_fn=min_cut_rematerialization_partition)
         except Exception as error:
             return self._give_up(gm, report, "autograd", error)
@@ -97,6 +160,12 @@ class Backend:
         except Exception as error:
             ctx.fallback("fallback", "?", f"{what} failed on the whole graph", error)
             return before
+
+    def _list_intermediates(self, graph: torch.fx.GraphModule, ctx: PassContext) -> None:
+        try:
+            ctx.report.hotspots.extend(largest_intermediates(graph.graph, ctx.phase))
+        except Exception as error:
+            ctx.fallback("fallback", "?", "listing the largest intermediates failed", error)
 
     def _give_up(self, gm: torch.fx.GraphModule, report: Report, step: str, error: Exception
                  ) -> Callable[..., Any]:

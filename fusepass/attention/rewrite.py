@@ -17,7 +17,9 @@ from fusepass.attention.lift import Canon, Lifter
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
 from fusepass.attention.op import AttentionSpec, register
 from fusepass.context import PassContext
-from fusepass.report.ledger import fused_bytes, op_bytes, unfused_bytes
+from fusepass.kernels.flash_config import backward_config, forward_config
+from fusepass.report.ledger import (AttentionShape, AuxRead, attention_rewrites, op_bytes, tile_density,
+                                    value_bytes)
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.source import location
 
@@ -94,6 +96,42 @@ def _removed_nodes(m: AttentionMatch) -> list[torch.fx.Node]:
     return [m.qk, *m.chain, m.softmax, *m.probability_path, m.pv]
 
 
+def _replaced_subgraph(graph: torch.fx.Graph, removed: list[torch.fx.Node], kept: list[torch.fx.Node]
+                       ) -> list[torch.fx.Node]:
+    """The matched ops and every op only they use (a mask's construction, repeated K/V heads, views):
+    what the rewrite leaves dead, in graph order. ``kept``: what the fused op reads."""
+    dead = set(removed)
+    for node in reversed(graph.nodes):
+        if node.op == "call_function" and node not in dead and node not in kept and node.users and \
+                all(user in dead for user in node.users):
+            dead.add(node)
+    return [n for n in graph.nodes if n in dead]
+
+
+def _records(graph: torch.fx.Graph, m: AttentionMatch, spec: AttentionSpec, sources: list[torch.fx.Node],
+             features: list[str], where: str, sms: int) -> list[Rewrite]:
+    """The ledger's records of this rewrite: forward, and backward when a gradient flows to an input."""
+    kept = sources + spec.lifted.aux
+    batch, heads, q_len, head_dim = spec.out_shape
+    dtype = val(sources[0]).dtype
+    masked = "keep" in spec.lifted.functions
+    shape = AttentionShape(batch=batch, heads=heads, kv_heads=spec.k.size[1], q_len=q_len, kv_len=spec.k.size[2],
+                           head_dim=head_dim, itemsize=dtype.itemsize, out_itemsize=spec.out_dtype.itemsize,
+                           masked=masked)
+    # Tiles are skipped only where the fill contributes nothing (docs/flash-kernel-interface.md).
+    skips = masked and spec.lifted.fill_bound != math.inf
+    cuda = torch.device("cuda")  # the ledger models the GPU's tiles, wherever the graph runs
+    tiles = [tile_density(features, skips, q_len, shape.kv_len, config.block_m, config.block_n, sms)
+             for config in (forward_config(head_dim, dtype, masked, cuda), backward_config(head_dim, dtype, cuda))]
+    aux = [AuxRead(bytes=value_bytes(a), itemsize=val(a).element_size(),
+                   per_tile=value_bytes(a) // val(a).element_size() >= q_len * shape.kv_len,
+                   needs_grad=bool(a.meta.get("requires_grad"))) for a in spec.lifted.aux]
+    gradient_flows = any(n.meta.get("requires_grad") for n in kept)
+    return attention_rewrites(where, _replaced_subgraph(graph, _removed_nodes(m), kept), kept, shape, *tiles, aux,
+                              tuple(features), {"shape": [batch, heads, q_len, shape.kv_len, head_dim],
+                                                "kv_heads": shape.kv_heads}, gradient_flows)
+
+
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     changed = False
@@ -102,22 +140,18 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         try:
             m = match(softmax)
             spec, sources, features = plan(m, f"attention_{id(gm):x}_{index}")
+            records = _records(graph, m, spec, sources, features, where, ctx.report.ceilings.sms)
         except Unsupported as reason:
+            # What it keeps moving: the scores written and read, the probabilities written and read.
             ctx.report.hotspots.append(Hotspot(kind="attention", phase="forward", location=where,
                                                reason=str(reason), ops=("aten.softmax",),
-                                               bytes=op_bytes(softmax)))
+                                               bytes=2 * op_bytes(softmax)))
             continue
         except Exception as error:
             ctx.fallback("attention", where, "attention rewrite failed", error, ("aten.softmax",),
                          op_bytes(softmax))
             continue
-        removed = _removed_nodes(m)
-        batch, heads, q_len, head_dim = spec.out_shape
-        ctx.report.rewrites.append(Rewrite(
-            kind="attention", phase="forward", location=where, ops=tuple(_op_name(n) for n in removed),
-            bytes_unfused=unfused_bytes(removed), bytes_fused=fused_bytes(sources + spec.lifted.aux, [m.pv]),
-            flops=4 * batch * heads * q_len * spec.k.size[2] * head_dim, features=tuple(features),
-            detail={"shape": [batch, heads, q_len, spec.k.size[2], head_dim], "kv_heads": spec.k.size[1]}))
+        ctx.report.rewrites.extend(records)
         if ctx.run_kernels:
             _replace(graph, m, register(spec), sources, spec)
             changed = True
@@ -125,11 +159,6 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         graph.eliminate_dead_code()
         gm.recompile()
     return gm
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    packet = getattr(node.target, "overloadpacket", None)
-    return f"aten.{packet.__name__}" if packet is not None else str(node.target)
 
 
 def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[torch.fx.Node],

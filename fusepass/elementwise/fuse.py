@@ -17,7 +17,8 @@ from fusepass.context import PassContext
 from fusepass.elementwise.lower import Lowered, lower
 from fusepass.elementwise.partition import Group, is_constant, partition
 from fusepass.kernels.pointwise import PointwiseLauncher
-from fusepass.report.ledger import fused_bytes, op_bytes, unfused_bytes
+from fusepass.report import profile, roofline
+from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.source import first_location, location
 
@@ -41,24 +42,25 @@ def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gra
     groups, declined = partition(gm.graph, ctx.device)
     for d in declined:
         ctx.report.hotspots.append(Hotspot(kind="elementwise", phase=ctx.phase, location=location(d.node),
-                                           reason=d.reason, ops=(op_name(d.node),), bytes=op_bytes(d.node)))
+                                           reason=d.reason, ops=(op_name(d.node),), bytes=op_bytes(d.node),
+                                           flops=op_flops(d.node)))
     changed = False
     for group in groups:
         ops = tuple(op_name(n) for n in group.compute_nodes)
         where = first_location(group.nodes)
         try:
+            # Recorded before the graph changes: the ledger reads the group's nodes as they are.
+            record = elementwise_rewrite(
+                ctx.phase, where, ops, group.compute_nodes, group.inputs, group.outputs,
+                detail={"kernel": kernel_name(group), "shape": list(map(str, group.outputs[0].meta["val"].shape))})
             lowered = lower(group, ctx.device)
             if ctx.run_kernels:
-                _replace(gm, group, lowered, ctx, where, ops)
+                _replace(gm, group, lowered, ctx, where, ops, record)
                 changed = True
         except Exception as error:
             ctx.fallback("elementwise", where, "fusion failed", error, ops, unfused_bytes(group.compute_nodes))
             continue
-        ctx.report.rewrites.append(Rewrite(
-            kind="elementwise", phase=ctx.phase, location=where, ops=ops,
-            bytes_unfused=unfused_bytes(group.compute_nodes),
-            bytes_fused=fused_bytes(group.inputs, group.outputs),
-            detail={"kernel": kernel_name(group), "shape": list(map(str, group.outputs[0].meta["val"].shape))}))
+        ctx.report.rewrites.append(record)
     if changed:
         legalize_graph(gm)
         gm.graph.eliminate_dead_code()
@@ -88,16 +90,18 @@ def fallback_module(group: Group, inputs: list[torch.fx.Node]) -> torch.fx.Graph
 
 
 def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: PassContext, where: str,
-             ops: tuple[str, ...]) -> None:
+             ops: tuple[str, ...], record: Rewrite) -> None:
     name = kernel_name(group)
     inputs = group.inputs
     fallback = fallback_module(group, inputs)
+    failure_bytes = unfused_bytes(group.compute_nodes)
 
     def on_failure(error: Exception) -> None:
-        ctx.fallback("elementwise", where, f"kernel {name} failed", error, ops,
-                     unfused_bytes(group.compute_nodes))
+        ctx.fallback("elementwise", where, f"kernel {name} failed", error, ops, failure_bytes)
+        roofline.estimate(ctx.report)  # the report was estimated when compiled; this hotspot came after
 
-    launcher = PointwiseLauncher(name, lowered, ctx.device, fallback, on_failure)
+    launcher = PointwiseLauncher(name, lowered, ctx.device, fallback, on_failure,
+                                 profile.first_call_profiler(record, ctx.device))
     graph = gm.graph
     members = set(group.nodes)
     with graph.inserting_before(group.nodes[0]):

@@ -204,13 +204,16 @@ class PointwiseLauncher:
 
     def __init__(self, name: str, lowered: Lowered, device: torch.device,
                  fallback: Callable[..., tuple[torch.Tensor, ...]],
-                 on_failure: Callable[[Exception], None]) -> None:
+                 on_failure: Callable[[Exception], None],
+                 on_first_run: Callable[[Callable[[], Any], Callable[[], Any]], None] | None = None) -> None:
         self.__name__ = self.__qualname__ = name
         self.__module__ = "fusepass.kernels.pointwise"
         self.lowered = lowered
         self.device = device
         self.fallback = fallback
         self.on_failure = on_failure
+        # Given the kernel and the unfused ops on the first call's inputs (FUSEPASS_PROFILE times them).
+        self.on_first_run = on_first_run
         self._plans: dict[tuple[Any, ...], LaunchPlan] = {}
         self._run: Callable[..., tuple[torch.Tensor, ...]] = self._first_run
 
@@ -228,6 +231,8 @@ class PointwiseLauncher:
             self._run = self.fallback
             return self.fallback(*inputs)
         self._run = self._launch
+        if self.on_first_run is not None:
+            self.on_first_run(lambda: self._launch(*inputs), lambda: self.fallback(*inputs))
         return outputs
 
     def _launch(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,152 @@
+"""The ledger's formulas against figures computed by hand (docs/report.md), the seeds' among them."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import check, random_tensor, rewrites
+
+import fusepass
+from fusepass.report.ledger import (AttentionShape, AuxRead, Tiles, attention_backward_bytes,
+                                    attention_forward_bytes, causal_tile_fraction)
+from fusepass.report.roofline import H200
+
+
+@pytest.fixture
+def planned_only(monkeypatch):
+    """Plan and record the rewrites, run the graph's ops unfused: no kernel, any size."""
+    monkeypatch.setattr("fusepass.pipeline.kernels_can_run", lambda device: False)
+
+
+def standard_attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def compiled_report(fn, *inputs) -> fusepass.Report:
+    fusepass.reset()
+    torch.compile(fn, backend="fusepass", fullgraph=True)(*inputs)
+    return fusepass.last_report()
+
+
+N, D = 4096, 128  # the seeds: one head, fp16
+
+
+def test_the_seeds_standard_attention_forward(planned_only):
+    q, k, v = (torch.randn(1, N, D, dtype=torch.float16) for _ in range(3))
+    (forward,) = rewrites(compiled_report(standard_attention, q, k, v), kind="attention")
+    # S and P, 2·N² bytes each, each written once and read once: the 8·N² term.
+    assert 4 * 2 * N * N == 134_217_728
+    assert forward.bytes_unfused == 134_217_728 + 8 * N * D == 138_412_032
+    assert forward.bytes_ideal == 8 * N * D == 4_194_304
+    assert forward.flops == 4 * N * N * D + 3 * N * N == 8_640_266_240
+    assert round(forward.flops / forward.bytes_ideal) == 2060  # the seeds' intensity, ideal traffic
+    # H200 tiles 128 × 128, 132 SMs: Q read and O written once, K and V once per wave of 32 programs,
+    # lse and log_sum per row.
+    assert forward.detail["tiles"]["block_m"] == 128
+    assert forward.bytes_fused == round(2 * N * D * 2 + 2 * N * D * 2 * (1 + 31 / 132) + 8 * N) == 4_719_585
+    assert forward.bytes_saved == 138_412_032 - 4_719_585
+    assert forward.activation_bytes_saved == 0  # no gradient flows
+    assert forward.time_unfused_ms == pytest.approx(1e3 * 138_412_032 / H200.hbm_bytes_per_s)
+    assert forward.time_fused_ms == pytest.approx(1e3 * 8_640_266_240 / H200.flops_per_s)  # compute-bound
+
+
+def test_the_seeds_standard_attention_backward(planned_only):
+    q, k, v = (torch.randn(1, N, D, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    forward, backward = rewrites(compiled_report(standard_attention, q, k, v), kind="attention")
+    # The probabilities (2·N² bytes) are no longer kept; the fused op keeps O (2·N·D) and lse, log_sum.
+    assert forward.activation_bytes_saved == 2 * N * N - 2 * N * D - 8 * N
+    assert backward.phase == "backward"
+    assert backward.ops == ("aten.matmul", "aten.matmul", "aten._softmax_backward_data", "aten.matmul",
+                            "aten.matmul")
+    # dV = Pᵀ·dO, dP = dO·Vᵀ, softmax backward (reads dP and P, writes dS), dQ = dS·K, dK = dSᵀ·Q:
+    # 7 N×N tensors moved, 8 N×d ones, 2 bytes each.
+    assert backward.bytes_unfused == 2 * (7 * N * N + 8 * N * D) == 243_269_632
+    assert backward.flops == 4 * 2 * N * N * D + 4 * N * N
+    assert backward.bytes_ideal == 2 * 8 * N * D  # Q, K, V, O, dO read, dQ, dK, dV written
+    # Backward tiles 128 × 64: delta; dK/dV reads Q, dO and three statistics per row once per wave of
+    # 64 programs; dQ reads K and V once per wave of 32; the copies into the sources' layouts.
+    row = D * 4 + 12
+    delta = N * (2 * D * 2 + 4)
+    dkdv = 4 * N * D * 2 + N * row * (1 + 63 / 132)
+    dq = N * row + 2 * N * D * 2 * (1 + 31 / 132) + N * D * 2
+    copies = 2 * 3 * N * D * 2
+    assert backward.bytes_fused == round(delta + dkdv + dq + copies)
+    assert backward.detail["bytes_fused_by_kernel"] == {
+        "_delta_kernel": delta, "_flash_backward_dkdv_kernel": round(dkdv), "_flash_backward_dq_kernel": round(dq),
+        "torch ops around the kernels": copies}
+
+
+def test_causal_density_is_the_share_of_tiles_on_or_below_the_diagonal():
+    assert causal_tile_fraction(1024, 128, 128) == (8 + 1) / (2 * 8)
+    assert causal_tile_fraction(1024, 128, 64) == (2 + 4 + 6 + 8 + 10 + 12 + 14 + 16) / (8 * 16)
+    assert causal_tile_fraction(100, 64, 64) == 3 / 4  # a last, partial block of 36 rows
+
+
+def causal(q, k, v):
+    n = q.shape[-2]
+    s = q @ k.transpose(-1, -2)
+    s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_a_causal_mask_halves_the_fused_flops(planned_only):
+    q, k, v = (torch.randn(1, 2, 512, 16) for _ in range(3))
+    (forward,) = rewrites(compiled_report(causal, q, k, v), kind="attention")
+    # D 16, fp32, masked: 128 × 64 tiles; q block i reaches kv blocks 0..2i+1: 20 of 32.
+    assert forward.detail["tiles"] == {"block_m": 128, "block_n": 64, "density": 0.625,
+                                       "density_model": "causal tiles", "concurrent_programs": 132}
+    assert forward.flops_fused == round(0.625 * forward.flops)
+    # The mask's construction (ones, tril, bitwise_not: 512² bools each written, two read) is replaced too.
+    assert forward.ops == ("aten.matmul", "aten.ones", "aten.tril", "aten.bitwise_not", "aten.masked_fill",
+                           "aten.softmax", "aten.matmul")
+    n2 = 512 * 512
+    assert forward.bytes_unfused == n2 + 2 * n2 + 2 * n2 + (2 * 512 * 16 * 4 * 2 + 2 * n2 * 4) \
+        + (2 * 2 * n2 * 4 + n2) + 2 * 2 * n2 * 4 + (2 * n2 * 4 + 2 * 2 * 512 * 16 * 4)
+
+
+def test_a_dense_bias_is_read_tile_by_tile_a_small_table_once():
+    shape = AttentionShape(batch=2, heads=4, kv_heads=4, q_len=256, kv_len=256, head_dim=64, itemsize=2,
+                           out_itemsize=2, masked=False)
+    tiles = Tiles(block_m=128, block_n=128, density=1.0, model="dense", concurrent=132)
+    plain, ideal = attention_forward_bytes(shape, tiles, [])
+    bias = AuxRead(bytes=4 * 256 * 256 * 2, itemsize=2, per_tile=True, needs_grad=False)  # [1, H, N, N]
+    slopes = AuxRead(bytes=4 * 4, itemsize=4, per_tile=False, needs_grad=False)
+    with_aux, ideal_aux = attention_forward_bytes(shape, tiles, [bias, slopes])
+    kernel = "_flash_forward_kernel"
+    # Every batch's programs read the bias again: B·H·N·N elements; the slopes once.
+    assert with_aux[kernel] - plain[kernel] == 2 * 4 * 256 * 256 * 2 + 16
+    assert ideal_aux - ideal == bias.bytes + slopes.bytes
+    # Backward: both kernels read it; a gradient adds fp32 atomics per tile, a zeroed buffer, a cast.
+    learned = AuxRead(bytes=bias.bytes, itemsize=2, per_tile=True, needs_grad=True)
+    without, _ = attention_backward_bytes(shape, tiles, [])
+    with_grad, _ = attention_backward_bytes(shape, tiles, [learned])
+    elements = 4 * 256 * 256
+    assert sum(with_grad.values()) - sum(without.values()) == \
+        2 * (2 * elements * 2) + 2 * elements * 8 + elements * (4 + 4 + 2)
+
+
+def gelu_chain(x, b):
+    return F.gelu(x * 0.5 + b) * torch.sigmoid(x)
+
+
+def test_elementwise_forward_and_backward_follow_the_same_formulas():
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    with torch.no_grad():
+        (forward,) = rewrites(check(gelu_chain, x, b))
+    # mul (x → t), add (t, b → u), gelu, sigmoid (x), mul: each reads its inputs and writes 120 bytes.
+    assert forward.bytes_unfused == (120 + 120) + (120 + 20 + 120) + (120 + 120) + (120 + 120) + (240 + 120)
+    assert forward.bytes_fused == forward.bytes_ideal == 120 + 20 + 120
+    assert forward.flops == forward.flops_fused == 5 * 30
+    trained = check(gelu_chain, x, b, backward=True)
+    for r in rewrites(trained):
+        assert r.bytes_ideal == r.bytes_fused and r.flops == r.flops_fused > 0
+        assert r.bytes_unfused > r.bytes_fused and r.time_unfused_ms > r.time_fused_ms
+    assert {r.phase for r in rewrites(trained)} == {"forward", "backward"}
+
+
+def test_cpu_without_kernels_still_reports(planned_only):
+    q, k, v = (torch.randn(2, 64, 16) for _ in range(3))
+    report = compiled_report(standard_attention, q, k, v)
+    assert "kernels need a CUDA device" in report.notices[0]
+    (forward,) = rewrites(report, kind="attention")
+    assert forward.bytes_saved > 0 and forward.time_fused_ms is not None
