@@ -40,7 +40,9 @@ class Idx:
         return frozenset(t.var for t in self.terms)
 
     def is_var(self, name: str, size: int) -> bool:
-        """Whether this is just ``name`` (which ranges over ``size``)."""
+        """Whether this is just ``name`` (which ranges over ``size``: over one value, 0 is the same)."""
+        if size == 1 and self.const == 0 and not self.terms:
+            return True
         if self.const != 0 or len(self.terms) != 1:
             return False
         t = self.terms[0]

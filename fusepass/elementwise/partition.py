@@ -17,7 +17,7 @@ import networkx as nx
 import torch
 import torch.fx
 
-from fusepass.codegen.pointwise import CONSTANTS, SUPPORTED_DTYPES, is_supported, packet_of
+from fusepass.codegen.pointwise import CONSTANTS, SUPPORTED_DTYPES, constant_value, is_supported, packet_of
 from fusepass.elementwise.coords import identity, is_view, through_view
 
 
@@ -89,8 +89,11 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
 def is_constant(node: torch.fx.Node) -> bool:
     """A constant fill (``full``, ``zeros``, …): each group that reads it computes it in place."""
     val = _val(node)
-    return (node.op == "call_function" and packet_of(node.target) in CONSTANTS and val is not None
-            and all(isinstance(s, int) for s in val.shape))
+    if node.op != "call_function" or packet_of(node.target) not in CONSTANTS or val is None:
+        return False
+    value = constant_value(packet_of(node.target), node.args, node.kwargs)
+    # A fill that is a graph value (a symbolic scalar) is not known when the kernel is written.
+    return all(isinstance(s, int) for s in val.shape) and isinstance(value, (bool, int, float))
 
 
 def is_pointwise(node: torch.fx.Node) -> bool:

@@ -360,3 +360,12 @@ def test_no_grad_and_inference_mode(mode):
         report = check(causal_masked_fill, *qkv(nk=NQ))
     assert rewrites(report, kind="attention")
     assert not rewrites(report, kind="attention", phase="backward")
+
+
+def test_one_batch_and_one_head():
+    attention_rewrite(check(plain, *qkv(b=1, h=1), backward=True))
+
+
+def test_plain_matrices():
+    q, k, v = (t[0, 0] for t in qkv(b=1, h=1))  # 2-D: [N, D]
+    attention_rewrite(check(plain, q, k, v, backward=True))
