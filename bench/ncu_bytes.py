@@ -12,7 +12,7 @@ records. A measurement between ideal and fused says the model is an upper bound 
 the model misses traffic; far below it, L2 serves more re-reads than the model assumes.
 
 Needs a CUDA GPU with Nsight Compute (``ncu`` on PATH, or --ncu), and permission to read the performance
-counters. Not run yet: written in a session without GPU time.
+counters. First run: bench/results/ncu-bytes-2026-11-29-2201.md (cases chain and plain).
 """
 from __future__ import annotations
 
