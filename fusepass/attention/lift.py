@@ -19,7 +19,7 @@ off as ``keep`` so the kernel can skip empty tiles and skip mask arithmetic on f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fusepass.attention.index import Idx, Term, merge
+from fusepass.attention.index import Idx, merge
 from fusepass.attention.layout import VIEW_OPS, Unsupported
 from fusepass.attention.match import AttentionMatch, packet, val
 from fusepass.codegen.pointwise import (CONSTANTS, TRITON_DTYPE, Emitter, Operand, constant_value, held_dtype,
@@ -39,13 +39,12 @@ LANES = 4  # the fake length of E's values: pointwise ops do not care
 
 @dataclass(frozen=True)
 class Canon:
-    """The attention's coordinates: batch B, heads H, query and key lengths; the scores' batch shape."""
+    """The attention's coordinates: batch B, heads H, query and key lengths."""
 
     batch: int
     heads: int
     q_len: int
     kv_len: int
-    score_batch: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -447,12 +446,9 @@ class Lifter:
 
     def _split_mask(self):
         """(keep, fill bound, score graph, fill graph): the outermost masks of the chain split off."""
-        out = self.graph.output_node() if hasattr(self.graph, "output_node") else list(self.graph.nodes)[-1]
-        top = out.args[0]
-        node, casts = top, []
+        node = next(n for n in self.graph.nodes if n.op == "output").args[0]
         while node.op == "call_function" and packet(node) in (aten.to, aten._to_copy) and len(node.users) == 1:
-            casts.append(node)
-            node = node.args[0]
+            node = node.args[0]  # casts after the masks stay in both graphs
         masks = []
         while True:
             found = self._mask_at(node)
@@ -478,8 +474,7 @@ class Lifter:
         reads_aux = any("aux[" in line for line in self.code.lines)  # conservative: any tensor read
         inner = masks[-1][2]
         score = self._module(replace={masks[0][5]: inner})
-        fill_replacement = self._fill_graph(inner, fill, additive)
-        fill_module = self._module(replace={masks[0][5]: fill_replacement})
+        fill_module = self._module(replace={masks[0][5]: ("add", inner, fill) if additive else ("constant", fill)})
         return (keep_expr, keep_uses, reads_aux), bound, score, fill_module
 
     def _mask_at(self, node: torch.fx.Node):
@@ -506,9 +501,6 @@ class Lifter:
                     keep, fill = mask.mask
                     return (keep, float(fill), x, True, mask.uses, node)
         return None
-
-    def _fill_graph(self, inner: torch.fx.Node, fill: float, additive: bool) -> Any:
-        return ("add", inner, fill) if additive else ("constant", fill)
 
     def _module(self, replace: dict | None = None) -> torch.fx.GraphModule:
         """E as a module, with a node replaced by another node or by ``("constant", v)`` or

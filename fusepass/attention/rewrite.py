@@ -78,7 +78,7 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
         raise Unsupported(f"head dims differ: q {q.size[3]}, k {k.size[3]}, v {v.size[3]}")
     if q.size[3] not in HEAD_DIMS:
         raise Unsupported(f"head dim {q.size[3]} outside 16..256")
-    canon = Canon(batch=B, heads=H, q_len=q_len, kv_len=kv_len, score_batch=batch)
+    canon = Canon(batch=B, heads=H, q_len=q_len, kv_len=kv_len)
     lifted = Lifter(m, canon, name).lift()
     spec = AttentionSpec(name=name, q=q, k=k, v=v, lifted=lifted, out_dtype=val(m.pv).dtype,
                          dropout_p=m.dropout_p, aux_strides=[tuple(val(a).stride()) for a in lifted.aux])

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import DEVICE, check, random_tensor, rewrites
+from support import DEVICE, random_tensor, rewrites
 from support import check as check_exactly
 
 import fusepass
