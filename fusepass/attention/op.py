@@ -19,6 +19,21 @@ from fusepass.attention.score_mod import ScoreMod
 from fusepass.codegen.modules import load_module
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward
+from fusepass.report import profile
+from fusepass.report.records import Rewrite
+
+
+@dataclass
+class Profiled:
+    module: torch.fx.GraphModule  # (q, k, v sources, *aux, *extra inputs) -> the matmul with V's output
+    # (the same inputs, the output's gradient) -> their gradients: the unfused backward, traced (the op runs
+    # below autograd, where the module could not be differentiated)
+    forward_backward: torch.fx.GraphModule | None
+    output_shape: tuple[int, ...]  # of the matmul with V (the op's output is laid out [B, H, Nq, D])
+    forward: Rewrite
+    backward: Rewrite | None
+    forward_done: bool = False
+    backward_done: bool = False
 
 
 @dataclass
@@ -31,6 +46,9 @@ class AttentionSpec:
     out_dtype: torch.dtype
     dropout_p: float
     aux_strides: list[tuple[int, ...]]
+    # FUSEPASS_PROFILE: the replaced ops, which the op is then also given the inputs of (after the aux
+    # tensors the score functions read), and the records the times go into.
+    unfused: Profiled | None = None
     _mod: ScoreMod | None = field(default=None, repr=False)
 
     @property
@@ -79,8 +97,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch
     """(out [B, H, Nq, D], lse, log of the row sums, rows recomputed without tile skipping)."""
     s = _specs[spec]
     q4, k4, v4 = _views(s, q, k, v, aux)
-    out, lse, extra = flash_attention_forward(q4, k4, v4, s.mod, tuple(aux), dropout_p=s.dropout_p,
-                                              seed=_seed(seed), out_dtype=s.out_dtype)
+
+    def forward():
+        return flash_attention_forward(q4, k4, v4, s.mod, tuple(aux[:len(s.aux_strides)]), dropout_p=s.dropout_p,
+                                       seed=_seed(seed), out_dtype=s.out_dtype)
+
+    out, lse, extra = forward()
+    if s.unfused is not None and not s.unfused.forward_done:
+        s.unfused.forward_done = True
+        profile.measure(s.unfused.forward, forward, lambda: s.unfused.module(q, k, v, *aux))
     fallback = extra.fallback_rows if extra.fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
     return out, lse, extra.log_sum, fallback
 
@@ -103,12 +128,24 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """Gradients of the sources of q, k, v and of every aux tensor (zeros where none flows)."""
     s = _specs[spec]
     q4, k4, v4 = _views(s, q, k, v, aux)
-    # fp32 accumulators for the aux tensors a gradient flows to; an empty stand-in for the others
-    aux_grad = tuple(torch.zeros(a.shape, dtype=torch.float32, device=a.device) if needs else a.new_empty(0)
-                     for a, needs in zip(aux, s.lifted.aux_needs_grad))
+    read = tuple(aux[:len(s.aux_strides)])
+    needs = _aux_needs_grad(s, len(aux))
     extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None, None)
-    dq4, dk4, dv4 = flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, tuple(aux),
-                                             aux_grad, dropout_p=s.dropout_p, seed=_seed(seed))
+
+    def backward():
+        # fp32 accumulators for the aux tensors a gradient flows to; an empty stand-in for the others
+        aux_grad = tuple(torch.zeros(a.shape, dtype=torch.float32, device=a.device) if n else a.new_empty(0)
+                         for a, n in zip(read, needs))
+        return flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, read, aux_grad,
+                                        dropout_p=s.dropout_p, seed=_seed(seed)), aux_grad
+
+    (dq4, dk4, dv4), aux_grad = backward()
+    if s.unfused is not None and s.unfused.backward is not None and not s.unfused.backward_done:
+        s.unfused.backward_done = True
+        profile.measure_backward(s.unfused.backward, backward,
+                                 lambda: s.unfused.forward_backward(q, k, v, *aux,
+                                                                    grad_out.reshape(s.unfused.output_shape)),
+                                 s.unfused.forward.measured_unfused_ms or 0.0)
     grads = []
     for source, layout, grad4 in ((q, s.q, dq4), (k, s.k, dk4), (v, s.v, dv4)):
         # The layout's strides are the source's: the gradient takes them too.
@@ -117,12 +154,20 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             grad.zero_()
         layout.view(grad).copy_(grad4)
         grads.append(grad)
-    return grads[0], grads[1], grads[2], [g.to(a.dtype) for g, a in zip(aux_grad, aux)]
+    aux_grads = [g.to(a.dtype) for g, a in zip(aux_grad, read)] + [a.new_empty(0) for a in aux[len(read):]]
+    return grads[0], grads[1], grads[2], aux_grads
+
+
+def _aux_needs_grad(spec: AttentionSpec, count: int) -> list[bool]:
+    """Which aux inputs get a gradient: those the score functions read and a gradient flows to (the
+    inputs only profiling passes get none)."""
+    needs = list(spec.lifted.aux_needs_grad)
+    return needs + [False] * (count - len(needs))
 
 
 @attention_backward.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, aux, seed, spec):
-    needs = _specs[spec].lifted.aux_needs_grad
+    needs = _aux_needs_grad(_specs[spec], len(aux))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             [torch.empty_like(a) if n else a.new_empty(0) for a, n in zip(aux, needs)])
 

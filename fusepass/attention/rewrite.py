@@ -11,13 +11,15 @@ import operator
 
 import torch
 import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.attention.layout import OperandView, Unsupported, broadcast_to, canonical, operand_view
 from fusepass.attention.lift import Canon, Lifter
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
-from fusepass.attention.op import AttentionSpec, register
+from fusepass.attention.op import AttentionSpec, Profiled, register
 from fusepass.context import PassContext
 from fusepass.kernels.flash_config import backward_config, forward_config
+from fusepass.report import profile
 from fusepass.report.ledger import (AttentionShape, AuxRead, attention_rewrites, op_bytes, tile_density,
                                     value_bytes)
 from fusepass.report.records import Hotspot, Rewrite
@@ -108,7 +110,7 @@ def _replaced_subgraph(graph: torch.fx.Graph, removed: list[torch.fx.Node], kept
     return [n for n in graph.nodes if n in dead]
 
 
-def _records(graph: torch.fx.Graph, m: AttentionMatch, spec: AttentionSpec, sources: list[torch.fx.Node],
+def _records(replaced: list[torch.fx.Node], spec: AttentionSpec, sources: list[torch.fx.Node],
              features: list[str], where: str, sms: int) -> list[Rewrite]:
     """The ledger's records of this rewrite: forward, and backward when a gradient flows to an input."""
     kept = sources + spec.lifted.aux
@@ -127,7 +129,7 @@ def _records(graph: torch.fx.Graph, m: AttentionMatch, spec: AttentionSpec, sour
                    per_tile=value_bytes(a) // val(a).element_size() >= q_len * shape.kv_len,
                    needs_grad=bool(a.meta.get("requires_grad"))) for a in spec.lifted.aux]
     gradient_flows = any(n.meta.get("requires_grad") for n in kept)
-    return attention_rewrites(where, _replaced_subgraph(graph, _removed_nodes(m), kept), kept, shape, *tiles, aux,
+    return attention_rewrites(where, replaced, kept, shape, *tiles, aux,
                               tuple(features), {"shape": [batch, heads, q_len, shape.kv_len, head_dim],
                                                 "kv_heads": shape.kv_heads}, gradient_flows)
 
@@ -140,7 +142,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         try:
             m = match(softmax)
             spec, sources, features = plan(m, f"attention_{id(gm):x}_{index}")
-            records = _records(graph, m, spec, sources, features, where, ctx.report.ceilings.sms)
+            replaced = _replaced_subgraph(graph, _removed_nodes(m), sources + spec.lifted.aux)
+            records = _records(replaced, spec, sources, features, where, ctx.report.ceilings.sms)
         except Unsupported as reason:
             # What it keeps moving: the scores written and read, the probabilities written and read.
             ctx.report.hotspots.append(Hotspot(kind="attention", phase="forward", location=where,
@@ -153,7 +156,13 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             continue
         ctx.report.rewrites.extend(records)
         if ctx.run_kernels:
-            _replace(graph, m, register(spec), sources, spec)
+            extra: list[torch.fx.Node] = []
+            if profile.requested() and profile.can_profile(ctx.device):
+                module, extra = _unfused_module(replaced, sources + spec.lifted.aux, m.pv)
+                backward = records[1] if len(records) > 1 else None
+                traced = _traced_forward_backward(module, sources + spec.lifted.aux + extra) if backward else None
+                spec.unfused = Profiled(module, traced, tuple(val(m.pv).shape), records[0], backward)
+            _replace(graph, m, register(spec), sources, spec, extra)
             changed = True
     if changed:
         graph.eliminate_dead_code()
@@ -161,8 +170,45 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
     return gm
 
 
+def _unfused_module(replaced: list[torch.fx.Node], leading: list[torch.fx.Node], output: torch.fx.Node
+                    ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """The replaced ops as a module of (``leading``, then whatever else they read), for profiling; and
+    that whatever else."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    members = set(replaced)
+    extra = [a for n in replaced for a in n.all_input_nodes if a not in members and a not in leading]
+    extra = list(dict.fromkeys(extra))
+    for i, node in enumerate(leading + extra):
+        env.setdefault(node, graph.placeholder(f"input_{i}"))
+    for node in replaced:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output((env[output],))
+    return torch.fx.GraphModule({}, graph), extra
+
+
+def _traced_forward_backward(module: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -> torch.fx.GraphModule:
+    """The replaced ops' forward and backward as one graph of ATen ops (traced on the inputs' fake values)."""
+    examples = [n.meta["val"] for n in inputs]
+
+    def forward_backward(*args):
+        *xs, grad = args
+        xs = [x.detach().requires_grad_(x.is_floating_point()) for x in xs]
+        with torch.enable_grad():
+            out = module(*xs)[0]
+            return torch.autograd.grad(out, [x for x in xs if x.requires_grad], grad, allow_unused=True)
+
+    return make_fx(forward_backward, tracing_mode="fake")(*examples, _output_example(module, examples))
+
+
+def _output_example(module: torch.fx.GraphModule, examples: list) -> torch.Tensor:
+    fake_mode = torch._guards.detect_fake_mode(examples)
+    with fake_mode:
+        return torch.empty_like(module(*examples)[0])
+
+
 def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[torch.fx.Node],
-             spec: AttentionSpec) -> None:
+             spec: AttentionSpec, extra: list[torch.fx.Node]) -> None:
     with graph.inserting_before(m.pv):
         if spec.dropout_p > 0:
             seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]),
@@ -171,7 +217,7 @@ def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[
             seed = graph.call_function(aten.empty.memory_format, ([0],),
                                        {"dtype": torch.int64, "device": torch.device("cpu")})
         call = graph.call_function(torch.ops.fusepass.attention.default,
-                                   (*sources, list(spec.lifted.aux), seed, name))
+                                   (*sources, list(spec.lifted.aux) + extra, seed, name))
         call.meta["stack_trace"] = m.softmax.meta.get("stack_trace")
         out = graph.call_function(operator.getitem, (call, 0))
         result = _to_output_layout(graph, out, m.values, tuple(val(m.pv).shape))

@@ -1,9 +1,10 @@
-"""``FUSEPASS_PROFILE=1`` on CUDA: time each fused elementwise kernel and the unfused ops it replaced.
+"""``FUSEPASS_PROFILE=1`` on CUDA: time each fused kernel and the unfused ops it replaced.
 
-On a kernel's first call its launcher hands ``measure`` two callables (the kernel, and the group's own
-ops as a module) on that call's inputs; each is timed with ``triton.testing.do_bench`` (median) and the
-record keeps both times. Attention rewrites are not measured: the fused op runs inside AOTAutograd's
-graph and keeps no runnable copy of the ops it replaced.
+On a kernel's first call it hands ``measure`` two callables on that call's inputs: the kernel, and the ops
+it replaced as a module (an elementwise group's own ops; an attention's matched subgraph, which the fused
+op is then also given the inputs of). Each is timed with ``triton.testing.do_bench`` (median) and the
+record keeps both times. An attention's backward is timed on its first backward call: the unfused ops'
+forward and backward together, less their forward alone.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def notice(device: torch.device) -> str | None:
         return None
     if not can_profile(device):
         return f"{ENV}=1: profiling needs CUDA; nothing was measured"
-    return f"{ENV}=1: elementwise kernels timed on their first call; attention rewrites are not measured"
+    return f"{ENV}=1: every fused kernel and the ops it replaced are timed on its first call"
 
 
 def median_ms(fn: Callable[[], Any]) -> float:
@@ -53,6 +54,19 @@ def measure(record: Rewrite, fused: Callable[[], Any], unfused: Callable[[], Any
     except Exception as error:  # measuring must never break the model
         warnings.warn(f"fusepass: profiling {record.detail.get('kernel', record.kind)} failed "
                       f"({type(error).__name__}: {error})", RuntimeWarning, stacklevel=2)
+
+
+def measure_backward(record: Rewrite, fused: Callable[[], Any], unfused_forward_backward: Callable[[], Any],
+                     unfused_forward_ms: float, timer: Timer | None = None) -> None:
+    """The backward's times: the fused backward alone; the unfused ops' forward and backward, less their
+    forward (the unfused backward cannot run without its own forward)."""
+    timer = timer or median_ms
+    try:
+        record.measured_fused_ms = timer(fused)
+        record.measured_unfused_ms = max(timer(unfused_forward_backward) - unfused_forward_ms, 0.0)
+    except Exception as error:  # measuring must never break the model
+        warnings.warn(f"fusepass: profiling the {record.kind} backward failed ({type(error).__name__}: {error})",
+                      RuntimeWarning, stacklevel=2)
 
 
 def first_call_profiler(record: Rewrite, device: torch.device
