@@ -39,3 +39,18 @@ def graph_device(graph: torch.fx.Graph) -> torch.device:
         if isinstance(val, torch.Tensor) and val.device.type == "cuda":
             return val.device
     return torch.device("cpu")
+
+
+PLANNED = "fusepass_attention"  # a key of node.meta["custom"], which AOTAutograd carries to what it derives
+
+
+def mark_planned(nodes: list[torch.fx.Node], name: str) -> None:
+    """Mark the ops a planned (not applied) attention rewrite stands for, in the graphs AOTAutograd derives
+    too, so that the elementwise pass neither fuses them nor counts their bytes a second time."""
+    for node in nodes:
+        node.meta["custom"] = {**(node.meta.get("custom") or {}), PLANNED: name}
+
+
+def planned_attention(node: torch.fx.Node) -> str | None:
+    """The planned attention rewrite ``node`` belongs to, if any."""
+    return (node.meta.get("custom") or {}).get(PLANNED)

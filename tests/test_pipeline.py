@@ -139,3 +139,22 @@ def test_autograd_functions_keep_their_own_backward():
 
     report = check(fn, random_tensor((6, 7), torch.float32), backward=True)
     assert report.rewrites  # the chains around the function are still fused
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's behaviour")
+def test_cpu_without_the_interpreter_counts_a_planned_attention_once(tmp_path):
+    script = tmp_path / "plain_cpu_attention.py"
+    script.write_text(textwrap.dedent("""
+        import torch, fusepass
+        def f(q, k, v):
+            return torch.softmax(q @ k.transpose(-1, -2) * 0.125 - 0.5, dim=-1) @ v
+        q, k, v = (torch.randn(2, 3, 16, 16, requires_grad=True) for _ in range(3))
+        out = torch.compile(f, backend="fusepass")(q, k, v)
+        out.sum().backward()
+        torch.testing.assert_close(out, f(q, k, v))
+        print(sorted({r.kind for r in fusepass.last_report().rewrites}))
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.getcwd()
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['attention']"  # the score chain is not also an elementwise group

@@ -17,7 +17,7 @@ from fusepass.attention.layout import OperandView, Unsupported, broadcast_to, ca
 from fusepass.attention.lift import Canon, Lifter
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
 from fusepass.attention.op import AttentionSpec, Profiled, register
-from fusepass.context import PassContext
+from fusepass.context import PassContext, mark_planned
 from fusepass.kernels.flash_config import backward_config, forward_config
 from fusepass.report import profile
 from fusepass.report.ledger import (AttentionShape, AuxRead, attention_rewrites, op_bytes, tile_density,
@@ -164,6 +164,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
                 spec.unfused = Profiled(module, traced, tuple(val(m.pv).shape), records[0], backward)
             _replace(graph, m, register(spec), sources, spec, extra)
             changed = True
+        else:
+            mark_planned(replaced, spec.name)
     if changed:
         graph.eliminate_dead_code()
         gm.recompile()

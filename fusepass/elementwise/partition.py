@@ -18,6 +18,7 @@ import torch
 import torch.fx
 
 from fusepass.codegen.pointwise import CONSTANTS, SUPPORTED_DTYPES, constant_value, is_supported, packet_of
+from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_view, through_view
 
 
@@ -64,6 +65,8 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
     val = _val(node)
     if val is None:
         return "produces no tensor"
+    if planned_attention(node):
+        return "inside a planned attention rewrite"
     if val.dtype not in SUPPORTED_DTYPES:
         return f"dtype {val.dtype} has no Triton translation"
     if val.device != device:
@@ -151,7 +154,8 @@ def partition(graph: torch.fx.Graph, device: torch.device) -> tuple[list[Group],
     reasons = {n: decline_reason(n, device) for n in nodes if n.op == "call_function"}
     fusable = {n for n, reason in reasons.items() if reason is None}
     declined = [Declined(n, reasons[n]) for n in nodes
-                if is_pointwise(n) and reasons.get(n) is not None and not is_constant(n)]
+                if is_pointwise(n) and reasons.get(n) is not None and not is_constant(n)
+                and not planned_attention(n)]
 
     groups = _Groups(graph)
     for node in nodes:
