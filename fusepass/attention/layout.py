@@ -68,7 +68,9 @@ def _head_repeat(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
     """``(x, dim, group)`` if ``node`` repeats dimension ``dim`` of ``x`` ``group`` times, each entry
     ``group`` times in a row (``repeat_interleave``, or ``expand`` + ``reshape`` as Hugging Face's
     ``repeat_kv`` writes it); None otherwise."""
-    if _packet(node) == aten.repeat_interleave and isinstance(node.args[1], int) and len(node.args) > 2:
+    # (a symbolic repeat count, a graph value, is found too: the dynamic path plans with it constant)
+    if _packet(node) == aten.repeat_interleave and isinstance(node.args[1], (int, torch.fx.Node)) \
+            and len(node.args) > 2:
         x = node.args[0]
         return x, node.args[2] % _val(x).dim(), node.args[1]
     if _packet(node) in (aten.reshape, aten.view, aten._unsafe_view) and _packet(node.args[0]) == aten.expand:

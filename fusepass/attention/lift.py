@@ -625,6 +625,11 @@ def _vjp_graph(module: torch.fx.GraphModule, differentiable: list[int]) -> torch
             grads = torch.autograd.grad(out, [xs[i] for i in differentiable], args[-1], allow_unused=True)
         return tuple(g if g is not None else torch.zeros_like(xs[i]) for g, i in zip(grads, differentiable))
 
+    with torch.enable_grad():
+        # Inside a custom op's implementation autograd is off whatever the grad mode: every gradient
+        # would trace as zero. Refuse rather than emit that.
+        if not (torch.ones((), requires_grad=True) * 2).requires_grad:
+            raise RuntimeError("autograd is off where the score chain is differentiated")
     return make_fx(vjp, tracing_mode="fake")(*inputs, ds)
 
 

@@ -6,6 +6,7 @@ declined match leaves the graph exactly as it was and becomes a hotspot with its
 """
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -13,10 +14,12 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fusepass.attention.dynamic import rewrite_dynamic
 from fusepass.attention.layout import OperandView, Unsupported, broadcast_to, canonical, operand_view
 from fusepass.attention.lift import Canon, Lifter
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
 from fusepass.attention.op import AttentionSpec, Profiled, register
+from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.context import PassContext, mark_planned
 from fusepass.kernels.flash_config import backward_config, forward_config
 from fusepass.report import profile
@@ -94,22 +97,6 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
     return spec, [q_src, k_src, v_src], sorted(set(features))
 
 
-def _removed_nodes(m: AttentionMatch) -> list[torch.fx.Node]:
-    return [m.qk, *m.chain, m.softmax, *m.probability_path, m.pv]
-
-
-def _replaced_subgraph(graph: torch.fx.Graph, removed: list[torch.fx.Node], kept: list[torch.fx.Node]
-                       ) -> list[torch.fx.Node]:
-    """The matched ops and every op only they use (a mask's construction, repeated K/V heads, views):
-    what the rewrite leaves dead, in graph order. ``kept``: what the fused op reads."""
-    dead = set(removed)
-    for node in reversed(graph.nodes):
-        if node.op == "call_function" and node not in dead and node not in kept and node.users and \
-                all(user in dead for user in node.users):
-            dead.add(node)
-    return [n for n in graph.nodes if n in dead]
-
-
 def _records(replaced: list[torch.fx.Node], spec: AttentionSpec, sources: list[torch.fx.Node],
              features: list[str], where: str, sms: int) -> list[Rewrite]:
     """The ledger's records of this rewrite: forward, and backward when a gradient flows to an input."""
@@ -134,15 +121,27 @@ def _records(replaced: list[torch.fx.Node], spec: AttentionSpec, sources: list[t
                                                 "kv_heads": shape.kv_heads}, gradient_flows)
 
 
+_names = itertools.count()  # each rewrite's op spec by a name of its own, for the process's life
+
+
+def _static(m: AttentionMatch) -> bool:
+    return all(isinstance(s, int) for node in (m.qk, m.pv) for s in val(node).shape)
+
+
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     changed = False
-    for index, softmax in enumerate(softmaxes(graph)):
+    for softmax in softmaxes(graph):
         where = location(softmax)
+        name = f"attention_{next(_names)}"
         try:
             m = match(softmax)
-            spec, sources, features = plan(m, f"attention_{id(gm):x}_{index}")
-            replaced = _replaced_subgraph(graph, _removed_nodes(m), sources + spec.lifted.aux)
+            if not _static(m):
+                ctx.report.rewrites.extend(rewrite_dynamic(graph, m, ctx, name, where))
+                changed = changed or ctx.run_kernels
+                continue
+            spec, sources, features = plan(m, name)
+            replaced = replaced_subgraph(graph, removed_nodes(m), sources + spec.lifted.aux)
             records = _records(replaced, spec, sources, features, where, ctx.report.ceilings.sms)
         except Unsupported as reason:
             # What it keeps moving: the scores written and read, the probabilities written and read.
@@ -158,7 +157,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         if ctx.run_kernels:
             extra: list[torch.fx.Node] = []
             if profile.requested() and profile.can_profile(ctx.device):
-                module, extra = _unfused_module(replaced, sources + spec.lifted.aux, m.pv)
+                module, extra = subgraph_module(replaced, sources + spec.lifted.aux, m.pv)
                 backward = records[1] if len(records) > 1 else None
                 traced = _traced_forward_backward(module, sources + spec.lifted.aux + extra) if backward else None
                 spec.unfused = Profiled(module, traced, tuple(val(m.pv).shape), records[0], backward)
@@ -170,23 +169,6 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         graph.eliminate_dead_code()
         gm.recompile()
     return gm
-
-
-def _unfused_module(replaced: list[torch.fx.Node], leading: list[torch.fx.Node], output: torch.fx.Node
-                    ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
-    """The replaced ops as a module of (``leading``, then whatever else they read), for profiling; and
-    that whatever else."""
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    members = set(replaced)
-    extra = [a for n in replaced for a in n.all_input_nodes if a not in members and a not in leading]
-    extra = list(dict.fromkeys(extra))
-    for i, node in enumerate(leading + extra):
-        env.setdefault(node, graph.placeholder(f"input_{i}"))
-    for node in replaced:
-        env[node] = graph.node_copy(node, env.__getitem__)
-    graph.output((env[output],))
-    return torch.fx.GraphModule({}, graph), extra
 
 
 def _traced_forward_backward(module: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -> torch.fx.GraphModule:

@@ -1,0 +1,199 @@
+"""Attention whose sizes are symbolic (Dynamo recompiled it for varying shapes): rewritten per size at run time.
+
+Layouts, score functions and tiles all depend on sizes, so a symbolic graph cannot be planned once. Its
+attention is cut out instead, as a module of the ops it replaces, and called through
+``torch.ops.fusepass.attention_dynamic``. On the first call at a concrete size the op traces that module at
+it and runs the ordinary, static rewrite on the trace; later calls at that size reuse the result. The
+backward traces nothing more: it runs the same static graph again under autograd (its forward is
+recomputed, once) and differentiates it, through the static op's own backward.
+
+Planned once at compile time too, at the sizes Dynamo saw: that plan must rewrite the attention (else
+the symbolic graph keeps it unfused, with the reason) and gives the report its figures.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from fusepass.attention.layout import Unsupported, _walk_up
+from fusepass.attention.match import AttentionMatch, val
+from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
+from fusepass.capture import mark_requires_grad
+from fusepass.context import PassContext, mark_planned
+from fusepass.options import Options
+from fusepass.report.records import Rewrite
+from fusepass.report.report import Report
+
+Signature = tuple
+
+
+@dataclass
+class DynamicSpec:
+    name: str
+    module: torch.fx.GraphModule  # (*tensors, *sizes) -> (the matmul with V's output,)
+    requires_grad: list[bool]  # per tensor input: whether a gradient flows to it
+    options: Options
+    plans: dict[Signature, torch.fx.GraphModule] = field(default_factory=dict)
+
+    def static(self, tensors: list[torch.Tensor], sizes: list[int]) -> torch.fx.GraphModule:
+        """The module traced at these sizes with its attention rewritten; one per size."""
+        key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors) + tuple(sizes)
+        if key not in self.plans:
+            with autograd_enabled():  # planning traces the score chain's derivative
+                self.plans[key], _ = plan_static(self, tensors, sizes)
+        return self.plans[key]
+
+
+_specs: dict[str, DynamicSpec] = {}
+
+
+@contextlib.contextmanager
+def autograd_enabled() -> Iterator[None]:
+    """Autograd inside a custom op's implementation, which runs below it: the static graph is planned
+    (its score chain differentiated) and differentiated here."""
+    excluded = torch._C._dispatch_tls_local_exclude_set() - torch._C.DispatchKeySet(
+        torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), \
+            torch.enable_grad():
+        yield
+
+
+def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
+                ) -> tuple[torch.fx.GraphModule, Report]:
+    """``spec.module`` at concrete sizes, its attention rewritten: the sizes put in the graph as constants
+    and fake values of the inputs' layouts propagated through it (``tensors`` need only shape, stride(),
+    dtype and device)."""
+    from fusepass.attention.rewrite import rewrite_attention  # the static pass; it imports this module
+
+    static = torch.fx.GraphModule(spec.module, copy.deepcopy(spec.module.graph))
+    fake_mode = FakeTensorMode()
+    with fake_mode:
+        fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(needs)
+                 for t, needs in zip(tensors, spec.requires_grad)]
+    FakeTensorProp(static, fake_mode).propagate(*fakes, *sizes)
+    for node in list(static.graph.nodes):  # sizes (and arithmetic on them) become constants
+        if node.op != "output" and not isinstance(node.meta.get("val"), torch.Tensor):
+            value = node.meta["val"]
+            for user in list(node.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
+    static.graph.eliminate_dead_code()
+    static.recompile()
+    with torch.enable_grad():  # the op's backward runs with grad mode off; the marks must not follow it
+        mark_requires_grad(static.graph, [*fakes, *sizes])
+    report = Report(graph=spec.name)
+    device = next((t.device for t in tensors), torch.device("cpu"))
+    rewrite_attention(static, PassContext(report, spec.options, "forward", device, run_kernels=True))
+    return static, report
+
+
+def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, name: str, where: str
+                    ) -> list[Rewrite]:
+    """Cut the attention out as a module called through ``attention_dynamic``; its records at the sizes
+    Dynamo saw. Raises ``Unsupported`` (the graph untouched) where that plan does not rewrite it."""
+    if m.dropout_p > 0:
+        raise Unsupported("symbolic shapes with dropout (the backward could not replay the forward's mask)")
+    sources = [_walk_up(operand)[0] for operand in (m.scores.left, m.scores.right, m.values.right)]
+    replaced = replaced_subgraph(graph, removed_nodes(m), sources)
+    _, externals = subgraph_module(replaced, [], m.pv)
+    tensors = [n for n in externals if isinstance(val(n), torch.Tensor)]
+    sizes = [n for n in externals if not isinstance(val(n), torch.Tensor)]
+    module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
+    spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options)
+
+    examples = [_AtHint(val(n)) for n in tensors]
+    _, report = plan_static(spec, examples, [_hint(val(n)) for n in sizes])
+    records = [r for r in report.rewrites if r.kind == "attention"]
+    if not records:
+        reasons = [h.reason for h in report.hotspots if h.kind in ("attention", "fallback")]
+        raise Unsupported(f"symbolic shapes, and at the sizes seen: {reasons[0] if reasons else 'not rewritten'}")
+    for record in records:
+        record.location = where
+        record.detail["sizes"] = "symbolic: figures at the sizes first seen; planned again at each new size"
+    _specs[name] = spec
+    if ctx.run_kernels:
+        with graph.inserting_before(m.pv):
+            call = graph.call_function(torch.ops.fusepass.attention_dynamic.default, (tensors, sizes, name))
+            call.meta["stack_trace"] = m.softmax.meta.get("stack_trace")
+        m.pv.replace_all_uses_with(call)
+    else:
+        mark_planned(replaced, name)
+    return records
+
+
+def _hint(value: Any) -> int:
+    return int(value.node.hint) if isinstance(value, torch.SymInt) else int(value)
+
+
+class _AtHint:
+    """The sizes, strides, dtype and device of a symbolic tensor, at the sizes Dynamo saw (all that
+    ``plan_static`` reads of an input)."""
+
+    def __init__(self, fake: torch.Tensor) -> None:
+        self.shape = torch.Size([_hint(s) for s in fake.shape])
+        self._stride = tuple(_hint(s) for s in fake.stride())
+        self.dtype = fake.dtype
+        self.device = fake.device
+
+    def stride(self) -> tuple[int, ...]:
+        return self._stride
+
+
+@torch.library.custom_op("fusepass::attention_dynamic", mutates_args=())
+def attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: str) -> torch.Tensor:
+    s = _specs[spec]
+    return s.static(tensors, sizes)(*tensors, *sizes)[0].clone()
+
+
+@attention_dynamic.register_fake
+def _attention_dynamic_fake(tensors, sizes, spec):
+    return torch.empty_like(_specs[spec].module(*tensors, *sizes)[0])
+
+
+@torch.library.custom_op("fusepass::attention_dynamic_backward", mutates_args=())
+def attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int], spec: str
+                               ) -> list[torch.Tensor]:
+    """Gradients of every tensor input (empty where none flows): the static graph at these sizes run
+    again under autograd, its attention's backward the fused one."""
+    s = _specs[spec]
+    static = s.static(tensors, sizes)
+    with autograd_enabled():
+        xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
+        out = static(*xs, *sizes)[0]
+        wanted = [x for x in xs if x.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+    result = []
+    for x in xs:
+        g = next(grads) if x.requires_grad else None
+        result.append(torch.zeros_like(x) if x.requires_grad and g is None else
+                      g.detach() if g is not None else x.new_empty(0))
+    return result
+
+
+@attention_dynamic_backward.register_fake
+def _attention_dynamic_backward_fake(grad, tensors, sizes, spec):
+    needs = _specs[spec].requires_grad
+    return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tensors, needs)]
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    tensors, sizes, spec = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.sizes = sizes
+    ctx.spec = spec
+
+
+def _backward(ctx: Any, grad: torch.Tensor):
+    grads = attention_dynamic_backward(grad.contiguous(), list(ctx.saved_tensors), ctx.sizes, ctx.spec)
+    return [g if needs else None for g, needs in zip(grads, _specs[ctx.spec].requires_grad)], None, None
+
+
+attention_dynamic.register_autograd(_backward, setup_context=_setup_context)

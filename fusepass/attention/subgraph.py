@@ -1,0 +1,43 @@
+"""The ops an attention rewrite replaces, and those ops as a module of their own.
+
+The module runs what the rewrite removed: to time it against the fused op (``FUSEPASS_PROFILE``), and,
+where sizes are symbolic, to trace it again at each concrete size (``dynamic``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from fusepass.attention.match import AttentionMatch
+
+
+def removed_nodes(m: AttentionMatch) -> list[torch.fx.Node]:
+    return [m.qk, *m.chain, m.softmax, *m.probability_path, m.pv]
+
+
+def replaced_subgraph(graph: torch.fx.Graph, removed: list[torch.fx.Node], kept: list[torch.fx.Node]
+                      ) -> list[torch.fx.Node]:
+    """The matched ops and every op only they use (a mask's construction, repeated K/V heads, views):
+    what the rewrite leaves dead, in graph order. ``kept``: what the fused op reads."""
+    dead = set(removed)
+    for node in reversed(graph.nodes):
+        if node.op == "call_function" and node not in dead and node not in kept and node.users and \
+                all(user in dead for user in node.users):
+            dead.add(node)
+    return [n for n in graph.nodes if n in dead]
+
+
+def subgraph_module(replaced: list[torch.fx.Node], leading: list[torch.fx.Node], output: torch.fx.Node
+                    ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """The replaced ops as a module of (``leading``, then whatever else they read); and that whatever else."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    members = set(replaced)
+    extra = [a for n in replaced for a in n.all_input_nodes if a not in members and a not in leading]
+    extra = list(dict.fromkeys(extra))
+    for i, node in enumerate(leading + extra):
+        env.setdefault(node, graph.placeholder(f"input_{i}"))
+    for node in replaced:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output((env[output],))
+    return torch.fx.GraphModule({}, graph), extra

@@ -1,0 +1,68 @@
+"""Attention under symbolic sizes: planned again at each concrete size, forward and backward exact."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from support import DEVICE, random_tensor, rewrites
+
+import fusepass
+
+
+def padded_gqa(q, k, v, keep):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~(causal & keep[:, None, None, :]), float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def inputs(n: int):
+    q = random_tensor((2, 4, n, 16), torch.float32).requires_grad_()
+    k, v = (random_tensor((2, 2, n, 16), torch.float32).requires_grad_() for _ in range(2))
+    keep = torch.ones(2, n, dtype=torch.bool, device=DEVICE)
+    keep[1, : n // 3] = False
+    return q, k, v, keep
+
+
+def check_sizes(compiled, sizes):
+    for n in sizes:
+        q, k, v, keep = inputs(n)
+        out, expected = compiled(q, k, v, keep), padded_gqa(q, k, v, keep)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4, equal_nan=True)
+        grad = torch.randn_like(out)
+        actual = torch.autograd.grad(out, (q, k, v), grad)
+        wanted = torch.autograd.grad(expected, (q, k, v), grad)
+        for a, e in zip(actual, wanted):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+
+def test_symbolic_sizes_are_rewritten_and_exact():
+    fusepass.reset()
+    check_sizes(torch.compile(padded_gqa, backend=fusepass.backend(strict=True), dynamic=True), (21, 37))
+    (rewrite,) = rewrites(fusepass.reports()[0], kind="attention", phase="forward")
+    assert "symbolic" in rewrite.detail["sizes"] and "gqa" in rewrite.features
+    assert len(fusepass.reports()) == 1  # one compile served both sizes
+
+
+def test_a_recompile_for_a_new_size_keeps_the_rewrite():
+    fusepass.reset()
+    check_sizes(torch.compile(padded_gqa, backend="fusepass"), (21, 37, 29))  # the second compile is dynamic
+    for report in fusepass.reports():
+        assert rewrites(report, kind="attention", phase="forward")
+        assert not [h for h in report.hotspots if h.kind == "attention"]
+
+
+def dropout_attention(q, k, v):
+    return F.dropout(torch.softmax(q @ k.transpose(-1, -2), dim=-1), p=0.1, training=True) @ v
+
+
+def test_symbolic_sizes_with_dropout_are_declined_with_the_reason():
+    fusepass.reset()
+    q = random_tensor((1, 2, 19, 16), torch.float32)
+    torch.compile(dropout_attention, backend="fusepass", dynamic=True)(q, q, q)
+    (hotspot,) = [h for h in fusepass.last_report().hotspots if h.kind == "attention"]
+    assert "dropout" in hotspot.reason
