@@ -12,9 +12,7 @@ the symbolic graph keeps it unfused, with the reason) and gives the report its f
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +23,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.layout import Unsupported, _walk_up
 from fusepass.attention.match import AttentionMatch, val
+from fusepass.attention.op import autograd_enabled
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.capture import mark_requires_grad
 from fusepass.context import PassContext, mark_planned
@@ -53,17 +52,6 @@ class DynamicSpec:
 
 
 _specs: dict[str, DynamicSpec] = {}
-
-
-@contextlib.contextmanager
-def autograd_enabled() -> Iterator[None]:
-    """Autograd inside a custom op's implementation, which runs below it: the static graph is planned
-    (its score chain differentiated) and differentiated here."""
-    excluded = torch._C._dispatch_tls_local_exclude_set() - torch._C.DispatchKeySet(
-        torch._C.DispatchKey.AutogradFunctionality)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), \
-            torch.enable_grad():
-        yield
 
 
 def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]

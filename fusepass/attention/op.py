@@ -8,6 +8,8 @@ never exist, forward or backward.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,16 +26,64 @@ from fusepass.report.records import Rewrite
 
 
 @dataclass
-class Profiled:
-    module: torch.fx.GraphModule  # (q, k, v sources, *aux, *extra inputs) -> the matmul with V's output
-    # (the same inputs, the output's gradient) -> their gradients: the unfused backward, traced (the op runs
-    # below autograd, where the module could not be differentiated)
-    forward_backward: torch.fx.GraphModule | None
-    output_shape: tuple[int, ...]  # of the matmul with V (the op's output is laid out [B, H, Nq, D])
-    forward: Rewrite
-    backward: Rewrite | None
-    forward_done: bool = False
-    backward_done: bool = False
+class Unfused:
+    """The ops the rewrite replaced, as a module of the op's inputs (q, k, v sources, aux, then anything
+    else they read): what runs if the kernels fail (a warning and a hotspot; ``strict`` raises), and what
+    ``FUSEPASS_PROFILE`` times the kernels against."""
+
+    module: torch.fx.GraphModule  # -> (the matmul with V's output,)
+    requires_grad: list[bool]  # per op input
+    output_shape: tuple[int, ...]  # of the matmul with V
+    out_perm: tuple[int, ...] | None  # its einsum order (the op's output is [B, H, Nq, D])
+    on_failure: Callable[[Exception], None]
+    forward_record: Rewrite
+    backward_record: Rewrite | None
+    failed: bool = False
+    profiled_forward: bool = False
+    profiled_backward: bool = False
+
+    def to_canonical(self, out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The module's output laid out as the op's: [B, H, Nq, D], contiguous."""
+        if self.out_perm is not None:
+            out = out.permute([self.out_perm.index(i) for i in range(out.dim())])
+        return out.reshape(shape).contiguous()
+
+    def from_canonical(self, grad: torch.Tensor) -> torch.Tensor:
+        """The op's output gradient laid out as the module's output."""
+        if self.out_perm is None:
+            return grad.reshape(self.output_shape)
+        canonical = [0] * len(self.output_shape)
+        for i, p in enumerate(self.out_perm):
+            canonical[p] = self.output_shape[i]
+        return grad.reshape(canonical).permute(self.out_perm)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...], seed: int) -> torch.Tensor:
+        """The module's output; its random draws (dropout) seeded by the op's seed, so that the backward's
+        second run draws the same."""
+        devices = sorted({x.device for x in inputs if x.is_cuda}, key=str)
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self.module(*inputs)[0]
+
+    def gradients(self, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, seed: int
+                  ) -> list[torch.Tensor | None]:
+        """Gradients of every input (None where none flows): the module run again under autograd."""
+        with autograd_enabled():
+            xs = [x.detach().requires_grad_(needs) for x, needs in zip(inputs, self.requires_grad)]
+            wanted = [x for x in xs if x.requires_grad]
+            found = iter(torch.autograd.grad(self.forward(tuple(xs), seed), wanted, self.from_canonical(grad),
+                                             allow_unused=True) if wanted else ())
+            return [next(found) if x.requires_grad else None for x in xs]
+
+
+@contextlib.contextmanager
+def autograd_enabled() -> Iterator[None]:
+    """Autograd inside a custom op's implementation, which runs below it."""
+    excluded = torch._C._dispatch_tls_local_exclude_set() - torch._C.DispatchKeySet(
+        torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), \
+            torch.enable_grad():
+        yield
 
 
 @dataclass
@@ -46,9 +96,7 @@ class AttentionSpec:
     out_dtype: torch.dtype
     dropout_p: float
     aux_strides: list[tuple[int, ...]]
-    # FUSEPASS_PROFILE: the replaced ops, which the op is then also given the inputs of (after the aux
-    # tensors the score functions read), and the records the times go into.
-    unfused: Profiled | None = None
+    unfused: Unfused | None = None  # set by the rewrite, with the graph values it reads (after the aux)
     _mod: ScoreMod | None = field(default=None, repr=False)
 
     @property
@@ -96,18 +144,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch
               spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [B, H, Nq, D], lse, log of the row sums, rows recomputed without tile skipping)."""
     s = _specs[spec]
+    if s.unfused.failed:
+        return _unfused_forward(s, (q, k, v, *aux), _seed(seed))
     q4, k4, v4 = _views(s, q, k, v, aux)
 
     def forward():
         return flash_attention_forward(q4, k4, v4, s.mod, tuple(aux[:len(s.aux_strides)]), dropout_p=s.dropout_p,
                                        seed=_seed(seed), out_dtype=s.out_dtype)
 
-    out, lse, extra = forward()
-    if s.unfused is not None and not s.unfused.forward_done:
-        s.unfused.forward_done = True
-        profile.measure(s.unfused.forward, forward, lambda: s.unfused.module(q, k, v, *aux))
+    try:
+        out, lse, extra = forward()
+    except Exception as error:  # a kernel that fails to build or run must not break the model
+        s.unfused.failed = True
+        s.unfused.on_failure(error)
+        return _unfused_forward(s, (q, k, v, *aux), _seed(seed))
+    if profile.requested() and profile.can_profile(q.device) and not s.unfused.profiled_forward:
+        s.unfused.profiled_forward = True
+        profile.measure(s.unfused.forward_record, forward,
+                        lambda: s.unfused.forward((q, k, v, *aux), _seed(seed)))
     fallback = extra.fallback_rows if extra.fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
     return out, lse, extra.log_sum, fallback
+
+
+def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: int):
+    """The op's outputs from the replaced ops: their result, and row statistics the backward then ignores."""
+    out = s.unfused.to_canonical(s.unfused.forward(inputs, seed), s.out_shape)
+    rows = s.out_shape[:3]
+    fallback = out.new_zeros(rows if s.lifted.functions.get("keep") else (0,), dtype=torch.int8)
+    return out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback
 
 
 @attention.register_fake
@@ -127,6 +191,9 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Gradients of the sources of q, k, v and of every aux tensor (zeros where none flows)."""
     s = _specs[spec]
+    inputs = (q, k, v, *aux)
+    if s.unfused.failed:
+        return _unfused_backward(s, inputs, grad_out, _seed(seed))
     q4, k4, v4 = _views(s, q, k, v, aux)
     read = tuple(aux[:len(s.aux_strides)])
     needs = _aux_needs_grad(s, len(aux))
@@ -139,13 +206,21 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         return flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, read, aux_grad,
                                         dropout_p=s.dropout_p, seed=_seed(seed)), aux_grad
 
-    (dq4, dk4, dv4), aux_grad = backward()
-    if s.unfused is not None and s.unfused.backward is not None and not s.unfused.backward_done:
-        s.unfused.backward_done = True
-        profile.measure_backward(s.unfused.backward, backward,
-                                 lambda: s.unfused.forward_backward(q, k, v, *aux,
-                                                                    grad_out.reshape(s.unfused.output_shape)),
-                                 s.unfused.forward.measured_unfused_ms or 0.0)
+    try:
+        (dq4, dk4, dv4), aux_grad = backward()
+    except Exception as error:  # as in the forward: the replaced ops take over
+        if s.dropout_p:
+            # The kernel's forward dropped other elements than the replaced ops would.
+            raise RuntimeError("fusepass: the attention backward kernel failed after its forward had run with "
+                               "dropout; no gradient consistent with that forward can be computed") from error
+        s.unfused.failed = True
+        s.unfused.on_failure(error)
+        return _unfused_backward(s, inputs, grad_out, _seed(seed))
+    record = s.unfused.backward_record
+    if profile.requested() and profile.can_profile(q.device) and record is not None and not s.unfused.profiled_backward:
+        s.unfused.profiled_backward = True
+        profile.measure_backward(record, backward, lambda: s.unfused.gradients(inputs, grad_out, _seed(seed)),
+                                 s.unfused.forward_record.measured_unfused_ms or 0.0)
     grads = []
     for source, layout, grad4 in ((q, s.q, dq4), (k, s.k, dk4), (v, s.v, dv4)):
         # The layout's strides are the source's: the gradient takes them too.
@@ -158,9 +233,19 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return grads[0], grads[1], grads[2], aux_grads
 
 
+def _unfused_backward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, seed: int):
+    """The op's gradients from the replaced ops, differentiated by autograd."""
+    found = s.unfused.gradients(inputs, grad_out, seed)
+    q_k_v = [g if g is not None else torch.zeros_like(x) for g, x in zip(found[:3], inputs[:3])]
+    needs = _aux_needs_grad(s, len(inputs) - 3)
+    aux = [(g if g is not None else torch.zeros_like(x)) if n else x.new_empty(0)
+           for g, x, n in zip(found[3:], inputs[3:], needs)]
+    return q_k_v[0], q_k_v[1], q_k_v[2], aux
+
+
 def _aux_needs_grad(spec: AttentionSpec, count: int) -> list[bool]:
     """Which aux inputs get a gradient: those the score functions read and a gradient flows to (the
-    inputs only profiling passes get none)."""
+    other graph values the replaced ops read, passed for them, get none)."""
     needs = list(spec.lifted.aux_needs_grad)
     return needs + [False] * (count - len(needs))
 

@@ -12,17 +12,15 @@ import operator
 
 import torch
 import torch.fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.attention.dynamic import rewrite_dynamic
 from fusepass.attention.layout import OperandView, Unsupported, broadcast_to, canonical, operand_view
 from fusepass.attention.lift import Canon, Lifter
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
-from fusepass.attention.op import AttentionSpec, Profiled, register
+from fusepass.attention.op import AttentionSpec, Unfused, register
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.context import PassContext, mark_planned
 from fusepass.kernels.flash_config import backward_config, forward_config
-from fusepass.report import profile
 from fusepass.report.ledger import (AttentionShape, AuxRead, attention_rewrites, op_bytes, tile_density,
                                     value_bytes)
 from fusepass.report.records import Hotspot, Rewrite
@@ -155,12 +153,16 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             continue
         ctx.report.rewrites.extend(records)
         if ctx.run_kernels:
-            extra: list[torch.fx.Node] = []
-            if profile.requested() and profile.can_profile(ctx.device):
-                module, extra = subgraph_module(replaced, sources + spec.lifted.aux, m.pv)
-                backward = records[1] if len(records) > 1 else None
-                traced = _traced_forward_backward(module, sources + spec.lifted.aux + extra) if backward else None
-                spec.unfused = Profiled(module, traced, tuple(val(m.pv).shape), records[0], backward)
+            module, extra = subgraph_module(replaced, sources + spec.lifted.aux, m.pv)
+            ops, cost = records[0].ops, records[0].bytes_unfused
+
+            def on_failure(error: Exception, where: str = where, ops: tuple = ops, cost: int = cost) -> None:
+                ctx.fallback("attention", where, "attention kernel failed", error, ops, cost)
+
+            inputs = sources + spec.lifted.aux + extra
+            spec.unfused = Unfused(module, [bool(n.meta.get("requires_grad")) for n in inputs],
+                                   tuple(val(m.pv).shape), m.values.out_perm, on_failure, records[0],
+                                   records[1] if len(records) > 1 else None)
             _replace(graph, m, register(spec), sources, spec, extra)
             changed = True
         else:
@@ -169,26 +171,6 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         graph.eliminate_dead_code()
         gm.recompile()
     return gm
-
-
-def _traced_forward_backward(module: torch.fx.GraphModule, inputs: list[torch.fx.Node]) -> torch.fx.GraphModule:
-    """The replaced ops' forward and backward as one graph of ATen ops (traced on the inputs' fake values)."""
-    examples = [n.meta["val"] for n in inputs]
-
-    def forward_backward(*args):
-        *xs, grad = args
-        xs = [x.detach().requires_grad_(x.is_floating_point()) for x in xs]
-        with torch.enable_grad():
-            out = module(*xs)[0]
-            return torch.autograd.grad(out, [x for x in xs if x.requires_grad], grad, allow_unused=True)
-
-    return make_fx(forward_backward, tracing_mode="fake")(*examples, _output_example(module, examples))
-
-
-def _output_example(module: torch.fx.GraphModule, examples: list) -> torch.Tensor:
-    fake_mode = torch._guards.detect_fake_mode(examples)
-    with fake_mode:
-        return torch.empty_like(module(*examples)[0])
 
 
 def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[torch.fx.Node],

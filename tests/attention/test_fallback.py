@@ -1,0 +1,74 @@
+"""An attention kernel that fails at run time: the replaced ops take over, exact forward and backward, with a
+warning and a hotspot; ``strict`` raises instead."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import check, random_tensor, rewrites
+
+import fusepass
+from fusepass.attention import op
+
+# Scores of a few units in fp32: rounding differences of 1e-7 grow through exp to about 1e-5.
+FP32 = dict(rtol=1e-4, atol=1e-4)
+
+
+def alibi_causal(q, k, v, slopes):
+    n = q.shape[-2]
+    distance = torch.arange(n, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + slopes[:, None, None] * distance
+    s = s.masked_fill(distance > 0, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def _explode(*args, **kwargs):
+    raise RuntimeError("planted kernel failure")
+
+
+def _inputs():
+    q, k, v = (random_tensor((2, 3, 29, 16), torch.float32) for _ in range(3))
+    return q, k, v, random_tensor((3,), torch.float32)
+
+
+@pytest.mark.parametrize("kernel", ["flash_attention_forward", "flash_attention_backward"])
+def test_a_failing_kernel_runs_the_replaced_ops(monkeypatch, kernel):
+    monkeypatch.setattr(op, kernel, _explode)
+    with pytest.warns(RuntimeWarning, match="planted kernel failure"):
+        report = check(alibi_causal, *_inputs(), backward=True, **FP32)  # the slopes learn too
+    assert rewrites(report, kind="attention")
+    (hotspot,) = [h for h in report.hotspots if h.kind == "attention"]
+    assert "attention kernel failed" in hotspot.reason and "planted" in hotspot.reason
+
+
+def test_strict_raises_the_kernels_error(monkeypatch):
+    monkeypatch.setattr(op, "flash_attention_forward", _explode)
+    with pytest.raises(RuntimeError, match="planted kernel failure"):
+        torch.compile(alibi_causal, backend=fusepass.backend(strict=True))(*_inputs())
+
+
+def dropout_attention(q, k, v):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return F.dropout(torch.softmax(s, dim=-1), p=0.25, training=True) @ v
+
+
+def test_dropout_fallback_draws_the_same_elements_forward_and_backward(monkeypatch):
+    monkeypatch.setattr(op, "flash_attention_forward", _explode)
+    n = 24
+    q, k = (random_tensor((2, 3, n, n), torch.float32).requires_grad_() for _ in range(2))
+    eye = torch.eye(n).expand(2, 3, n, n).contiguous().requires_grad_()
+    with pytest.warns(RuntimeWarning, match="planted"):
+        out = torch.compile(dropout_attention, backend="fusepass")(q, k, eye)  # V = I: out is the dropped P
+    grad = torch.randn_like(out)
+    (dv,) = torch.autograd.grad(out, (eye,), grad)
+    torch.testing.assert_close(dv, out.transpose(-1, -2) @ grad, **FP32)
+
+
+def test_dropout_backward_failure_after_the_kernels_forward_is_an_error(monkeypatch):
+    monkeypatch.setattr(op, "flash_attention_backward", _explode)
+    q, k, v = (random_tensor((2, 3, 24, 16), torch.float32).requires_grad_() for _ in range(3))
+    out = torch.compile(dropout_attention, backend="fusepass")(q, k, v)
+    with pytest.raises(RuntimeError, match="no gradient consistent with that forward"):
+        out.sum().backward()
