@@ -30,11 +30,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fusepass.attention.index import Idx, merge
 from fusepass.attention.layout import VIEW_OPS, Unsupported
 from fusepass.attention.match import AttentionMatch, packet, val
-from fusepass.codegen.pointwise import (CONSTANTS, TRITON_DTYPE, Emitter, Operand, constant_value, held_dtype,
-                                        is_supported, literal, translate)
+from fusepass.attention.spans import Span, fits, result_span
+from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Emitter, Operand, bind, constant_value,
+                                        held_dtype, is_supported, literal, translate)
 
 aten = torch.ops.aten
 LANES = 4  # the fake length of E's values: pointwise ops do not care
+# Broadcasts a value to the scores' shape: -0.0, not 0.0, so that the addition is an identity the compiler
+# removes (x + 0.0 is not: -0.0 + 0.0 = +0.0), instead of one more instruction per score.
+SPLAT_OF_S = "tl.full(s.shape, -0.0, tl.float32)"
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,12 @@ class Code:
     zero_dim: bool = False
     mask: tuple[str, Any] | None = None  # for where(keep, 0, fill): (keep expression, fill)
     compares: int = 0  # comparisons of query against key positions it depends on (1: causal, 2: a band)
+    span: Span | None = None  # the values an integer can take; an int64 one that fits in int32 is emitted so
+
+    @property
+    def narrow(self) -> bool:
+        """An int64 value emitted as int32 (see spans.py)."""
+        return self.dtype == torch.int64 and fits(self.span)
 
 
 @dataclass(frozen=True)
@@ -208,7 +218,7 @@ class Lifter:
         if node.op == "call_function" and kind in CONSTANTS:
             value = constant_value(kind, node.args, node.kwargs)
             return Code(literal(value, held_dtype(val(node).dtype)), val(node).dtype, frozenset(),
-                        val(node).dim() == 0)
+                        val(node).dim() == 0, span=_span_of(value))
         if kind == aten.arange:
             return self._arange(node, coords)
         if kind in (aten.tril, aten.triu):
@@ -244,8 +254,13 @@ class Lifter:
         text, uses = self.render(coords[0])
         dtype = val(node).dtype
         expr = f"({start} + {step} * {text})" if (start, step) != (0, 1) else text
-        target = held_dtype(dtype)
-        return Code(self.code.let(f"({expr}).to({TRITON_DTYPE[target]})"), dtype, uses)
+        span = None
+        if not dtype.is_floating_point and all(isinstance(x, int) for x in (start, step)):
+            ends = (start, start + step * (val(node).shape[0] - 1))
+            span = (min(ends), max(ends))
+        code = Code("", dtype, uses, span=span)
+        target = torch.int32 if code.narrow else held_dtype(dtype)
+        return Code(self.code.let(f"({expr}).to({TRITON_DTYPE[target]})"), dtype, uses, span=span)
 
     def _triangle(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
         x = self.value(node.args[0], coords)
@@ -258,7 +273,8 @@ class Lifter:
         keep = f"(({col}) - ({row}) {op} {diagonal})"
         zero = literal(0, held_dtype(x.dtype))
         expr = self.code.let(f"tl.where({keep}, {x.expr}, {zero})")
-        return Code(expr, x.dtype, x.uses | row_uses | col_uses, compares=x.compares + 1)
+        span = (min(x.span[0], 0), max(x.span[1], 0)) if x.span is not None else None
+        return Code(expr, x.dtype, x.uses | row_uses | col_uses, compares=x.compares + 1, span=span)
 
     def _gather(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
         """``table[i0, i1, ...]`` (``aten.index``, ``embedding``): index tensors evaluated at the output's
@@ -275,17 +291,18 @@ class Lifter:
         index_coords = coords[start:start + len(index_shape)]
         plain = iter(coords[:start] + coords[start + len(index_shape):])
         parts, uses = [], set()
+        wide = _needs_int64_offsets(val(table))
         for d, (size, stride) in enumerate(zip(table_shape, val(table).stride())):
             if d in present:
                 i = self.value(indices[d], _broadcast(index_coords, index_shape, tuple(val(indices[d]).shape)))
                 if not isinstance(i, Code):
                     raise Unsupported("a gather whose indices depend on the scores")
                 wrapped = self.code.let(f"tl.where({i.expr} < 0, {i.expr} + {size}, {i.expr})")
-                parts.append(f"{wrapped} * {stride}")
+                parts.append(_offset_term(wrapped, stride, wide))
                 uses |= i.uses
             else:
                 text, u = self.render(next(plain))
-                parts.append(f"{text} * {stride}")
+                parts.append(_offset_term(text, stride, wide))
                 uses |= u
         if table.meta.get("requires_grad", False) or "q" in uses and "k" in uses:
             self.features.add("relative_bias")
@@ -297,11 +314,12 @@ class Lifter:
             raise Unsupported("a score input with symbolic strides")
         coords = _broadcast(coords, tuple(tensor.shape), tuple(tensor.shape))
         parts, uses = [], set()
+        wide = _needs_int64_offsets(tensor)
         for c, stride, size in zip(coords, tensor.stride(), tensor.shape):
             if size == 1:
                 continue
             text, u = self.render(c)
-            parts.append(f"{text} * {stride}" if stride != 1 else text)
+            parts.append(_offset_term(text, stride, wide))
             uses |= u
         return self._read(node, " + ".join(parts) if parts else "0", frozenset(uses))
 
@@ -344,7 +362,8 @@ class Lifter:
         result = self._pointwise_value(node.target, args, kwargs, val(node).dtype, val(node).dim() == 0)
         if isinstance(result, Code) and packet(node) in (aten.where, aten.masked_fill):
             mask = _mask_of(node, args)
-            result = Code(result.expr, result.dtype, result.uses, result.zero_dim, mask, result.compares)
+            result = Code(result.expr, result.dtype, result.uses, result.zero_dim, mask, result.compares,
+                          result.span)
         return result
 
     def _pointwise_value(self, target: Any, args: tuple, kwargs: dict, dtype: torch.dtype,
@@ -354,9 +373,15 @@ class Lifter:
             self._note_op(target, args)
             return self._e_node(target, args, kwargs)
 
+        span = _result_span(target, args, kwargs, dtype)
+        narrow = dtype == torch.int64 and fits(span)
+
         def operand(a: Any) -> Any:
             if isinstance(a, Code):
-                return Operand(a.expr, a.dtype, a.zero_dim)
+                if a.narrow and dtype == torch.int64 and not narrow:
+                    # The result may leave int32: the operation runs in int64.
+                    return Operand(f"({a.expr}).to(tl.int64)", a.dtype, a.zero_dim)
+                return Operand(a.expr, torch.int32 if a.narrow else a.dtype, a.zero_dim)
             if isinstance(a, (list, tuple)):
                 return type(a)(operand(x) for x in a)
             return a
@@ -367,9 +392,9 @@ class Lifter:
         if getattr(target, "overloadpacket", None) in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
             compares += 1
         self._note_op(target, args)
-        result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()}, dtype,
-                           round_casts=False)
-        return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares)
+        result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()},
+                           torch.int32 if narrow else dtype, round_casts=False)
+        return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span)
 
     # ---------------------------------------------------------------------------------- features
 
@@ -559,7 +584,7 @@ class Lifter:
         env = self._bind_leaves(module, lines)
         result = _emit_graph(module, env, lines, "e")[0]
         return _function(name, "s, b, h, q_idx, kv_idx, aux", lines,
-                         f"return ({result.expr} + tl.zeros_like(s)).to(tl.float32)")
+                         f"return ({result.expr} + {SPLAT_OF_S}).to(tl.float32)")
 
     def _grad_function(self, name: str, module: torch.fx.GraphModule, prelude: list[str]) -> str:
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
@@ -581,7 +606,7 @@ class Lifter:
             if grad is None:
                 continue
             if leaf is self.s_leaf:
-                result = f"({grad.expr} + tl.zeros_like(s)).to(tl.float32)"
+                result = f"({grad.expr} + {SPLAT_OF_S}).to(tl.float32)"
             else:
                 # The dQ kernel passes aux_grad=None: the dK/dV kernel alone accumulates aux gradients.
                 lines.append("if aux_grad is not None:")
@@ -591,7 +616,7 @@ class Lifter:
 
 def _accumulate(leaf: GradLeaf, grad: str) -> list[str]:
     """Add a gradient tile into the aux tensor's gradient, summing first over the axes it is broadcast on."""
-    full = f"({grad} + tl.zeros_like(s)).to(tl.float32)"
+    full = f"({grad} + {SPLAT_OF_S}).to(tl.float32)"
     if "q" not in leaf.uses and "k" not in leaf.uses:
         return [f"tl.atomic_add(aux_grad[{leaf.aux}] + {leaf.offset}, tl.sum({full}))"]
     if "q" not in leaf.uses:
@@ -675,6 +700,35 @@ def _emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: li
 def _function(name: str, params: str, lines: list[str], ret: str) -> str:
     body = "\n".join(f"    {line}" for line in lines + [ret])
     return f"@triton.jit\ndef {name}({params}):\n{body}\n"
+
+
+def _span_of(value: Any) -> Span | None:
+    if isinstance(value, Code):
+        return (0, 1) if value.dtype == torch.bool else value.span
+    if isinstance(value, (bool, int)):
+        return int(value), int(value)
+    return None
+
+
+def _result_span(target: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> Span | None:
+    """The span of an integer op's result (None for other dtypes, or where unknown)."""
+    if dtype.is_floating_point or dtype == torch.bool or not hasattr(target, "_schema"):
+        return None
+    kind = getattr(target, "overloadpacket", None)
+    if kind in CASTS:
+        return _span_of(args[1] if kind == aten.copy else args[0])
+    bound = bind(target, args, kwargs)
+    return result_span(target, {name: _span_of(v) for name, v in bound.items() if v is not None})
+
+
+def _needs_int64_offsets(tensor: torch.Tensor) -> bool:
+    """Whether element offsets into ``tensor`` can leave int32 (indices, positions and program ids are int32)."""
+    return sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride())) >= 2 ** 31
+
+
+def _offset_term(index: str, stride: int, wide: bool) -> str:
+    index = f"({index}).to(tl.int64)" if wide else index
+    return index if stride == 1 else f"{index} * {stride}"
 
 
 def _coef(name: str, coef: int) -> str:

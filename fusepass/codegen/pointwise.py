@@ -181,10 +181,22 @@ def _div_kind(args: dict[str, Any]) -> Kind:
     return Kind.DEFAULT if args.get("rounding_mode") else Kind.INT_TO_FLOAT
 
 
+def _quotient(c, self, other) -> str:
+    """self / other. By a constant, in float32, as a product with its reciprocal: Triton's float32 `/` is
+    `div.full.f32`, a reciprocal on the special-function unit (the one exp2 needs in attention) and a
+    multiply, no closer to the exact quotient (2 ulp) than the product (1 ulp; exact for powers of two)."""
+    divisor = c.raw.get("other")
+    if isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and held_dtype(c.compute) == torch.float32:
+        reciprocal = float(torch.tensor(1.0, dtype=torch.float32) / float(divisor))
+        if math.isfinite(reciprocal) and abs(reciprocal) >= torch.finfo(torch.float32).tiny:
+            return f"({self} * {c.lit(reciprocal)})"
+    return f"({self} / {other})"
+
+
 @rule(aten.div, operands=BINARY, kind=_div_kind)
 def _div(c, self, other, rounding_mode=None):
     if rounding_mode is None:
-        return f"({self} / {other})"
+        return _quotient(c, self, other)
     if rounding_mode == "trunc":
         # Eager truncates the quotient as rounded to the result dtype.
         return f"fm.trunc({round_to(f'({self} / {other})', c.result)})" if c.is_float else f"({self} // {other})"
@@ -200,7 +212,7 @@ def _floor_divide(c, self, other):
 
 @rule(aten.true_divide, operands=BINARY, kind=Kind.INT_TO_FLOAT)
 def _true_divide(c, self, other):
-    return f"({self} / {other})"
+    return _quotient(c, self, other)
 
 
 @rule(aten.fmod, operands=BINARY)
@@ -607,7 +619,7 @@ def _probe(dtype: torch.dtype, zero_dim: bool) -> torch.Tensor:
     return _PROMOTION_PROBES[key]
 
 
-def _bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Arguments by schema name, defaults filled in."""
     bound: dict[str, Any] = {}
     for i, argument in enumerate(target._schema.arguments):
@@ -638,7 +650,7 @@ def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
     if packet in CONSTANTS:
         return Operand(literal(constant_value(packet, args, kwargs), held_dtype(result_dtype)), result_dtype)
     rule_ = RULES[packet]
-    bound = _bind(target, args, kwargs)
+    bound = bind(target, args, kwargs)
     operand_names = [name for name in rule_.operands if bound.get(name) is not None]
     if rule_.kind is None:
         compute = result_dtype

@@ -8,8 +8,12 @@ kv tile is FULL except a last, partly out-of-range one. See docs/flash-kernel-in
 Dots accumulate in fp32; fp32 inputs use input_precision="ieee" (no TF32) so fp32 results match eager
 fp32, half inputs run on tensor cores (the P·V dot takes P cast to V's dtype).
 
-Exponentials are base 2 of `(x - m) · log2(e)`: the shift comes first so that rows whose scores sit at
-`finfo(float32).min` (where `x · log2(e)` would overflow to -inf) still get `exp(0) = 1`.
+Exponentials are base 2, of `fma(x, log2(e), -m2)` with `m2 = rn(m · log2(e))`: one fused multiply-add per
+score (the product is not rounded), instead of a subtraction and a multiply. Every weight of a row then
+carries the same factor 2^δ, δ = m · log2(e) - m2 (computed exactly by another fma), which cancels in the
+output and is taken out of `log_sum`. Rows whose max is not TAME (`m · log2(e)` could overflow: no finite
+score yet, or a row masked with `finfo.min` throughout) are recomputed in the form `exp2((x - m) · log2(e))`,
+exact at any magnitude, as are rows a skipped tile might have touched.
 
 The jit helpers at the top are shared with the backward kernels (flash_bwd.py), which recompute the scores.
 """
@@ -27,8 +31,11 @@ from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import forward_config, head_block
 
 LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 # A skipped (masked-out) tile is exact only if exp(FILL - row max) vanishes next to the row's kept weights.
 SKIP_MARGIN = tl.constexpr(-60.0)
+# Row maxima below this magnitude have a finite m · log2(e) (the fused exponent form, FUSED_EXP).
+TAME = tl.constexpr(2.0 ** 125)
 # Triton's interpreter keeps bf16 as uint16 and its tl.dot multiplies the bit patterns
 # (triton-lang/triton#11584), so interpreted bf16 dots run in fp32. Compiled kernels never take that branch.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -88,7 +95,7 @@ def dropout_kept(seed, dropout_p, row_offsets, cols):
 @triton.jit
 def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk, aux,
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
-                 PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Fold one kv tile into the running (acc, m, l) of a q block."""
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,12 +109,18 @@ def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
     else:
         x = SCORE(s, b, h, q_idx, cols[None, :], aux)
     m_new = tl.maximum(m, tl.max(x, 1))
-    # Rows without a finite score so far shift by 0, which keeps their weights and alpha at 0 instead of
-    # exp(-inf - -inf) = NaN; a row that stays so gets l = 0 and out = 0 / 0 = NaN, as eager softmax.
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if FUSED_EXP:
+        # Rows whose max is not tame shift by 0: their weights so far are 0 or garbage, and they are
+        # recomputed (see the kernel's fallback).
+        shift = tl.where(tl.abs(m_new) < TAME, m_new, 0.0)
+        p = tl.math.exp2(tl.math.fma(x, LOG2E, -(shift * LOG2E)[:, None]))
+    else:
+        # Rows without a finite score so far shift by 0, which keeps their weights and alpha at 0 instead of
+        # exp(-inf - -inf) = NaN; a row that stays so gets l = 0 and out = 0 / 0 = NaN, as eager softmax.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        # Subtract before scaling by log2(e): finfo.min * log2(e) would overflow to -inf.
+        p = tl.math.exp2((x - shift[:, None]) * LOG2E)
     alpha = tl.math.exp2((m - shift) * LOG2E)
-    # Subtract before scaling by log2(e): finfo.min * log2(e) would overflow to -inf.
-    p = tl.math.exp2((x - shift[:, None]) * LOG2E)
     l = l * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows, cols), p, 0.0)
@@ -159,7 +172,7 @@ def _flash_forward_kernel(
         else:
             kv_block = tl.load(full_blocks + i)
         acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
-                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, False, DROPOUT,
+                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, False, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D)
     for i in range(0, n_partial):
         if KEEP is None:
@@ -167,22 +180,30 @@ def _flash_forward_kernel(
         else:
             kv_block = tl.load(partial_blocks + i)
         acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
-                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True, DROPOUT,
+                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D)
 
+    # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
+    # whose max stands SKIP_MARGIN above every fill value: not for rows without a kept element, or with
+    # scores as low as the fill (the comparison is written so that a NaN, -inf fill and -inf max, also
+    # asks for it). And FUSED_EXP is only for rows whose max is tame.
     if KEEP is not None:
-        # EMPTY tiles were skipped; that is exact only for rows whose max stands SKIP_MARGIN above every
-        # fill value. Others (no kept element at all, or scores as low as the fill) are recomputed over all
-        # tiles. The comparison is written so that a NaN (-inf fill, -inf max) also asks for it.
         fallback = (~(fill_bound - m < SKIP_MARGIN)) & row_in
-        if tl.max(fallback.to(tl.int32), 0) > 0:
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            for kv_block in range(0, n_kv_blocks):
-                acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
-                                         q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True,
-                                         DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+    else:
+        fallback = tl.zeros([BLOCK_M], tl.int1)
+    fallback = fallback | ((~(tl.abs(m) < TAME)) & row_in)
+    # The weights' common factor 2^δ (see the module's docstring), where the fused form made them.
+    log2_excess = tl.math.fma(m, LOG2E, -(m * LOG2E))
+    if tl.max(fallback.to(tl.int32), 0) > 0:
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for kv_block in range(0, n_kv_blocks):
+            acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
+                                     q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True,
+                                     DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D)
+        log2_excess = tl.zeros([BLOCK_M], tl.float32)
+    if KEEP is not None:
         tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
 
     if DROPOUT:
@@ -192,7 +213,7 @@ def _flash_forward_kernel(
     Out_bh = Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1]
     store_rows(Out_bh, acc / l_out[:, None], rows, Nq, out_strides[2], offs_d, out_strides[3],
                HEAD_DIM)
-    log_sum = tl.log(l)
+    log_sum = tl.log(l) - log2_excess * LN2
     tl.store(Lse + bh * Nq + rows, m + log_sum, mask=row_in)
     tl.store(LogSum + bh * Nq + rows, log_sum, mask=row_in)
 

@@ -1,0 +1,109 @@
+"""What holds an attention forward back: Nsight Compute's view of fusepass's kernel beside FlexAttention's.
+
+    PYTHONPATH=. python bench/profile_attention.py [--cases causal,alibi] [--ncu ncu] [--out DIR]
+
+For each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) the script runs itself under
+``ncu --clock-control none --profile-from-start off``: the child compiles the case with fusepass and with
+FlexAttention, runs both once to compile and fill every cache, then runs one forward of each between
+``cudaProfilerStart`` and ``cudaProfilerStop``. Kept per kernel: duration, issue-slot and pipe utilization
+(tensor, FMA, ALU, XU: the special-function unit exp2 runs on), registers, occupancy and the top warp
+stall reasons. Small kernels (block maps) are left out. Writes ncu's full details beside the table.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+
+import torch
+from harness import RESULTS, keep
+
+METRICS = {
+    "gpu__time_duration.sum": "µs",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed": "SM %",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor %",
+    "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active": "fma %",
+    "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active": "alu %",
+    "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "xu %",
+    "smsp__inst_executed.sum": "instructions",
+    "launch__registers_per_thread": "registers",
+    "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
+    "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio": "stall barrier",
+    "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio": "stall long sb",
+    "smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio": "stall math",
+    "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "stall wait",
+    "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio": "stall short sb",
+    "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio": "stall mio",
+}
+MIN_DURATION_US = 50.0
+
+
+def child(case_name: str) -> None:
+    from attention import CASES
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    import fusepass
+
+    case = CASES[case_name]
+    b, h, n, d = 2, 16, 8192, 128
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    extra = case.extra(b, h, n, "cuda")
+    fused = torch.compile(case.fn, backend=fusepass.backend(strict=True))
+    score_mod, mask_mod = case.flex(b, h, n, *extra)
+    block_mask = create_block_mask(mask_mod, b, h, n, n, device="cuda") if mask_mod else None
+    flex = torch.compile(flex_attention)
+    runs = [lambda: fused(q, k, v, *extra), lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)]
+    for run in runs:
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for run in runs:
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def profile(case_name: str, ncu: str, out_dir: str) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    command = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--metrics",
+               ",".join(METRICS), sys.executable, os.path.abspath(__file__), "--child", case_name]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    with open(os.path.join(out_dir, f"ncu-attention-{case_name}.log"), "w") as f:
+        f.write(result.stdout + result.stderr)
+    lines = [line for line in result.stdout.splitlines() if line.startswith('"')]
+    by_kernel: dict[tuple[str, str], dict] = {}
+    for record in csv.DictReader(io.StringIO("\n".join(lines))):
+        key = (record["ID"], record["Kernel Name"])
+        row = by_kernel.setdefault(key, {"case": case_name, "kernel": record["Kernel Name"][:40]})
+        name = record["Metric Name"]
+        if name in METRICS:
+            value = float(record["Metric Value"].replace(",", ""))
+            if name == "gpu__time_duration.sum" and record["Metric Unit"] == "nsecond":
+                value /= 1000.0
+            elif name == "gpu__time_duration.sum" and record["Metric Unit"] == "msecond":
+                value *= 1000.0
+            row[METRICS[name]] = value
+    return [row for row in by_kernel.values() if row.get("µs", 0.0) >= MIN_DURATION_US]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="causal,alibi")
+    parser.add_argument("--ncu", default="ncu")
+    parser.add_argument("--out", default=RESULTS, help="where ncu's raw output goes")
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        child(args.child)
+        return
+    rows = [row for case in args.cases.split(",") for row in profile(case, args.ncu, args.out)]
+    print(keep("profile-attention", ["case", "kernel", *METRICS.values()], rows))
+
+
+if __name__ == "__main__":
+    main()

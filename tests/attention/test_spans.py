@@ -1,0 +1,71 @@
+"""Index code in int32 where int64 positions provably fit, in int64 where they might not."""
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+from support import check, random_tensor
+
+from fusepass.attention import op
+from fusepass.attention.spans import fits, result_span
+
+aten = torch.ops.aten
+
+
+@pytest.mark.parametrize("target, spans, expected", [
+    (aten.add.Tensor, {"self": (0, 9), "other": (-3, 2), "alpha": (1, 1)}, (-3, 11)),
+    (aten.sub.Tensor, {"self": (0, 9), "other": (0, 9), "alpha": (1, 1)}, (-9, 9)),
+    (aten.sub.Tensor, {"self": (0, 9), "other": (0, 9), "alpha": (2, 2)}, (-18, 9)),
+    (aten.mul.Tensor, {"self": (-2, 3), "other": (-5, 4)}, (-15, 12)),
+    (aten.neg.default, {"self": (-2, 3)}, (-3, 2)),
+    (aten.abs.default, {"self": (-7, 3)}, (0, 7)),
+    (aten.abs.default, {"self": (-7, -3)}, (3, 7)),
+    (aten.maximum.default, {"self": (-7, 3), "other": (0, 1)}, (0, 3)),
+    (aten.clamp.default, {"self": (-7, 30), "max": (15, 15)}, (-7, 15)),
+    (aten.clamp.default, {"self": (-7, 30), "min": (0, 0), "max": (15, 15)}, (0, 15)),
+    (aten.clamp.default, {"self": (-7, 30), "min": None}, None),  # a bound of unknown span
+    (aten.where.self, {"condition": (0, 1), "self": (0, 4), "other": (-1, -1)}, (-1, 4)),
+    (aten.remainder.Scalar, {"self": (0, 9), "other": (4, 4)}, None),  # not tracked: widened
+    (aten.add.Tensor, {"self": None, "other": (0, 1), "alpha": (1, 1)}, None),
+])
+def test_result_spans(target, spans, expected):
+    assert result_span(target, spans) == expected
+
+
+def test_int32_bounds_are_symmetric():
+    assert fits((-(2 ** 31 - 1), 2 ** 31 - 1))
+    assert not fits((-(2 ** 31), 0)) and not fits((0, 2 ** 31)) and not fits(None)
+
+
+def alibi(q, k, v, slopes):
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    bias = slopes[:, None, None] * (i[None, None, :] - i[None, :, None])
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias, dim=-1) @ v
+
+
+def alibi_through_int64_overflow(q, k, v, slopes):
+    """The same distances, passing through values int32 cannot hold: computed in int64 or wrong."""
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    distance = ((i[None, None, :] - i[None, :, None]) * 2 ** 33) // 2 ** 33
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + slopes[:, None, None] * distance,
+                         dim=-1) @ v
+
+
+def _score_source() -> str:
+    spec = list(op._specs.values())[-1]
+    return inspect.getsource(getattr(spec.mod.score, "fn", spec.mod.score))
+
+
+@pytest.mark.parametrize("fn, int64", [(alibi, False), (alibi_through_int64_overflow, True)])
+def test_positions_run_in_int32_unless_they_may_overflow(fn, int64):
+    q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
+    slopes = random_tensor((3,), torch.float32)
+    # The slopes' gradients sum ~10^4 products with cancellation: fp32 summation order moves them by ~1e-3.
+    check(fn, q, k, v, slopes, backward=True, rtol=1e-3, atol=1e-3)
+    source = _score_source()
+    assert ("tl.int64" in source) == int64, source
+    assert "/" not in source  # the division by sqrt(d) is a product with its reciprocal
