@@ -47,10 +47,16 @@ def no_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
 CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf,
                   fill_grad=no_grad)
 
-FORWARD = [FlashConfig(128, 128, 8, 3), FlashConfig(128, 128, 8, 4), FlashConfig(128, 64, 8, 3),
-           FlashConfig(128, 128, 4, 3)]
-BACKWARD = [FlashConfig(128, 64, 8, 2), FlashConfig(128, 64, 8, 3), FlashConfig(128, 32, 8, 3),
-            FlashConfig(64, 64, 4, 2), FlashConfig(128, 64, 4, 2)]
+FORWARD = [FlashConfig(128, 128, 8, 3), FlashConfig(128, 128, 8, 2), FlashConfig(128, 64, 8, 3),
+           FlashConfig(128, 64, 8, 4), FlashConfig(128, 64, 4, 3), FlashConfig(64, 128, 4, 3)]
+BACKWARD = [FlashConfig(128, 64, 8, 2), FlashConfig(64, 64, 4, 2), FlashConfig(64, 64, 4, 3),
+            FlashConfig(64, 128, 8, 2), FlashConfig(128, 128, 8, 1)]
+
+
+def registers(kernel) -> str:
+    """Registers per thread and spilled bytes of the kernel's most recent compile."""
+    compiled = list(kernel.device_caches[torch.cuda.current_device()][0].values())[-1]
+    return f"{compiled.n_regs} / {compiled.n_spills}"
 
 
 def main() -> None:
@@ -76,7 +82,7 @@ def main() -> None:
             error = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
             ms = median_ms(lambda: flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ()))
             rows.append({"kernel": "forward", "config": str(config), "ms": ms, "TFLOP/s": flops / ms / 1e9,
-                         "error": error})
+                         "error": error, "registers / spills": registers(flash_fwd._flash_forward_kernel)})
         except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
             rows.append({"kernel": "forward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
@@ -95,11 +101,13 @@ def main() -> None:
             ms = median_ms(lambda: flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (),
                                                                       None))
             rows.append({"kernel": "backward", "config": str(config), "ms": ms,
-                         "TFLOP/s": 2.5 * flops / ms / 1e9, "error": error})
+                         "TFLOP/s": 2.5 * flops / ms / 1e9, "error": error,
+                         "registers / spills": ", ".join(registers(k) for k in (
+                             flash_bwd._flash_backward_dkdv_kernel, flash_bwd._flash_backward_dq_kernel))})
         except Exception as e:
             rows.append({"kernel": "backward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
-    print(keep(f"flash-sweep-d{d}-n{n}", ["kernel", "config", "ms", "TFLOP/s", "error"], rows))
+    print(keep(f"flash-sweep-d{d}-n{n}", ["kernel", "config", "ms", "TFLOP/s", "error", "registers / spills"], rows))
 
 
 if __name__ == "__main__":

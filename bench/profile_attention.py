@@ -26,6 +26,8 @@ METRICS = {
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "SM %",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
     "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor %",
+    "sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active": "lsu %",
+    "smsp__inst_executed_op_local_ld.sum": "local loads",
     "sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active": "fma %",
     "sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active": "alu %",
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "xu %",
@@ -81,7 +83,7 @@ def profile(case_name: str, ncu: str, out_dir: str) -> list[dict]:
         key = (record["ID"], record["Kernel Name"])
         row = by_kernel.setdefault(key, {"case": case_name, "kernel": record["Kernel Name"][:40]})
         name = record["Metric Name"]
-        if name in METRICS:
+        if name in METRICS and record["Metric Value"] != "n/a":  # not every metric exists on every GPU
             value = float(record["Metric Value"].replace(",", ""))
             if name == "gpu__time_duration.sum" and record["Metric Unit"] == "nsecond":
                 value /= 1000.0

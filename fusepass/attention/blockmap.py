@@ -3,7 +3,9 @@
 The flash kernels walk the score matrix in BLOCK_M × BLOCK_N tiles. A tile is FULL when KEEP holds on every
 element (the kernel evaluates SCORE only), PARTIAL when it holds on some (KEEP, SCORE and FILL), EMPTY when
 on none (skipped: see the fallback rule in docs/flash-kernel-interface.md). A Triton kernel evaluates KEEP
-over every tile on the device; torch ops then turn the tile kinds into compact, ascending lists:
+over every tile on the device; a second kernel turns the tile kinds into compact, ascending lists (two
+launches in all: a mask that reads tensors is mapped again on every call, and torch's sort and friends
+took ~20 launches, which left the GPU waiting on the host):
 
 - `rows`: per (b, h, q block) the FULL and the PARTIAL kv blocks (forward and dQ kernels);
 - `cols`: per (b, h, kv block) the FULL and the PARTIAL q blocks (dK/dV kernel).
@@ -102,16 +104,41 @@ class BlockMap:
         return (map_heads if map_batch > 1 else 0), (1 if map_heads > 1 else 0)
 
 
-def compact_lists(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For a bool tensor [..., n]: (count [...], index [..., n]), int32, contiguous; the first `count` entries
-    of `index` are the selected positions, ascending."""
-    # A stable sort on "not selected" moves the selected positions to the front and keeps them ascending.
-    order = torch.sort((~selected).to(torch.int8), dim=-1, stable=True).indices
-    return selected.sum(-1, dtype=torch.int32).contiguous(), order.to(torch.int32).contiguous()
+@triton.jit
+def _compact_kernel(Values, Count, Index, n, outer_stride, row_stride, col_stride, TARGETS: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """For one row of Values (program (row, outer)): for each target t, the ascending positions where the row
+    equals it, and how many."""
+    row = tl.program_id(0)
+    outer = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    values = tl.load(Values + outer.to(tl.int64) * outer_stride + row * row_stride + cols * col_stride,
+                     mask=cols < n, other=-1)
+    slot = (outer * tl.num_programs(0) + row) * len(TARGETS)
+    for t in tl.static_range(len(TARGETS)):
+        selected = (values == TARGETS[t]) & (cols < n)
+        position = tl.cumsum(selected.to(tl.int32), 0) - 1
+        tl.store(Index + (slot + t).to(tl.int64) * n + position, cols, mask=selected)
+        tl.store(Count + slot + t, tl.sum(selected.to(tl.int32), 0))
+
+
+def compact_lists(values: torch.Tensor, targets: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For an integer tensor [outer..., rows, n] (any strides): per row and target, (count [..., len(targets)],
+    index [..., len(targets), n]), int32, contiguous; the first `count` entries of `index` are the positions
+    equal to the target, ascending (the rest is not written)."""
+    *outer_shape, rows, n = values.shape
+    outer = values.flatten(0, -3) if outer_shape else values[None]
+    count = torch.empty(*outer_shape, rows, len(targets), dtype=torch.int32, device=values.device)
+    index = torch.empty(*outer_shape, rows, len(targets), n, dtype=torch.int32, device=values.device)
+    if count.numel():
+        _compact_kernel[(rows, outer.shape[0])](outer, count, index, n, outer.stride(0), outer.stride(1),
+                                                outer.stride(2), TARGETS=tuple(targets),
+                                                BLOCK=triton.next_power_of_2(n))
+    return count, index
 
 
 def _tile_lists(kind: torch.Tensor) -> TileLists:
-    count, index = compact_lists(torch.stack((kind == FULL.value, kind == PARTIAL.value), dim=-2))
+    count, index = compact_lists(kind, (FULL.value, PARTIAL.value))
     return TileLists(count, index)
 
 

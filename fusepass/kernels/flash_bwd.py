@@ -328,7 +328,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         fallback_blocks = _fallback_q_blocks(extra.fallback_rows, block_m)
         q_lists = (block_map.cols.count, block_map.cols.index, *map_strides, block_map.kind)
         kv_lists = (block_map.rows.count, block_map.rows.index, *map_strides)
-        fallback_lists = compact_lists(fallback_blocks != 0)
+        fallback_lists = compact_lists(fallback_blocks[..., None, :], (1,))
     else:
         fallback_blocks = q_lists = kv_lists = fallback_lists = None
     scores = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
