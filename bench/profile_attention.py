@@ -85,10 +85,8 @@ def profile(case_name: str, ncu: str, out_dir: str) -> list[dict]:
         name = record["Metric Name"]
         if name in METRICS and record["Metric Value"] != "n/a":  # not every metric exists on every GPU
             value = float(record["Metric Value"].replace(",", ""))
-            if name == "gpu__time_duration.sum" and record["Metric Unit"] == "nsecond":
-                value /= 1000.0
-            elif name == "gpu__time_duration.sum" and record["Metric Unit"] == "msecond":
-                value *= 1000.0
+            if name == "gpu__time_duration.sum":
+                value *= {"ns": 1e-3, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}.get(record["Metric Unit"], 1.0)
             row[METRICS[name]] = value
     return [row for row in by_kernel.values() if row.get("µs", 0.0) >= MIN_DURATION_US]
 

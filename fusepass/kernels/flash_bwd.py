@@ -29,7 +29,7 @@ from fusepass.attention.blockmap import (
     EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, list_entry, list_run,
     row_lists)
 from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels.flash_config import backward_config, head_block
+from fusepass.kernels.flash_config import backward_config, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, masked_scores, store_rows)
 
@@ -342,14 +342,16 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    _flash_backward_dkdv_kernel[(n_kv_blocks, kv_heads, batch)](
+    launch_fitting(
+        _flash_backward_dkdv_kernel, (n_kv_blocks, kv_heads, batch),
         q, k, v, do, lse, log_sum, delta, dk, dv,
         q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
         q_len, kv_len, q_heads // kv_heads, q_lists, fallback_lists, aux,
         aux_grad if mod.has_aux_grad else None, seed, dropout_p, **scores, **launch)
 
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _flash_backward_dq_kernel[(n_q_blocks, q_heads, batch)](
+    launch_fitting(
+        _flash_backward_dq_kernel, (n_q_blocks, q_heads, batch),
         q, k, v, do, lse, log_sum, delta, dq,
         q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(),
         q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_blocks, aux, seed, dropout_p, **scores, **launch)

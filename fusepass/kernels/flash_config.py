@@ -12,9 +12,11 @@ stages, plus the Q tile), to be tuned with the benchmarks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,25 @@ def backward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> 
         # bench/results/flash-sweep-d128-n8192: 128 × 64, 8 warps, 2 stages led (4.63 ms)
         return FlashConfig(32 if wide else 128, 32 if wide else 64, num_warps=4 if wide else 8, num_stages=2)
     return FlashConfig(32, 32, num_warps=4, num_stages=1 if wide else 2)
+
+
+# The pipeline stages that fit, per kernel, constants and dtypes (see launch_fitting).
+_fitting_stages: dict[tuple, int] = {}
+
+
+def launch_fitting(kernel: Any, grid: tuple, *args: Any, num_warps: int, num_stages: int, **constants: Any) -> None:
+    """``kernel[grid](*args, **constants)`` with ``num_stages`` pipeline stages, or as many as fit in shared
+    memory: a score function that loads tiles of its own (a gathered bias table) adds buffers the config did
+    not count. The stages that fit are remembered, so a call pays for a failed launch only once."""
+    key = (kernel, num_warps, num_stages, tuple(constants.items()),
+           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    stages = _fitting_stages.get(key, num_stages)
+    while True:
+        try:
+            kernel[grid](*args, num_warps=num_warps, num_stages=stages, **constants)
+            _fitting_stages[key] = stages
+            return
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1

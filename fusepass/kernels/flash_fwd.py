@@ -28,7 +28,7 @@ import triton.language as tl
 
 from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, list_run, row_lists
 from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels.flash_config import forward_config, head_block
+from fusepass.kernels.flash_config import forward_config, head_block, launch_fitting
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -274,7 +274,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) \
         if mod.has_mask else None
     grid = (triton.cdiv(q_len, block_m), q_heads, batch)
-    _flash_forward_kernel[grid](
+    launch_fitting(
+        _flash_forward_kernel, grid,
         q, k, v, out, lse, log_sum, fallback_rows,
         q.stride(), k.stride(), v.stride(), out.stride(),
         q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p,

@@ -1,0 +1,35 @@
+"""Launch parameters: a kernel that does not fit in shared memory runs with fewer pipeline stages."""
+from __future__ import annotations
+
+import pytest
+from triton.runtime.errors import OutOfResources
+
+from fusepass.kernels.flash_config import launch_fitting
+
+
+class Kernel:
+    """Fits with at most `fits` stages; records the stages of every attempt."""
+
+    def __init__(self, fits: int) -> None:
+        self.fits = fits
+        self.attempts: list[int] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages, **constants):
+            self.attempts.append(num_stages)
+            if num_stages > self.fits:
+                raise OutOfResources(233472, 232448, "shared memory")
+        return launch
+
+
+def test_fewer_stages_until_it_fits_and_remembered():
+    kernel = Kernel(fits=2)
+    launch_fitting(kernel, (1,), 0, num_warps=8, num_stages=4, BLOCK=128)
+    assert kernel.attempts == [4, 3, 2]
+    launch_fitting(kernel, (1,), 0, num_warps=8, num_stages=4, BLOCK=128)
+    assert kernel.attempts == [4, 3, 2, 2]
+
+
+def test_a_kernel_that_never_fits_raises():
+    with pytest.raises(OutOfResources):
+        launch_fitting(Kernel(fits=0), (1,), num_warps=4, num_stages=2)
