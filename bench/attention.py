@@ -104,6 +104,7 @@ class Case:
     sdpa: Callable | None  # (q, k, v, *extra) -> output, or None where SDPA cannot say it
     flex: Callable  # (B, H, N, *extra) -> (score_mod, mask_mod)
     density: Callable  # (N) -> fraction of (q, k) pairs computed
+    flex_scale: float | None = None  # FlexAttention's scale, where the code does not divide by sqrt(D)
 
 
 def no_extra(b, h, n, device):
@@ -133,7 +134,8 @@ CASES = {
     "t5": Case(
         "T5 bucketed bias", t5_bias,
         lambda b, h, n, device: (torch.randn(32, h, device=device, dtype=torch.bfloat16),), None,
-        lambda b, h, n, table: (lambda s, b, h, q, kv: s + table[t5_bucket(kv - q), h], None), lambda n: 1.0),
+        lambda b, h, n, table: (lambda s, b, h, q, kv: s + table[t5_bucket(kv - q), h], None), lambda n: 1.0,
+        flex_scale=1.0),
     "softcap": Case(
         "softcap + causal", softcap_causal, no_extra, None,
         lambda b, h, n: (lambda s, b, h, q, kv: torch.tanh(s / 20.0) * 20.0, _causal_mask),
@@ -183,7 +185,7 @@ def run(case: Case, shape: tuple[int, int, int, int], peers: set[str], backward:
     score_mod, mask_mod = case.flex(b, h, n, *extra)
     block_mask = create_block_mask(mask_mod, b, h, n, n, device=device) if mask_mod else None
     flex = torch.compile(flex_attention)
-    variants["flex"] = lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    variants["flex"] = lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.flex_scale)
 
     reference = variants["sdpa" if "sdpa" in variants else "flex"]().float()
     out = variants["fusepass"]().float()

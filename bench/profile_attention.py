@@ -58,7 +58,8 @@ def child(case_name: str) -> None:
     score_mod, mask_mod = case.flex(b, h, n, *extra)
     block_mask = create_block_mask(mask_mod, b, h, n, n, device="cuda") if mask_mod else None
     flex = torch.compile(flex_attention)
-    runs = [lambda: fused(q, k, v, *extra), lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask)]
+    runs = [lambda: fused(q, k, v, *extra),
+            lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.flex_scale)]
     for run in runs:
         run()
     torch.cuda.synchronize()

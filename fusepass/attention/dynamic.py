@@ -54,6 +54,19 @@ class DynamicSpec:
 _specs: dict[str, DynamicSpec] = {}
 
 
+class _ValueRecorder(FakeTensorProp):
+    """Fake values into node.meta["val"], and every node's result into ``results``: some torch versions
+    keep no "val" for a plain int (a size, or arithmetic on sizes)."""
+
+    def __init__(self, module: torch.fx.GraphModule, mode: FakeTensorMode) -> None:
+        super().__init__(module, mode)
+        self.results: dict[torch.fx.Node, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        self.results[n] = super().run_node(n)
+        return self.results[n]
+
+
 def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
                 ) -> tuple[torch.fx.GraphModule, Report]:
     """``spec.module`` at concrete sizes, its attention rewritten: the sizes put in the graph as constants
@@ -66,10 +79,11 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
     with fake_mode:
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(needs)
                  for t, needs in zip(tensors, spec.requires_grad)]
-    FakeTensorProp(static, fake_mode).propagate(*fakes, *sizes)
+    values = _ValueRecorder(static, fake_mode)
+    values.propagate(*fakes, *sizes)
     for node in list(static.graph.nodes):  # sizes (and arithmetic on them) become constants
-        if node.op != "output" and not isinstance(node.meta.get("val"), torch.Tensor):
-            value = node.meta["val"]
+        if node.op != "output" and not isinstance(values.results[node], torch.Tensor):
+            value = values.results[node]
             for user in list(node.users):
                 user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
                 user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda a: value if a is node else a)
