@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fusepass.attention.index import Idx, merge
 from fusepass.attention.layout import VIEW_OPS, Unsupported
 from fusepass.attention.match import AttentionMatch, packet, val
-from fusepass.attention.spans import Span, fits, result_span
+from fusepass.attention.spans import Span, narrow, result_span
 from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Emitter, Operand, bind, constant_value,
                                         held_dtype, is_supported, literal, translate)
 
@@ -66,7 +66,7 @@ class Code:
     @property
     def narrow(self) -> bool:
         """An int64 value emitted as int32 (see spans.py)."""
-        return self.dtype == torch.int64 and fits(self.span)
+        return narrow(self.dtype, self.span)
 
 
 @dataclass(frozen=True)
@@ -258,8 +258,7 @@ class Lifter:
         if not dtype.is_floating_point and all(isinstance(x, int) for x in (start, step)):
             ends = (start, start + step * (val(node).shape[0] - 1))
             span = (min(ends), max(ends))
-        code = Code("", dtype, uses, span=span)
-        target = torch.int32 if code.narrow else held_dtype(dtype)
+        target = torch.int32 if narrow(dtype, span) else held_dtype(dtype)
         return Code(self.code.let(f"({expr}).to({TRITON_DTYPE[target]})"), dtype, uses, span=span)
 
     def _triangle(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
@@ -374,11 +373,11 @@ class Lifter:
             return self._e_node(target, args, kwargs)
 
         span = _result_span(target, args, kwargs, dtype)
-        narrow = dtype == torch.int64 and fits(span)
+        narrow_result = narrow(dtype, span)
 
         def operand(a: Any) -> Any:
             if isinstance(a, Code):
-                if a.narrow and dtype == torch.int64 and not narrow:
+                if a.narrow and dtype == torch.int64 and not narrow_result:
                     # The result may leave int32: the operation runs in int64.
                     return Operand(f"({a.expr}).to(tl.int64)", a.dtype, a.zero_dim)
                 return Operand(a.expr, torch.int32 if a.narrow else a.dtype, a.zero_dim)
@@ -393,7 +392,7 @@ class Lifter:
             compares += 1
         self._note_op(target, args)
         result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()},
-                           torch.int32 if narrow else dtype, round_casts=False)
+                           torch.int32 if narrow_result else dtype, round_casts=False)
         return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span)
 
     # ---------------------------------------------------------------------------------- features
