@@ -60,9 +60,11 @@ class Unfused:
     def forward(self, inputs: tuple[torch.Tensor, ...], seed: int) -> torch.Tensor:
         """The module's output; its random draws (dropout) seeded by the op's seed, so that the backward's
         second run draws the same."""
-        devices = sorted({x.device for x in inputs if x.is_cuda}, key=str)
+        devices = sorted({torch.cuda._utils._get_device_index(x.device) for x in inputs if x.is_cuda})
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
+            for index in devices:  # only the generators fork_rng restores
+                torch.cuda.default_generators[index].manual_seed(seed)
             return self.module(*inputs)[0]
 
     def gradients(self, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor, seed: int
