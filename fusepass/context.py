@@ -21,13 +21,14 @@ class PassContext:
     run_kernels: bool  # False: plan and report, but leave the graph's ops to run unfused
 
     def fallback(self, kind: str, location: str, reason: str, error: Exception,
-                 ops: tuple[str, ...] = (), bytes: int = 0) -> None:
-        """A pass failed on part of the graph: raise in strict mode, else warn and record it."""
+                 ops: tuple[str, ...] = (), bytes: int = 0, phase: str | None = None) -> None:
+        """A pass (or, at run time, a kernel of the given phase) failed on part of the graph: raise in strict
+        mode, else warn and record it."""
         if self.options.strict:
             raise error
         warnings.warn(f"fusepass: {reason} at {location}: {type(error).__name__}: {error}; "
                       "running it unfused", RuntimeWarning, stacklevel=3)
-        self.report.hotspots.append(Hotspot(kind=kind, phase=self.phase, location=location,
+        self.report.hotspots.append(Hotspot(kind=kind, phase=phase or self.phase, location=location,
                                             reason=f"{reason}: {type(error).__name__}: {error}", ops=ops,
                                             bytes=bytes))
 

@@ -35,7 +35,7 @@ class Unfused:
     requires_grad: list[bool]  # per op input
     output_shape: tuple[int, ...]  # of the matmul with V
     out_perm: tuple[int, ...] | None  # its einsum order (the op's output is [B, H, Nq, D])
-    on_failure: Callable[[Exception], None]
+    on_failure: Callable[[Exception, str], None]  # (the error, "forward" or "backward")
     forward_record: Rewrite
     backward_record: Rewrite | None
     failed: bool = False
@@ -158,7 +158,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch
         out, lse, extra = forward()
     except Exception as error:  # a kernel that fails to build or run must not break the model
         s.unfused.failed = True
-        s.unfused.on_failure(error)
+        s.unfused.on_failure(error, "forward")
         return _unfused_forward(s, (q, k, v, *aux), _seed(seed))
     if profile.requested() and profile.can_profile(q.device) and not s.unfused.profiled_forward:
         s.unfused.profiled_forward = True
@@ -216,7 +216,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             raise RuntimeError("fusepass: the attention backward kernel failed after its forward had run with "
                                "dropout; no gradient consistent with that forward can be computed") from error
         s.unfused.failed = True
-        s.unfused.on_failure(error)
+        s.unfused.on_failure(error, "backward")
         return _unfused_backward(s, inputs, grad_out, _seed(seed))
     record = s.unfused.backward_record
     if profile.requested() and profile.can_profile(q.device) and record is not None and not s.unfused.profiled_backward:

@@ -156,8 +156,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             module, extra = subgraph_module(replaced, sources + spec.lifted.aux, m.pv)
             ops, cost = records[0].ops, records[0].bytes_unfused
 
-            def on_failure(error: Exception, where: str = where, ops: tuple = ops, cost: int = cost) -> None:
-                ctx.fallback("attention", where, "attention kernel failed", error, ops, cost)
+            def on_failure(error: Exception, phase: str, where: str = where, ops: tuple = ops,
+                           cost: int = cost) -> None:
+                ctx.fallback("attention", where, f"attention {phase} kernel failed", error, ops, cost, phase)
 
             inputs = sources + spec.lifted.aux + extra
             spec.unfused = Unfused(module, [bool(n.meta.get("requires_grad")) for n in inputs],

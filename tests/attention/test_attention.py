@@ -192,7 +192,8 @@ def padded_causal(q, k, v, keep):
     n = q.shape[-2]
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     allowed = causal[None, None] & keep[:, None, None, :]
-    additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    additive = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+    additive = additive.masked_fill(~allowed, torch.finfo(q.dtype).min)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + additive
     return torch.softmax(s, dim=-1) @ v
 

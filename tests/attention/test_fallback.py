@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import check, random_tensor, rewrites
+from support import DEVICE, check, random_tensor, rewrites
 
 import fusepass
 from fusepass.attention import op
@@ -40,7 +40,9 @@ def test_a_failing_kernel_runs_the_replaced_ops(monkeypatch, kernel):
         report = check(alibi_causal, *_inputs(), backward=True, **FP32)  # the slopes learn too
     assert rewrites(report, kind="attention")
     (hotspot,) = [h for h in report.hotspots if h.kind == "attention"]
-    assert "attention kernel failed" in hotspot.reason and "planted" in hotspot.reason
+    phase = "forward" if kernel == "flash_attention_forward" else "backward"
+    assert hotspot.phase == phase
+    assert f"attention {phase} kernel failed" in hotspot.reason and "planted" in hotspot.reason
 
 
 def test_strict_raises_the_kernels_error(monkeypatch):
@@ -58,7 +60,7 @@ def test_dropout_fallback_draws_the_same_elements_forward_and_backward(monkeypat
     monkeypatch.setattr(op, "flash_attention_forward", _explode)
     n = 24
     q, k = (random_tensor((2, 3, n, n), torch.float32).requires_grad_() for _ in range(2))
-    eye = torch.eye(n).expand(2, 3, n, n).contiguous().requires_grad_()
+    eye = torch.eye(n, device=DEVICE).expand(2, 3, n, n).contiguous().requires_grad_()
     with pytest.warns(RuntimeWarning, match="planted"):
         out = torch.compile(dropout_attention, backend="fusepass")(q, k, eye)  # V = I: out is the dropped P
     grad = torch.randn_like(out)
