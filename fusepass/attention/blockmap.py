@@ -47,21 +47,6 @@ def block_list(count, index, map_bh, block, n_blocks, n_other_blocks, WHICH: tl.
 
 
 @triton.jit
-def list_run(blocks, count):
-    """(first entry, whether the list is one run first, first + 1, ...), read once before a loop over it."""
-    first = tl.load(blocks, mask=count > 0, other=0)
-    last = tl.load(blocks + count - 1, mask=count > 0, other=0)
-    return first, last - first == count - 1
-
-
-@triton.jit
-def list_entry(blocks, i, first, run):
-    """Entry i of a list: computed for a run (causal and window lists are; no load then sits between one
-    tile's operands and the next's), loaded otherwise."""
-    return tl.where(run, first + i, tl.load(blocks + i, mask=~run, other=0))
-
-
-@triton.jit
 def row_lists(lists, b, h, block, n_blocks, n_other_blocks):
     """(n_full, full, n_partial, partial): both lists of `block` of (b, h) in the row lists `lists`
     (count, index, batch stride, head stride)."""

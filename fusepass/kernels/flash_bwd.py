@@ -26,8 +26,7 @@ import triton
 import triton.language as tl
 
 from fusepass.attention.blockmap import (
-    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, list_entry, list_run,
-    row_lists)
+    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, row_lists)
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import backward_config, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
@@ -169,13 +168,11 @@ def _flash_backward_dkdv_kernel(
             n_full, full_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks, FULL_LIST)
             n_partial, partial_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks,
                                                    PARTIAL_LIST)
-            full_first, full_run = list_run(full_blocks, n_full)
-            partial_first, partial_run = list_run(partial_blocks, n_partial)
         for i in range(0, n_full):
             if KEEP is None:
                 q_block = i
             else:
-                q_block = list_entry(full_blocks, i, full_first, full_run)
+                q_block = tl.load(full_blocks + i)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D)
@@ -183,7 +180,7 @@ def _flash_backward_dkdv_kernel(
             if KEEP is None:
                 q_block = i
             else:
-                q_block = list_entry(partial_blocks, i, partial_first, partial_run)
+                q_block = tl.load(partial_blocks + i)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D)
@@ -249,8 +246,6 @@ def _flash_backward_dq_kernel(
     else:
         n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
                                                                    n_kv_blocks)
-        full_first, full_run = list_run(full_blocks, n_full)
-        partial_first, partial_run = list_run(partial_blocks, n_partial)
         # A q block holding a row the forward recomputed over all tiles walks every kv tile instead.
         n_all = tl.load(fallback_blocks + bh * n_q_blocks + q_block).to(tl.int32) * n_kv_blocks
         n_full = tl.where(n_all > 0, 0, n_full)
@@ -261,7 +256,7 @@ def _flash_backward_dq_kernel(
         if KEEP is None:
             kv_block = i
         else:
-            kv_block = list_entry(full_blocks, i, full_first, full_run)
+            kv_block = tl.load(full_blocks + i)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -269,7 +264,7 @@ def _flash_backward_dq_kernel(
         if KEEP is None:
             kv_block = n_full + i
         else:
-            kv_block = list_entry(partial_blocks, i, partial_first, partial_run)
+            kv_block = tl.load(partial_blocks + i)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)

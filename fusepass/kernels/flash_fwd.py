@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, list_run, row_lists
+from fusepass.attention.blockmap import BlockMap, block_map_for, row_lists
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import forward_config, head_block, launch_fitting
 
@@ -162,8 +162,6 @@ def _flash_forward_kernel(
     else:
         n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
                                                                    n_kv_blocks)
-        full_first, full_run = list_run(full_blocks, n_full)
-        partial_first, partial_run = list_run(partial_blocks, n_partial)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -172,7 +170,7 @@ def _flash_forward_kernel(
         if KEEP is None:
             kv_block = i
         else:
-            kv_block = list_entry(full_blocks, i, full_first, full_run)
+            kv_block = tl.load(full_blocks + i)
         acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
                                  aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, False, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -180,7 +178,7 @@ def _flash_forward_kernel(
         if KEEP is None:
             kv_block = n_full + i
         else:
-            kv_block = list_entry(partial_blocks, i, partial_first, partial_run)
+            kv_block = tl.load(partial_blocks + i)
         acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
                                  aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D)
