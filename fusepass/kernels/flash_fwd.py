@@ -10,10 +10,11 @@ fp32, half inputs run on tensor cores (the P·V dot takes P cast to V's dtype).
 
 Exponentials are base 2, of `fma(x, log2(e), -m2)` with `m2 = rn(m · log2(e))`: one fused multiply-add per
 score (the product is not rounded), instead of a subtraction and a multiply. Every weight of a row then
-carries the same factor 2^δ, δ = m · log2(e) - m2 (computed exactly by another fma), which cancels in the
-output and is taken out of `log_sum`. Rows whose max is not TAME (`m · log2(e)` could overflow: no finite
-score yet, or a row masked with `finfo.min` throughout) are recomputed in the form `exp2((x - m) · log2(e))`,
-exact at any magnitude, as are rows a skipped tile might have touched.
+carries the same factor 2^δ, δ = m · log2(e) - m2 (computed exactly by another fma; when m moves, the
+running sums are rescaled by the difference of the rounded shifts so earlier weights share the new δ),
+which cancels in the output and is taken out of `log_sum`. Rows whose max is not TAME (`m · log2(e)` could
+overflow: no finite score yet, or a row masked with `finfo.min` throughout) are recomputed in the form
+`exp2((x - m) · log2(e))`, exact at any magnitude, as are rows a skipped tile might have touched.
 
 The jit helpers at the top are shared with the backward kernels (flash_bwd.py), which recompute the scores.
 """
@@ -112,15 +113,19 @@ def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
     if FUSED_EXP:
         # Rows whose max is not tame shift by 0: their weights so far are 0 or garbage, and they are
         # recomputed (see the kernel's fallback).
-        shift = tl.where(tl.abs(m_new) < TAME, m_new, 0.0)
-        p = tl.math.exp2(tl.math.fma(x, LOG2E, -(shift * LOG2E)[:, None]))
+        shift2 = tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E
+        p = tl.math.exp2(tl.math.fma(x, LOG2E, -shift2[:, None]))
+        # The weights so far are 2^(x·log2(e) - old shift2): rescaled by the difference of the rounded
+        # shifts, they share the new ones' factor 2^δ exactly. A row without a finite score so far has none.
+        old_shift2 = tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E
+        alpha = tl.where(m == float("-inf"), 0.0, tl.math.exp2(old_shift2 - shift2))
     else:
         # Rows without a finite score so far shift by 0, which keeps their weights and alpha at 0 instead of
         # exp(-inf - -inf) = NaN; a row that stays so gets l = 0 and out = 0 / 0 = NaN, as eager softmax.
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         # Subtract before scaling by log2(e): finfo.min * log2(e) would overflow to -inf.
         p = tl.math.exp2((x - shift[:, None]) * LOG2E)
-    alpha = tl.math.exp2((m - shift) * LOG2E)
+        alpha = tl.math.exp2((m - shift) * LOG2E)
     l = l * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows, cols), p, 0.0)

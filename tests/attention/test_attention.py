@@ -206,13 +206,17 @@ def test_left_padded_batch_fully_masked_rows_match_eager(dtype):
     assert "padding_mask" in attention_rewrite(report).features
 
 
-def unscaled_huge_scores(q, k, v):
-    return torch.softmax((q @ k.transpose(-1, -2)) * 3e4, dim=-1) @ v
+def offset_scores(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) + 2.0 ** 20, dim=-1) @ v
 
 
-def test_half_precision_rows_with_huge_scores_are_recomputed_exactly():
-    """Scores of ~10^5: the fused exponent form loses ~|max| · 2^-24 there; such rows take the exact form."""
-    check(unscaled_huge_scores, *qkv(torch.bfloat16), backward=True)
+def test_rows_far_from_zero_keep_their_weights_exact():
+    """Scores near 2^20, exact in fp32 (q and k on a grid of halves): the forward's fused exponent rounds
+    m · log2(e) by up to ~0.04, a factor every weight of the row shares; unless log_sum accounts for it, the
+    backward's recomputed weights are off by as much."""
+    q, k = (torch.randint(-2, 3, (B, H, NQ, D), device=DEVICE).float() / 2 for _ in range(2))
+    v = random_tensor((B, H, NQ, D), torch.float32)
+    check(offset_scores, q, k, v, backward=True)
 
 
 def minus_inf_padding(q, k, v, keep):
