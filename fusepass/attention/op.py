@@ -42,6 +42,11 @@ class Unfused:
     profiled_forward: bool = False
     profiled_backward: bool = False
 
+    def fail(self, error: Exception, phase: str) -> None:
+        """The kernels failed: report it (``strict`` raises here) and run the replaced ops from now on."""
+        self.failed = True
+        self.on_failure(error, phase)
+
     def to_canonical(self, out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The module's output laid out as the op's: [B, H, Nq, D], contiguous."""
         if self.out_perm is not None:
@@ -107,6 +112,11 @@ class AttentionSpec:
         return batch, heads * self.q.group, q_len, self.v.size[3]
 
     @property
+    def fallback_shape(self) -> tuple[int, ...]:
+        """Of the op's per-row flags of rows recomputed over all tiles: none without a mask."""
+        return self.out_shape[:3] if self.lifted.functions.get("keep") else (0,)
+
+    @property
     def mod(self) -> ScoreMod:
         """The score functions, compiled on first use (``triton.jit`` reads them from a file)."""
         if self._mod is None:
@@ -157,8 +167,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch
     try:
         out, lse, extra = forward()
     except Exception as error:  # a kernel that fails to build or run must not break the model
-        s.unfused.failed = True
-        s.unfused.on_failure(error, "forward")
+        s.unfused.fail(error, "forward")
         return _unfused_forward(s, (q, k, v, *aux), _seed(seed))
     if profile.requested() and profile.can_profile(q.device) and not s.unfused.profiled_forward:
         s.unfused.profiled_forward = True
@@ -172,7 +181,7 @@ def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: i
     """The op's outputs from the replaced ops: their result, and row statistics the backward then ignores."""
     out = s.unfused.to_canonical(s.unfused.forward(inputs, seed), s.out_shape)
     rows = s.out_shape[:3]
-    fallback = out.new_zeros(rows if s.lifted.functions.get("keep") else (0,), dtype=torch.int8)
+    fallback = out.new_zeros(s.fallback_shape, dtype=torch.int8)
     return out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback
 
 
@@ -182,7 +191,7 @@ def _attention_fake(q, k, v, aux, seed, spec):
     shape = s.out_shape
     out = q.new_empty(shape, dtype=s.out_dtype)
     lse = q.new_empty(shape[:3], dtype=torch.float32)
-    fallback = q.new_empty(shape[:3] if s.lifted.functions.get("keep") else (0,), dtype=torch.int8)
+    fallback = q.new_empty(s.fallback_shape, dtype=torch.int8)
     return out, lse, q.new_empty(shape[:3], dtype=torch.float32), fallback
 
 
@@ -215,8 +224,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             # The kernel's forward dropped other elements than the replaced ops would.
             raise RuntimeError("fusepass: the attention backward kernel failed after its forward had run with "
                                "dropout; no gradient consistent with that forward can be computed") from error
-        s.unfused.failed = True
-        s.unfused.on_failure(error, "backward")
+        s.unfused.fail(error, "backward")
         return _unfused_backward(s, inputs, grad_out, _seed(seed))
     record = s.unfused.backward_record
     if profile.requested() and profile.can_profile(q.device) and record is not None and not s.unfused.profiled_backward:

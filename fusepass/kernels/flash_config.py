@@ -77,9 +77,8 @@ def launch_fitting(kernel: Any, grid: tuple, *args: Any, num_warps: int, num_sta
     while True:
         try:
             kernel[grid](*args, num_warps=num_warps, num_stages=stages, **constants)
-            _fitting_stages[key] = stages
             return
         except OutOfResources:
             if stages == 1:
                 raise
-            stages -= 1
+            stages = _fitting_stages[key] = stages - 1
