@@ -1,15 +1,20 @@
 """Where one call of a compiled attention spends its time, host and device (torch.profiler).
 
-    PYTHONPATH=. python bench/host_trace.py [--cases document,causal]
+    PYTHONPATH=. python bench/host_trace.py [--cases document,causal] [--backward]
 
 Runs each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, warm, then profiles five
-forward calls and prints the ops with the most host time and the kernels with the most device time. Wall
-time per call beside the device time of its kernels says how much of a call is launch overhead.
+calls (forward; with --backward, forward and backward) and prints the ops with the most host time and the
+kernels with the most device time, the ops that synchronize with the device, and the Python functions with the
+most host time. Wall time per call beside the device time of its kernels says how much of a call is launch
+overhead.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
+import warnings
 
 import torch
 from attention import CASES
@@ -20,13 +25,21 @@ import fusepass
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="document,causal")
+    parser.add_argument("--backward", action="store_true")
     args = parser.parse_args()
     for name in args.cases.split(","):
         case = CASES[name]
         b, h, n, d = 2, 16, 8192, 128
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+                   for _ in range(3))
         extra = case.extra(b, h, n, "cuda")
-        fused = torch.compile(case.fn, backend=fusepass.backend(strict=True))
+        compiled = torch.compile(case.fn, backend=fusepass.backend(strict=True))
+        grad_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+
+        def fused(*inputs):
+            out = compiled(*inputs)
+            if args.backward:
+                torch.autograd.grad(out, (q, k, v), grad_out)
         for _ in range(3):
             fused(q, k, v, *extra)
         torch.cuda.synchronize()
@@ -44,6 +57,17 @@ def main() -> None:
         print(f"== {name}: host {host_ms:.3f} ms per call to return, wall {wall_ms:.3f} ms per call")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=60))
+        # Host time close to wall time means a call waits for the device: name the op that synchronizes.
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fused(q, k, v, *extra)
+        torch.cuda.set_sync_debug_mode("default")
+        for warning in caught:
+            print(f"synchronizes: {warning.message} ({warning.filename}:{warning.lineno})")
+        python = cProfile.Profile()
+        python.runcall(lambda: [fused(q, k, v, *extra) for _ in range(20)])
+        pstats.Stats(python).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

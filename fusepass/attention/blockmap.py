@@ -47,6 +47,17 @@ def block_list(count, index, map_bh, block, n_blocks, n_other_blocks, WHICH: tl.
 
 
 @triton.jit
+def list_entry(blocks, count, i):
+    """Entry i of a block list of `count` entries, 0 past its end.
+
+    A loop over a list reads entry i + 1 while it works on entry i and carries it to the next iteration:
+    then no load of the same iteration sits between a tile's operands and their addresses, and Triton's
+    pipeliner prefetches them `num_stages - 1` tiles ahead (with the entry loaded in the same iteration, the
+    entry's load took one of the stages)."""
+    return tl.load(blocks + i, mask=i < count, other=0)
+
+
+@triton.jit
 def row_lists(lists, b, h, block, n_blocks, n_other_blocks):
     """(n_full, full, n_partial, partial): both lists of `block` of (b, h) in the row lists `lists`
     (count, index, batch stride, head stride)."""
@@ -105,35 +116,40 @@ class BlockMap:
 
 
 @triton.jit
-def _compact_kernel(Values, Count, Index, n, outer_stride, row_stride, col_stride, TARGETS: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """For one row of Values (program (row, outer)): for each target t, the ascending positions where the row
-    equals it, and how many."""
+def _compact_kernel(Values, Count, Index, n, n_groups, outer_stride, row_stride, col_stride,
+                    TARGETS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """For one row of Values (program (row, outer)), taken in groups of GROUP consecutive entries whose max
+    stands for the group: for each target t, the ascending group positions equal to it, and how many."""
     row = tl.program_id(0)
     outer = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
+    groups = tl.arange(0, BLOCK)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     values = tl.load(Values + outer.to(tl.int64) * outer_stride + row * row_stride + cols * col_stride,
                      mask=cols < n, other=-1)
+    values = tl.max(values, 1)
     slot = (outer * tl.num_programs(0) + row) * len(TARGETS)
     for t in tl.static_range(len(TARGETS)):
-        selected = (values == TARGETS[t]) & (cols < n)
+        selected = (values == TARGETS[t]) & (groups < n_groups)
         position = tl.cumsum(selected.to(tl.int32), 0) - 1
-        tl.store(Index + (slot + t).to(tl.int64) * n + position, cols, mask=selected)
+        tl.store(Index + (slot + t).to(tl.int64) * n_groups + position, groups, mask=selected)
         tl.store(Count + slot + t, tl.sum(selected.to(tl.int32), 0))
 
 
-def compact_lists(values: torch.Tensor, targets: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For an integer tensor [outer..., rows, n] (any strides): per row and target, (count [..., len(targets)],
-    index [..., len(targets), n]), int32, contiguous; the first `count` entries of `index` are the positions
-    equal to the target, ascending (the rest is not written)."""
+def compact_lists(values: torch.Tensor, targets: tuple[int, ...], group: int = 1
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """For an integer tensor [outer..., rows, n] (any strides), its last axis taken in groups of `group`
+    (the max of each group standing for it; the last group may be shorter): per row and target, (count
+    [..., len(targets)], index [..., len(targets), n_groups]), int32, contiguous; the first `count` entries of
+    `index` are the groups equal to the target, ascending (the rest is not written)."""
     *outer_shape, rows, n = values.shape
+    n_groups = triton.cdiv(n, group)
     outer = values.flatten(0, -3) if outer_shape else values[None]
     count = torch.empty(*outer_shape, rows, len(targets), dtype=torch.int32, device=values.device)
-    index = torch.empty(*outer_shape, rows, len(targets), n, dtype=torch.int32, device=values.device)
+    index = torch.empty(*outer_shape, rows, len(targets), n_groups, dtype=torch.int32, device=values.device)
     if count.numel():
-        _compact_kernel[(rows, outer.shape[0])](outer, count, index, n, outer.stride(0), outer.stride(1),
-                                                outer.stride(2), TARGETS=tuple(targets),
-                                                BLOCK=triton.next_power_of_2(n))
+        _compact_kernel[(rows, outer.shape[0])](outer, count, index, n, n_groups, outer.stride(0), outer.stride(1),
+                                                outer.stride(2), TARGETS=tuple(targets), GROUP=group,
+                                                BLOCK=triton.next_power_of_2(n_groups))
     return count, index
 
 

@@ -618,12 +618,15 @@ def _accumulate(leaf: GradLeaf, grad: str) -> list[str]:
     full = f"({grad} + {SPLAT_OF_S}).to(tl.float32)"
     if "q" not in leaf.uses and "k" not in leaf.uses:
         return [f"tl.atomic_add(aux_grad[{leaf.aux}] + {leaf.offset}, tl.sum({full}))"]
-    if "q" not in leaf.uses:
-        return [f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), tl.sum({full}, 0)[None, :], "
-                f"mask={leaf.mask})"]
-    if "k" not in leaf.uses:
-        return [f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), tl.sum({full}, 1)[:, None], "
-                f"mask={leaf.mask})"]
+    if "q" not in leaf.uses or "k" not in leaf.uses:
+        # Summed over the axis of the index it does not read: q's is 0 in [q, kv] tiles, 1 in the [kv, q]
+        # tiles of the dK/dV kernel.
+        axis, transposed_axis = ("0", "1") if "q" not in leaf.uses else ("1", "0")
+
+        def add(summed: str) -> str:
+            return (f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), "
+                    f"tl.expand_dims(tl.sum({full}, {summed}), {summed}), mask={leaf.mask})")
+        return ["if q_idx.shape[0] == 1:  # [kv, q] tiles", "    " + add(transposed_axis), "else:", "    " + add(axis)]
     return [f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), {full}, mask={leaf.mask})"]
 
 

@@ -210,15 +210,23 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     needs = _aux_needs_grad(s, len(aux))
     extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None, None)
 
+    # The gradients take their sources' strides, and the kernels write them through the views the op read.
+    grads = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v)]
+    for grad, layout in zip(grads, (s.q, s.k, s.v)):
+        if not layout.covers(grad):
+            grad.zero_()
+
     def backward():
         # fp32 accumulators for the aux tensors a gradient flows to; an empty stand-in for the others
         aux_grad = tuple(torch.zeros(a.shape, dtype=torch.float32, device=a.device) if n else a.new_empty(0)
                          for a, n in zip(read, needs))
-        return flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, read, aux_grad,
-                                        dropout_p=s.dropout_p, seed=_seed(seed)), aux_grad
+        flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, read, aux_grad,
+                                 dropout_p=s.dropout_p, seed=_seed(seed),
+                                 grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
+        return aux_grad
 
     try:
-        (dq4, dk4, dv4), aux_grad = backward()
+        aux_grad = backward()
     except Exception as error:  # as in the forward: the replaced ops take over
         if s.dropout_p:
             # The kernel's forward dropped other elements than the replaced ops would.
@@ -231,14 +239,6 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         s.unfused.profiled_backward = True
         profile.measure_backward(record, backward, lambda: s.unfused.gradients(inputs, grad_out, _seed(seed)),
                                  s.unfused.forward_record.measured_unfused_ms or 0.0)
-    grads = []
-    for source, layout, grad4 in ((q, s.q, dq4), (k, s.k, dk4), (v, s.v, dv4)):
-        # The layout's strides are the source's: the gradient takes them too.
-        grad = torch.empty_strided(source.shape, source.stride(), dtype=source.dtype, device=source.device)
-        if not layout.covers(source):
-            grad.zero_()
-        layout.view(grad).copy_(grad4)
-        grads.append(grad)
     aux_grads = [g.to(a.dtype) for g, a in zip(aux_grad, read)] + [a.new_empty(0) for a in aux[len(read):]]
     return grads[0], grads[1], grads[2], aux_grads
 

@@ -20,8 +20,8 @@ from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes,
 from fusepass.attention.op import AttentionSpec, Unfused, register
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.context import PassContext, mark_planned
-from fusepass.kernels.flash_config import backward_config, forward_config
-from fusepass.report.ledger import (AttentionShape, AuxRead, attention_rewrites, op_bytes, tile_density,
+from fusepass.kernels.flash_config import FlashConfig, backward_configs, forward_config
+from fusepass.report.ledger import (AttentionShape, AuxRead, Tiles, attention_rewrites, op_bytes, tile_density,
                                     value_bytes)
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.source import location
@@ -108,13 +108,17 @@ def _records(replaced: list[torch.fx.Node], spec: AttentionSpec, sources: list[t
     # Tiles are skipped only where the fill contributes nothing (docs/flash-kernel-interface.md).
     skips = masked and spec.lifted.fill_bound != math.inf
     cuda = torch.device("cuda")  # the ledger models the GPU's tiles, wherever the graph runs
-    tiles = [tile_density(features, skips, q_len, shape.kv_len, config.block_m, config.block_n, sms)
-             for config in (forward_config(head_dim, dtype, masked, cuda), backward_config(head_dim, dtype, cuda))]
+
+    def tiles(config: FlashConfig) -> Tiles:
+        return tile_density(features, skips, q_len, shape.kv_len, config.block_m, config.block_n, sms)
+
+    backward = backward_configs(head_dim, dtype, cuda)
     aux = [AuxRead(bytes=value_bytes(a), itemsize=val(a).element_size(),
                    per_tile=value_bytes(a) // val(a).element_size() >= q_len * shape.kv_len,
                    needs_grad=bool(a.meta.get("requires_grad"))) for a in spec.lifted.aux]
     gradient_flows = any(n.meta.get("requires_grad") for n in kept)
-    return attention_rewrites(where, replaced, kept, shape, *tiles, aux,
+    return attention_rewrites(where, replaced, kept, shape, tiles(forward_config(head_dim, dtype, masked, cuda)),
+                              (tiles(backward.dkdv), tiles(backward.dq)), aux,
                               tuple(features), {"shape": [batch, heads, q_len, shape.kv_len, head_dim],
                                                 "kv_heads": shape.kv_heads}, gradient_flows)
 

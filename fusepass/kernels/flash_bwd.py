@@ -4,8 +4,10 @@ Three kernels, no atomics for dQ / dK / dV:
 
 1. preprocess: delta = rowsum(dO · O), the softmax-backward correction of each query row;
 2. dK/dV: one program per (batch, kv head, kv block) walks, for each query head sharing the kv head, the
-   q blocks the block map lists for its kv block, accumulating dK and dV in registers;
-3. dQ: one program per (batch, query head, q block) walks the kv blocks of its q block.
+   q blocks the block map lists for its kv block, accumulating dK and dV in registers. Its tiles are laid
+   out [kv, q] (pᵀ and d sᵀ are then the dots' operands as they are; transposing a tile in registers goes
+   through shared memory) and its q blocks are short, since per-q statistics broadcast along the short axis;
+3. dQ: one program per (batch, query head, q block) walks the kv blocks of its q block, at tiles of its own.
 
 dO may come in `out`'s dtype; the dots read it in the inputs' dtype.
 
@@ -21,14 +23,13 @@ holding such rows whose tile with its kv block is EMPTY (the others are in its l
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from fusepass.attention.blockmap import (
-    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, row_lists)
+    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, list_entry, row_lists)
 from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels.flash_config import backward_config, head_block, launch_fitting
+from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, masked_scores, store_rows)
 
@@ -80,32 +81,46 @@ def _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCOR
 def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux, aux_grad,
                     seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                     SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
-                    DROPOUT: tl.constexpr):
+                    DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The (dropped) weights and the score-side gradient of one tile: (p_dropped, d s).
 
-    `visit` (a scalar) zeroes both for a tile that must not count (see the dK/dV fallback loop)."""
-    q_idx = tl.minimum(rows, Nq - 1)[:, None]
-    s = dot(q, tl.trans(k))
-    if PARTIAL:
-        kv_in = (cols < Nk)[None, :]
+    The tiles are [q, kv], or [kv, q] when TRANSPOSED (the dK/dV kernel: its dots then take pᵀ and d sᵀ as
+    they are, where transposing a tile in registers goes through shared memory); the score functions see
+    the index tiles transposed alike. `visit` (a scalar) zeroes both for a tile that must not count (see the
+    dK/dV fallback loop)."""
+    if TRANSPOSED:
+        q_idx = tl.minimum(rows, Nq - 1)[None, :]
+        kv_idx = tl.minimum(cols, Nk - 1)[:, None]
+        kv_in = (cols < Nk)[:, None]
+        row_offsets = ((bh * Nq + rows) * Nk)[None, :]
+        col_offsets = cols[:, None]
+        shift, log2_sum, delta = shift[None, :], log2_sum[None, :], delta[None, :]
+        s = dot(k, tl.trans(q))
+        dp = dot(v, tl.trans(do))
+    else:
+        q_idx = tl.minimum(rows, Nq - 1)[:, None]
         kv_idx = tl.minimum(cols, Nk - 1)[None, :]
+        kv_in = (cols < Nk)[None, :]
+        row_offsets = ((bh * Nq + rows) * Nk)[:, None]
+        col_offsets = cols[None, :]
+        shift, log2_sum, delta = shift[:, None], log2_sum[:, None], delta[:, None]
+        s = dot(q, tl.trans(k))
+        dp = dot(do, tl.trans(v))
+    if PARTIAL:
         x, kept = masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE, KEEP, FILL)
     else:
-        kv_in = None
         kept = None
-        kv_idx = cols[None, :]
         x = SCORE(s, b, h, q_idx, kv_idx, aux)
-    p = tl.math.exp2((x - shift[:, None]) * LOG2E - log2_sum[:, None])
+    p = tl.math.exp2((x - shift) * LOG2E - log2_sum)
     p = tl.where(visit, p, 0.0)
-    dp = dot(do, tl.trans(v))
     if DROPOUT:
-        kept_weights = dropout_kept(seed, dropout_p, (bh * Nq + rows) * Nk, cols)
+        kept_weights = dropout_kept(seed, dropout_p, row_offsets, col_offsets)
         keep_scale = 1.0 / (1.0 - dropout_p)
         p_dropped = tl.where(kept_weights, p * keep_scale, 0.0)
         dp = tl.where(kept_weights, dp * keep_scale, 0.0)
     else:
         p_dropped = p
-    ds = tl.where(visit, p * (dp - delta[:, None]), 0.0)
+    ds = tl.where(visit, p * (dp - delta), 0.0)
     grad = _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCORE_GRAD, FILL_GRAD,
                            PARTIAL)
     return p_dropped, grad
@@ -123,9 +138,9 @@ def _dkdv_tile(dk, dv, k, v, q_block, visit, Q_bh, DO_bh, q_strides, do_strides,
     shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
     p, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux,
                               aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL,
-                              DROPOUT)
-    dv += dot(tl.trans(p.to(do.dtype)), do)
-    dk += dot(tl.trans(grad.to(q.dtype)), q)
+                              DROPOUT, True)
+    dv = dot(p.to(do.dtype), do, dv)
+    dk = dot(grad.to(q.dtype), q, dk)
     return dk, dv
 
 
@@ -168,19 +183,25 @@ def _flash_backward_dkdv_kernel(
             n_full, full_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks, FULL_LIST)
             n_partial, partial_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks,
                                                    PARTIAL_LIST)
+        if KEEP is not None:
+            next_block = list_entry(full_blocks, n_full, 0)
         for i in range(0, n_full):
             if KEEP is None:
                 q_block = i
             else:
-                q_block = tl.load(full_blocks + i)
+                q_block = next_block
+                next_block = list_entry(full_blocks, n_full, i + 1)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D)
+        if KEEP is not None:
+            next_block = list_entry(partial_blocks, n_partial, 0)
         for i in range(0, n_partial):
             if KEEP is None:
                 q_block = i
             else:
-                q_block = tl.load(partial_blocks + i)
+                q_block = next_block
+                next_block = list_entry(partial_blocks, n_partial, i + 1)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D)
@@ -211,15 +232,15 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides,
     k = load_rows(K_bh, cols, Nk, k_strides[2], offs_d, k_strides[3], HEAD_DIM, PARTIAL)
     v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, PARTIAL)
     _, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, True, b, h, bh, rows, cols, Nq, Nk, aux, None,
-                              seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT)
-    return dq + dot(grad.to(k.dtype), k)
+                              seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
+    return dot(grad.to(k.dtype), k, dq)
 
 
 @triton.jit
 def _flash_backward_dq_kernel(
     Q, K, V, DO, Lse, LogSum, Delta, DQ,
     q_strides, k_strides, v_strides, do_strides, dq_strides,
-    Nq, Nk, group, kv_lists, fallback_blocks, aux, seed, dropout_p,
+    Nq, Nk, group, kv_lists, fallback_rows, aux, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -247,24 +268,31 @@ def _flash_backward_dq_kernel(
         n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
                                                                    n_kv_blocks)
         # A q block holding a row the forward recomputed over all tiles walks every kv tile instead.
-        n_all = tl.load(fallback_blocks + bh * n_q_blocks + q_block).to(tl.int32) * n_kv_blocks
+        recomputed = tl.load(fallback_rows + bh * Nq + rows, mask=rows < Nq, other=0)
+        n_all = tl.max(recomputed.to(tl.int32), 0) * n_kv_blocks
         n_full = tl.where(n_all > 0, 0, n_full)
         n_partial = tl.where(n_all > 0, 0, n_partial)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if KEEP is not None:
+        next_block = list_entry(full_blocks, n_full, 0)
     for i in range(0, n_full):
         if KEEP is None:
             kv_block = i
         else:
-            kv_block = tl.load(full_blocks + i)
+            kv_block = next_block
+            next_block = list_entry(full_blocks, n_full, i + 1)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+    if KEEP is not None:
+        next_block = list_entry(partial_blocks, n_partial, 0)
     for i in range(0, n_partial):
         if KEEP is None:
             kv_block = n_full + i
         else:
-            kv_block = tl.load(partial_blocks + i)
+            kv_block = next_block
+            next_block = list_entry(partial_blocks, n_partial, i + 1)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -287,67 +315,64 @@ def _backward_block_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: 
     return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, block_m, block_n, q.device)
 
 
-def _fallback_q_blocks(fallback_rows: torch.Tensor, block_m: int) -> torch.Tensor:
-    """[B, Hq, n_q_blocks] int8: 1 where a q block (of the backward's tiling) holds a fallback row."""
-    padded = F.pad(fallback_rows, (0, -fallback_rows.shape[-1] % block_m))
-    return padded.view(*padded.shape[:2], -1, block_m).amax(-1).contiguous()
-
-
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, extra: FlashForwardExtra, mod: ScoreMod,
-                             aux: tuple, aux_grad: tuple | None, *, block_map: BlockMap | None = None,
-                             dropout_p: float = 0.0, seed: int = 0
+                             aux: tuple, aux_grad: tuple | None, *, dropout_p: float = 0.0, seed: int = 0,
+                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of `flash_attention_forward`; dk and dv summed over the query heads sharing a
-    kv head. When `mod.has_aux_grad`, aux gradients accumulate into the tensors of `aux_grad`.
+    kv head. When `mod.has_aux_grad`, aux gradients accumulate into the tensors of `aux_grad`. `grads`: where
+    to write them (tensors of q's, k's and v's shapes, any strides), else new tensors.
 
-    `dropout_p` and `seed` must be the forward's. `block_map` defaults to the forward's map when its tile
-    size is the backward's, else to the cached map at the backward's tile size.
+    `dropout_p` and `seed` must be the forward's. Each kernel reads the block map at its tiles: the
+    forward's where the tiles are the forward's, else the cached map.
     """
     check_attention_inputs(q, k, v)
     assert do.shape == out.shape == q.shape, f"do {tuple(do.shape)}, out {tuple(out.shape)}, q {tuple(q.shape)}"
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     assert lse.shape == extra.log_sum.shape == (batch, q_heads, q_len)
-    config = backward_config(head_dim, q.dtype, q.device)
-    if mod.has_mask and block_map is None:
-        block_map = _backward_block_map(mod, aux, extra, q, kv_len, config.block_m, config.block_n)
-    block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
-                                                                                     config.block_n)
+    configs = backward_configs(head_dim, q.dtype, q.device)
     block_d = head_block(head_dim)
-    n_q_blocks, n_kv_blocks = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
-    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-
     lse, log_sum = lse.contiguous(), extra.log_sum.contiguous()
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    _delta_kernel[(n_q_blocks, q_heads, batch)](out, do, delta, out.stride(), do.stride(), q_len,
-                                                HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_D=block_d, **launch)
+    dq_config = configs.dq
+    _delta_kernel[(triton.cdiv(q_len, dq_config.block_m), q_heads, batch)](
+        out, do, delta, out.stride(), do.stride(), q_len, HEAD_DIM=head_dim, BLOCK_M=dq_config.block_m,
+        BLOCK_D=block_d, num_warps=dq_config.num_warps)
 
+    def kernel_arguments(config: FlashConfig) -> tuple[BlockMap | None, dict]:
+        """The block map at the kernel's tiles, and its constants."""
+        block_map = None
+        if mod.has_mask:
+            block_map = _backward_block_map(mod, aux, extra, q, kv_len, config.block_m, config.block_n)
+        constants = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
+                         FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
+                         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+                         num_warps=config.num_warps, num_stages=config.num_stages)
+        return block_map, constants
+
+    block_map, constants = kernel_arguments(configs.dkdv)
+    q_lists = fallback_lists = None
     if mod.has_mask:
-        map_strides = block_map.batch_head_strides
-        fallback_blocks = _fallback_q_blocks(extra.fallback_rows, block_m)
-        q_lists = (block_map.cols.count, block_map.cols.index, *map_strides, block_map.kind)
-        kv_lists = (block_map.rows.count, block_map.rows.index, *map_strides)
-        fallback_lists = compact_lists(fallback_blocks[..., None, :], (1,))
-    else:
-        fallback_blocks = q_lists = kv_lists = fallback_lists = None
-    scores = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
-                  FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                  BLOCK_N=block_n, BLOCK_D=block_d)
-
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
+        # Per (b, h): the q blocks holding a row the forward recomputed over all tiles.
+        fallback_lists = compact_lists(extra.fallback_rows[..., None, :], (1,), group=configs.dkdv.block_m)
+    dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     launch_fitting(
-        _flash_backward_dkdv_kernel, (n_kv_blocks, kv_heads, batch),
+        _flash_backward_dkdv_kernel, (triton.cdiv(kv_len, configs.dkdv.block_n), kv_heads, batch),
         q, k, v, do, lse, log_sum, delta, dk, dv,
         q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
         q_len, kv_len, q_heads // kv_heads, q_lists, fallback_lists, aux,
-        aux_grad if mod.has_aux_grad else None, seed, dropout_p, **scores, **launch)
+        aux_grad if mod.has_aux_grad else None, seed, dropout_p, **constants)
 
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_map, constants = kernel_arguments(dq_config)
+    kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) if mod.has_mask \
+        else None
     launch_fitting(
-        _flash_backward_dq_kernel, (n_q_blocks, q_heads, batch),
+        _flash_backward_dq_kernel, (triton.cdiv(q_len, dq_config.block_m), q_heads, batch),
         q, k, v, do, lse, log_sum, delta, dq,
         q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(),
-        q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_blocks, aux, seed, dropout_p, **scores, **launch)
+        q_len, kv_len, q_heads // kv_heads, kv_lists, extra.fallback_rows, aux, seed, dropout_p, **constants)
     return dq, dk, dv

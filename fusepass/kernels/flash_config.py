@@ -1,8 +1,7 @@
 """Tile sizes and launch parameters of the flash-attention kernels.
 
-One `FlashConfig` per kernel family (forward; backward = the dQ and dK/dV kernels, which share one tile
-shape so they share one block map). Chosen by head dim, dtype, the device and (forward) whether a mask is
-present.
+One `FlashConfig` per kernel (the forward; the backward's dK/dV and dQ kernels, each with a block map at its
+tiles). Chosen by head dim, dtype, the device and (forward) whether a mask is present.
 
 Under Triton's interpreter (CPU) every tile is 16 × 16: the interpreter's cost grows with the number of
 elements a program touches, and 16 is the smallest size `tl.dot` accepts. The GPU numbers are starting
@@ -49,18 +48,31 @@ def forward_config(head_dim: int, dtype: torch.dtype, has_mask: bool, device: to
     return FlashConfig(32 if wide else 64, 32 if wide else 64, num_warps=4, num_stages=2)
 
 
-def backward_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> FlashConfig:
+@dataclass(frozen=True)
+class BackwardConfigs:
+    """The backward's two kernels tile differently: dK/dV walks small q chunks past a tall kv block (its
+    tiles are laid out [kv, q]; per-q statistics then broadcast along the short axis), dQ tall q blocks
+    past kv chunks. `block_m` is always the q extent of a tile, `block_n` the kv extent."""
+
+    dkdv: FlashConfig
+    dq: FlashConfig
+
+
+def backward_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> BackwardConfigs:
     if device.type != "cuda":
-        return INTERPRETER_CONFIG
+        return BackwardConfigs(INTERPRETER_CONFIG, INTERPRETER_CONFIG)
     block_d = head_block(head_dim)
-    wide = dtype == torch.float32
-    # The dK/dV kernel keeps dK and dV (block_n × block_d, fp32) in registers for its whole loop.
+    if dtype == torch.float32:  # fp32 tiles take twice the registers and shared memory
+        return BackwardConfigs(FlashConfig(32, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
+    # dK/dV keeps dK and dV (block_n × block_d, fp32) in registers for its whole loop: 242 registers and
+    # 174 at D = 128 and 64 (ptxas, sm_90), no spills; larger kv blocks or q chunks spill.
     if block_d <= 64:
-        return FlashConfig(64, 64, num_warps=4, num_stages=3)
+        return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=2), FlashConfig(64, 64, 4, 3))
     if block_d <= 128:
-        # bench/results/flash-sweep-d128-n8192: 128 × 64, 8 warps, 2 stages led (4.63 ms)
-        return FlashConfig(32 if wide else 128, 32 if wide else 64, num_warps=4 if wide else 8, num_stages=2)
-    return FlashConfig(32, 32, num_warps=4, num_stages=1 if wide else 2)
+        # bench/results/flash-sweep-d128-n8192-2026-11-30-0113: 4.34 ms causal B2 H16 N8192 (4.54 with dQ at 2
+        # stages, 4.60 with both kernels at 128 × 64 tiles)
+        return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=3), FlashConfig(128, 64, 8, 3))
+    return BackwardConfigs(FlashConfig(16, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
 
 
 # The pipeline stages that fit, per kernel, constants and dtypes (see launch_fitting).

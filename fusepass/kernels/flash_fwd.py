@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.attention.blockmap import BlockMap, block_map_for, row_lists
+from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, row_lists
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import forward_config, head_block, launch_fitting
 
@@ -43,12 +43,13 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
-def dot(a, b):
-    """a @ b accumulated in fp32; fp32 operands in full precision (no TF32) so results match eager fp32."""
+def dot(a, b, acc=None):
+    """acc + a @ b, accumulated in fp32 (in `acc` itself when given); fp32 operands in full precision (no TF32)
+    so results match eager fp32."""
     if INTERPRETED and a.dtype == tl.bfloat16:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision="ieee")
 
 
 @triton.jit
@@ -89,8 +90,9 @@ def masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE: tl.constexpr, KEEP:
 @triton.jit
 def dropout_kept(seed, dropout_p, row_offsets, cols):
     """The dropout mask of a tile (True: weight kept), from a counter-based RNG keyed by the element's
-    (b, h, q, kv) position, so the backward regenerates it exactly."""
-    return tl.rand(seed, row_offsets[:, None] + cols[None, :]) >= dropout_p
+    (b, h, q, kv) position, so the backward regenerates it exactly. `row_offsets` and `cols` broadcast to
+    the tile: ``(b · H + h) · Nq · Nk + q · Nk`` and ``kv``."""
+    return tl.rand(seed, row_offsets + cols) >= dropout_p
 
 
 @triton.jit
@@ -128,8 +130,8 @@ def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
         alpha = tl.math.exp2((m - shift) * LOG2E)
     l = l * alpha + tl.sum(p, 1)
     if DROPOUT:
-        p = tl.where(dropout_kept(seed, dropout_p, drop_rows, cols), p, 0.0)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v)
+        p = tl.where(dropout_kept(seed, dropout_p, drop_rows[:, None], cols[None, :]), p, 0.0)
+    acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l
 
 
@@ -171,19 +173,25 @@ def _flash_forward_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if KEEP is not None:
+        next_block = list_entry(full_blocks, n_full, 0)
     for i in range(0, n_full):
         if KEEP is None:
             kv_block = i
         else:
-            kv_block = tl.load(full_blocks + i)
+            kv_block = next_block
+            next_block = list_entry(full_blocks, n_full, i + 1)
         acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
                                  aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, False, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D)
+    if KEEP is not None:
+        next_block = list_entry(partial_blocks, n_partial, 0)
     for i in range(0, n_partial):
         if KEEP is None:
             kv_block = n_full + i
         else:
-            kv_block = tl.load(partial_blocks + i)
+            kv_block = next_block
+            next_block = list_entry(partial_blocks, n_partial, i + 1)
         acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
                                  aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D)

@@ -231,8 +231,8 @@ def elementwise_rewrite(phase: str, location: str, ops: tuple[str, ...], compute
 # the Q and dO rows and row statistics (lse, log_sum, delta) of the q blocks listed for its kv block —
 # once per wave of the ⌈Nk/BLOCK_N⌉ programs of a kv head — and writes dK and dV. The dQ kernel, grid
 # (q block, query head, batch), reads Q, dO and the statistics once, K and V as the forward does, and
-# writes dQ. The op then copies dQ, dK, dV into the layouts of the tensors they are gradients of (one
-# more read and write each).
+# writes dQ. Each kernel at its own tiles (and density); dQ, dK, dV are written straight into the layouts
+# of the tensors they are gradients of.
 #
 # Aux tensors (masks, biases, tables the score functions read): one with at least Nq·Nk elements (a
 # dense mask or bias) is loaded tile by tile by every query head's programs, for each visited tile; a
@@ -336,7 +336,7 @@ def _kv_reads(shape: AttentionShape, tiles: Tiles) -> float:
 
 FORWARD_KERNEL = "_flash_forward_kernel"
 DELTA_KERNEL, DKDV_KERNEL, DQ_KERNEL = "_delta_kernel", "_flash_backward_dkdv_kernel", "_flash_backward_dq_kernel"
-TORCH_OPS = "torch ops around the kernels"  # gradients copied into their layouts, aux gradient buffers
+TORCH_OPS = "torch ops around the kernels"  # aux gradient buffers: zero-filled fp32, then cast
 
 
 def attention_forward_bytes(shape: AttentionShape, tiles: Tiles, aux: Sequence[AuxRead]
@@ -350,26 +350,27 @@ def attention_forward_bytes(shape: AttentionShape, tiles: Tiles, aux: Sequence[A
     return {FORWARD_KERNEL: kernel}, ideal
 
 
-def attention_backward_bytes(shape: AttentionShape, tiles: Tiles, aux: Sequence[AuxRead]
+def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles: Tiles, aux: Sequence[AuxRead]
                              ) -> tuple[dict[str, float], int]:
     """(bytes the backward moves, by kernel; ideal bytes: Q, K, V, O, dO and aux read once, dQ, dK, dV and
-    aux gradients written once)."""
+    aux gradients written once). Each kernel at its own tiles."""
     d, es, oes = shape.head_dim, shape.itemsize, shape.out_itemsize
     q_rows, kv_rows = shape.rows, shape.kv_rows
     row = d * (es + oes) + 3 * STAT_BYTES  # a query row of Q and dO, and its lse, log_sum, delta
     with_grad = [a for a in aux if a.needs_grad]
     # Aux gradients: atomic fp32 updates of each visited tile in the dK/dV kernel (read and written), a
     # zero-filled fp32 buffer before it, a conversion to the tensor's dtype after it.
-    atomics = sum((shape.scores * tiles.density if a.per_tile else a.bytes // a.itemsize) * 2 * 4
+    atomics = sum((shape.scores * dkdv_tiles.density if a.per_tile else a.bytes // a.itemsize) * 2 * 4
                   for a in with_grad)
     buffers = sum(a.bytes // a.itemsize * (4 + 4 + a.itemsize) for a in with_grad)
     parts = {
         DELTA_KERNEL: q_rows * (2 * d * oes + STAT_BYTES),
-        DKDV_KERNEL: 4 * kv_rows * d * es + q_rows * row * tiles.waves(tiles.kv_blocks(shape))
-        + _aux_tiles(shape, tiles, aux) + atomics,
-        DQ_KERNEL: q_rows * row + _kv_reads(shape, tiles) + q_rows * d * es + _aux_tiles(shape, tiles, aux),
-        TORCH_OPS: 2 * (q_rows + 2 * kv_rows) * d * es + buffers,
+        DKDV_KERNEL: 4 * kv_rows * d * es + q_rows * row * dkdv_tiles.waves(dkdv_tiles.kv_blocks(shape))
+        + _aux_tiles(shape, dkdv_tiles, aux) + atomics,
+        DQ_KERNEL: q_rows * row + _kv_reads(shape, dq_tiles) + q_rows * d * es + _aux_tiles(shape, dq_tiles, aux),
     }
+    if buffers:
+        parts[TORCH_OPS] = buffers
     ideal = 2 * (q_rows + 2 * kv_rows) * d * es + 2 * q_rows * d * oes \
         + sum(a.bytes * (2 if a.needs_grad else 1) for a in aux)
     return parts, ideal
@@ -391,13 +392,14 @@ def _saved_bytes(nodes: Iterable[torch.fx.Node], kept_by_kernel: set[torch.fx.No
 
 
 def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by_kernel: Sequence[torch.fx.Node],
-                       shape: AttentionShape, forward_tiles: Tiles, backward_tiles: Tiles,
+                       shape: AttentionShape, forward_tiles: Tiles, backward_tiles: tuple[Tiles, Tiles],
                        aux: Sequence[AuxRead], features: tuple[str, ...], detail: dict,
                        gradient_flows: bool) -> list[Rewrite]:
     """The forward record of one attention rewrite and, when a gradient flows, its backward record.
 
     ``replaced``: the ops the rewrite removes, in graph order (the matched ones and those only they used,
-    such as a mask's construction); ``kept_by_kernel``: the tensors the fused op reads."""
+    such as a mask's construction); ``kept_by_kernel``: the tensors the fused op reads; ``backward_tiles``:
+    the dK/dV kernel's and the dQ kernel's."""
     compute = [n for n in replaced if not is_view(n)]
     flops = unfused_flops(compute)
     elementwise_flops = flops - sum(op_flops(n) for n in compute if is_matmul(n))
@@ -417,18 +419,25 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
         return [forward]
     backward = [op for n in reversed(compute) for op in backward_ops(n)]
     backward_elementwise = sum(op.flops for op in backward if not op.matmul)
-    parts, ideal = attention_backward_bytes(shape, backward_tiles, aux)
-    # Both backward kernels recompute the scores and weights of each visited tile; dK/dV adds dP, dV, dK
+    dkdv_tiles, dq_tiles = backward_tiles
+    parts, ideal = attention_backward_bytes(shape, dkdv_tiles, dq_tiles, aux)
+    # Both backward kernels recompute the scores and weights of each tile they visit; dK/dV adds dP, dV, dK
     # (8 flops per score per head-dim element in all), dQ adds dP and dQ (6).
-    recomputed = 14 * shape.scores * shape.head_dim + 2 * (elementwise_flops + backward_elementwise)
+    per_kernel = elementwise_flops + backward_elementwise
+    recomputed = (8 * shape.scores * shape.head_dim + per_kernel) * dkdv_tiles.density \
+        + (6 * shape.scores * shape.head_dim + per_kernel) * dq_tiles.density
+    tiles = {"tiles": {"dk_dv": _tiles_detail(dkdv_tiles), "dq": _tiles_detail(dq_tiles)}}
     return [forward, Rewrite(
         kind="attention", phase="backward", location=location, ops=tuple(op.name for op in backward),
         bytes_unfused=sum(op.bytes for op in backward), bytes_fused=round(sum(parts.values())), bytes_ideal=ideal,
-        flops=sum(op.flops for op in backward), flops_fused=round(recomputed * backward_tiles.density),
-        features=features, detail={**detail, **_model_detail(backward_tiles, parts)})]
+        flops=sum(op.flops for op in backward), flops_fused=round(recomputed),
+        features=features, detail={**detail, **_model_detail(forward_tiles, parts), **tiles})]
+
+
+def _tiles_detail(tiles: Tiles) -> dict:
+    return {"block_m": tiles.block_m, "block_n": tiles.block_n, "density": round(tiles.density, 4),
+            "density_model": tiles.model, "concurrent_programs": tiles.concurrent}
 
 
 def _model_detail(tiles: Tiles, parts: dict[str, float]) -> dict:
-    return {"tiles": {"block_m": tiles.block_m, "block_n": tiles.block_n, "density": round(tiles.density, 4),
-                      "density_model": tiles.model, "concurrent_programs": tiles.concurrent},
-            "bytes_fused_by_kernel": {name: round(b) for name, b in parts.items()}}
+    return {"tiles": _tiles_detail(tiles), "bytes_fused_by_kernel": {name: round(b) for name, b in parts.items()}}
