@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fusepass.attention.index import Idx, merge
 from fusepass.attention.layout import VIEW_OPS, Unsupported
 from fusepass.attention.match import AttentionMatch, packet, val
-from fusepass.attention.spans import Span, narrow, result_span
+from fusepass.attention.spans import Span, float_exact, narrow, result_span
 from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Emitter, Operand, bind, constant_value,
                                         held_dtype, is_supported, literal, translate)
 
@@ -39,6 +39,8 @@ LANES = 4  # the fake length of E's values: pointwise ops do not care
 # Broadcasts a value to the scores' shape: -0.0, not 0.0, so that the addition is an identity the compiler
 # removes (x + 0.0 is not: -0.0 + 0.0 = +0.0), instead of one more instruction per score.
 SPLAT_OF_S = "tl.full(s.shape, -0.0, tl.float32)"
+# Integer ops whose fp32 form (Code.as_float) is exact when every value is.
+FLOAT_FORM_OPS = {aten.add, aten.sub, aten.neg, aten.abs, *CASTS}
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,9 @@ class Code:
     mask: tuple[str, Any] | None = None  # for where(keep, 0, fill): (keep expression, fill)
     compares: int = 0  # comparisons of query against key positions it depends on (1: causal, 2: a band)
     span: Span | None = None  # the values an integer can take; an int64 one that fits in int32 is emitted so
+    # An fp32 expression of the same integer, exact: converted per position vector before they broadcast
+    # (int → float of a whole tile is a quarter-rate instruction per score).
+    as_float: str | None = None
 
     @property
     def narrow(self) -> bool:
@@ -259,7 +264,9 @@ class Lifter:
             ends = (start, start + step * (val(node).shape[0] - 1))
             span = (min(ends), max(ends))
         target = torch.int32 if narrow(dtype, span) else held_dtype(dtype)
-        return Code(self.code.let(f"({expr}).to({TRITON_DTYPE[target]})"), dtype, uses, span=span)
+        as_float = f"({expr}).to(tl.float32)" if float_exact(span) else None
+        return Code(self.code.let(f"({expr}).to({TRITON_DTYPE[target]})"), dtype, uses, span=span,
+                    as_float=as_float)
 
     def _triangle(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
         x = self.value(node.args[0], coords)
@@ -377,6 +384,8 @@ class Lifter:
 
         def operand(a: Any) -> Any:
             if isinstance(a, Code):
+                if a.as_float is not None and dtype == torch.float32:
+                    return Operand(a.as_float, torch.float32, a.zero_dim)
                 if a.narrow and dtype == torch.int64 and not narrow_result:
                     # The result may leave int32: the operation runs in int64.
                     return Operand(f"({a.expr}).to(tl.int64)", a.dtype, a.zero_dim)
@@ -393,7 +402,28 @@ class Lifter:
         self._note_op(target, args)
         result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()},
                            torch.int32 if narrow_result else dtype, round_casts=False)
-        return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span)
+        return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span,
+                    as_float=self._float_form(target, args, kwargs, span))
+
+    def _float_form(self, target: Any, args: tuple, kwargs: dict, span: Span | None) -> str | None:
+        """The fp32 form of an integer result whose operands have one, where every value stays exact in fp32:
+        sums, differences, negations and absolute values of positions (ALiBi's and relative-position
+        distances) then cost a float op per score, not an int op and a conversion."""
+        kind = getattr(target, "overloadpacket", None)
+        if kind not in FLOAT_FORM_OPS or not float_exact(span) or kwargs.get("alpha", 1) != 1:
+            return None
+        forms = []
+        for a in args:
+            if isinstance(a, Code) and a.as_float is not None:
+                forms.append(a.as_float)
+            elif isinstance(a, int) and not isinstance(a, bool) and float_exact((a, a)):
+                forms.append(f"{float(a)!r}")
+            else:
+                return None
+        if kind in CASTS:
+            return forms[0]
+        expr = {aten.add: "({0} + {1})", aten.sub: "({0} - {1})", aten.neg: "(-{0})", aten.abs: "tl.abs({0})"}[kind]
+        return self.code.let(expr.format(*forms))
 
     # ---------------------------------------------------------------------------------- features
 

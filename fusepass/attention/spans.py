@@ -22,6 +22,11 @@ def fits(span: Span | None) -> bool:
     return span is not None and INT32[0] <= span[0] and span[1] <= INT32[1]
 
 
+def float_exact(span: Span | None) -> bool:
+    """Whether every integer of the span is exact in fp32 (and so are sums and differences within it)."""
+    return span is not None and -2 ** 24 <= span[0] and span[1] <= 2 ** 24
+
+
 def narrow(dtype: torch.dtype, span: Span | None) -> bool:
     """Whether a value of this dtype and span is emitted as int32 though torch holds it in int64."""
     return dtype == torch.int64 and fits(span)

@@ -83,9 +83,13 @@ def launch_fitting(kernel: Any, grid: tuple, *args: Any, num_warps: int, num_sta
     """``kernel[grid](*args, **constants)`` with ``num_stages`` pipeline stages, or as many as fit in shared
     memory: a score function that loads tiles of its own (a gathered bias table) adds buffers the config did
     not count. The stages that fit are remembered, so a call pays for a failed launch only once."""
-    key = (kernel, num_warps, num_stages, tuple(constants.items()),
-           tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
-    stages = _fitting_stages.get(key, num_stages)
+    def key() -> tuple:
+        # Built only once some launch did not fit: hashing the constants (the score functions) costs host
+        # time on every call.
+        return (kernel, num_warps, num_stages, tuple(constants.items()),
+                tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+
+    stages = _fitting_stages.get(key(), num_stages) if _fitting_stages else num_stages
     while True:
         try:
             kernel[grid](*args, num_warps=num_warps, num_stages=stages, **constants)
@@ -93,4 +97,4 @@ def launch_fitting(kernel: Any, grid: tuple, *args: Any, num_warps: int, num_sta
         except OutOfResources:
             if stages == 1:
                 raise
-            stages = _fitting_stages[key] = stages - 1
+            stages = _fitting_stages[key()] = stages - 1

@@ -69,3 +69,20 @@ def test_positions_run_in_int32_unless_they_may_overflow(fn, int64):
     source = _score_source()
     assert ("tl.int64" in source) == int64, source
     assert "/" not in source  # the division by sqrt(d) is a product with its reciprocal
+
+
+def alibi_far_from_zero(q, k, v, slopes):
+    """Positions offset by 2^24: their differences are small, but fp32 cannot hold the positions exactly."""
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device) + 2 ** 24 + 1
+    bias = slopes[:, None, None] * (i[None, None, :] - i[None, :, None])
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn, per_vector", [(alibi, True), (alibi_far_from_zero, False)])
+def test_distances_convert_to_float_per_position_vector_where_exact(fn, per_vector):
+    q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
+    slopes = random_tensor((3,), torch.float32) * 4  # large enough that a distance off by one shows
+    check(fn, q, k, v, slopes, backward=True, rtol=1e-3, atol=1e-3)
+    source = _score_source()
+    assert ("(kv_idx).to(tl.float32)" in source) == per_vector, source
