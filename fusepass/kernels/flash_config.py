@@ -43,8 +43,12 @@ def forward_config(head_dim: int, dtype: torch.dtype, has_mask: bool, device: to
         # Masked attentions skip empty tiles: narrower key tiles follow a mask's edge more closely.
         return FlashConfig(128, 64 if has_mask or wide else 128, num_warps=4, num_stages=3)
     if block_d <= 128:
-        # bench/results/flash-sweep-d128-n8192: 128 × 128, 8 warps, 3 stages led (1.46 ms causal B2 H16 N8192)
-        return FlashConfig(64 if wide else 128, 32 if wide else 128, num_warps=8 if not wide else 4, num_stages=3)
+        if wide:
+            return FlashConfig(64, 32, num_warps=4, num_stages=3)
+        # bench/results/flash-sweep-d128-n8192-2026-11-30-0113: 128 × 128 and 128 × 64 at 8 warps, 3 stages
+        # both 1.42 ms causal B2 H16 N8192. Masks take 128 × 64: finer skipping, and the dQ kernel's tiles,
+        # whose block map the backward then reuses.
+        return FlashConfig(128, 64 if has_mask else 128, num_warps=8, num_stages=3)
     return FlashConfig(32 if wide else 64, 32 if wide else 64, num_warps=4, num_stages=2)
 
 
