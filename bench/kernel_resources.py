@@ -1,0 +1,115 @@
+"""Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
+
+    PYTHONPATH=. python bench/kernel_resources.py [--mask causal|none] [--head-dim 128]
+        [--forward 128,64,8,3] [--dkdv 32,128,8,3] [--dq 128,64,8,3]
+
+Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
+through Triton's own compiler and ptxas, no GPU needed: a stand-in driver names the target, and every launch
+becomes a compile. Prints per kernel the registers per thread, the stack frame (spilled registers live
+there), shared memory, and for each pipelined loop its buffers per operand and how many async copies it
+may leave in flight (``async_wait`` num): what decides whether a tile change can pay before it costs GPU
+time. Configs are block_m,block_n,num_warps,num_stages; the defaults are ``flash_config``'s.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+import triton.runtime.jit as jit
+from flash_sweep import CAUSAL, scaled, scaled_grad
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+from fusepass.attention.score_mod import ScoreMod
+from fusepass.kernels import flash_bwd, flash_config, flash_fwd
+from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
+
+H200 = GPUTarget("cuda", 90, 32)
+PLAIN = ScoreMod(name="resources_plain", score=scaled, score_grad=scaled_grad)
+
+
+class CompileOnlyDriver:
+    """What a launch asks of the driver before it compiles; the compiled kernel is never loaded."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return H200
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def compile_launches() -> list[tuple[str, object]]:
+    """Make every Triton launch a compile (warmup) and collect the compiled kernels, in launch order."""
+    driver.set_active(CompileOnlyDriver())
+    compiled = []
+    run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    jit.JITFunction.run = compile_only
+    return compiled
+
+
+def resources(kernel) -> dict:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    ttgir = kernel.asm["ttgir"]
+    buffers = sorted(set(re.findall(r"memdesc<(\d+)x\d+x\d+x\w+, #shared", ttgir)))
+    waits = re.findall(r"ttg.async_wait [^{]*\{num = (\d+)", ttgir)
+    return {"registers": int(found[1]), "stack bytes": int(found[2]), "shared bytes": kernel.metadata.shared,
+            "buffers per operand": ", ".join(buffers) or "-", "async_wait num": ", ".join(waits) or "-"}
+
+
+def config(text: str | None, default: FlashConfig) -> FlashConfig:
+    return FlashConfig(*map(int, text.split(","))) if text else default
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mask", choices=("causal", "none"), default="causal")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--forward")
+    parser.add_argument("--dkdv")
+    parser.add_argument("--dq")
+    args = parser.parse_args()
+    mod = CAUSAL if args.mask == "causal" else PLAIN
+    cuda, dtype = torch.device("cuda"), torch.bfloat16
+    forward = config(args.forward, flash_config.forward_config(args.head_dim, dtype, mod.has_mask, cuda))
+    defaults = flash_config.backward_configs(args.head_dim, dtype, cuda)
+    backward = BackwardConfigs(config(args.dkdv, defaults.dkdv), config(args.dq, defaults.dq))
+    flash_fwd.forward_config = lambda *_: forward
+    flash_bwd.backward_configs = lambda *_: backward
+
+    compiled = compile_launches()
+    q, k, v = (torch.randn(1, 2, args.seq, args.head_dim, dtype=dtype) for _ in range(3))
+    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, ())
+    flash_bwd.flash_attention_backward(q, q, k, v, out, lse, extra, mod, (), None)
+    print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}: forward {forward}, dK/dV "
+          f"{backward.dkdv}, dQ {backward.dq}")
+    for name, kernel in compiled:
+        if name.startswith("_flash"):
+            print(f"{name}: {resources(kernel)}")
+
+
+if __name__ == "__main__":
+    main()
