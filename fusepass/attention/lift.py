@@ -412,6 +412,8 @@ class Lifter:
         kind = getattr(target, "overloadpacket", None)
         if kind not in FLOAT_FORM_OPS or not float_exact(span) or kwargs.get("alpha", 1) != 1:
             return None
+        if kind in CASTS:  # the value cast, not its dtype (or copy's destination)
+            args = (args[1] if kind == aten.copy else args[0],)
         forms = []
         for a in args:
             if isinstance(a, Code) and a.as_float is not None:
