@@ -10,6 +10,7 @@ from support import DEVICE, random_tensor, rewrites
 from support import check as check_exactly
 
 import fusepass
+from fusepass.attention import op
 
 B, H, NQ, NK, D = 2, 3, 37, 45, 24
 # Scores of a few units in fp32: rounding differences of 1e-7 grow through exp to about 1e-5.
@@ -254,6 +255,14 @@ def test_dense_bias_input_gets_its_gradient():
     bias = random_tensor((1, H, NQ, NK), torch.float32)
     report = check(dense_bias, *qkv(), bias, backward=True)
     assert "bias" in attention_rewrite(report).features
+
+
+@pytest.mark.parametrize("shape", [(1, H, 1, NK), (B, 1, NQ, 1)], ids=["per key", "per query"])
+def test_a_bias_broadcast_over_queries_or_keys_gets_its_gradient_summed(shape):
+    # Summed over the axis it is broadcast on, which the dK/dV kernel's [kv, q] tiles hold the other way round.
+    bias = random_tensor(shape, torch.float32)
+    check(dense_bias, *qkv(), bias, backward=True)
+    assert "q_idx.shape[0] == 1" in list(op._specs.values())[-1].lifted.source  # the summing path ran
 
 
 def document_mask(q, k, v, segments):
