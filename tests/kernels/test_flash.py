@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusepass.attention.blockmap import EMPTY, FULL, PARTIAL, block_map_for, build_block_map
+from fusepass.attention.blockmap import EMPTY, FULL, PARTIAL, block_map_for, build_block_map, compact_lists
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_fwd import flash_attention_forward
@@ -434,3 +434,14 @@ def test_block_map_cache():
     aux = left_padding(shape).aux
     first, second = (block_map_for(CASES["left_pad_min"].mod, aux, 2, 2, 37, 37, 16, 16, DEVICE) for _ in range(2))
     assert first is not second and torch.equal(first.kind, second.kind)
+
+
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_compact_lists_of_groups(group):
+    # Row flags of 2 × 3 heads over 37 rows (not a multiple of the group): per (b, h), the groups with a flag.
+    flags = (torch.rand(2, 3, 1, 37, device=DEVICE) < 0.1).to(torch.int8)
+    count, index = compact_lists(flags, (1,), group=group)
+    groups = F.pad(flags, (0, -37 % group)).unflatten(-1, (-1, group)).amax(-1)
+    for b, h in itertools.product(range(2), range(3)):
+        expected = (groups[b, h, 0] == 1).nonzero().flatten().to(torch.int32)
+        assert torch.equal(index[b, h, 0, 0, :count[b, h, 0, 0]], expected)
