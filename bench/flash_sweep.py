@@ -47,12 +47,16 @@ def no_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
 CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf,
                   fill_grad=no_grad)
 
-# 64-row forward tiles at 4 warps fit two programs per SM (registers and shared memory), which then overlap.
-FORWARD = [FlashConfig(128, 128, 8, 3), FlashConfig(64, 64, 4, 3), FlashConfig(64, 32, 4, 4), FlashConfig(64, 64, 4, 2)]
+# Per-tile operands through TMA descriptors; the first config of each list also with pointer loads.
+FORWARD = [FlashConfig(128, 128, 8, 3, descriptors=False)] + [
+    FlashConfig(*tiles, descriptors=True) for tiles in ((128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2),
+                                                         (128, 64, 8, 3), (128, 64, 8, 4))]
 # dK/dV tiles are q chunk × kv block (block_m × block_n), laid out [kv, q]; dQ's q block × kv chunk.
-BACKWARD = [BackwardConfigs(dkdv, dq) for dkdv, dq in (
-    (FlashConfig(32, 128, 8, 3), FlashConfig(128, 64, 8, 3)), (FlashConfig(32, 64, 4, 3), FlashConfig(128, 64, 8, 3)),
-    (FlashConfig(32, 128, 8, 3), FlashConfig(128, 32, 8, 3)))]
+BACKWARD = [BackwardConfigs(FlashConfig(32, 64, 4, 3), FlashConfig(128, 64, 8, 3))] + [
+    BackwardConfigs(FlashConfig(*dkdv, descriptors=True), FlashConfig(*dq, descriptors=True)) for dkdv, dq in (
+        ((32, 64, 4, 3), (128, 64, 8, 3)), ((32, 64, 4, 4), (128, 64, 8, 3)), ((64, 64, 4, 3), (128, 64, 8, 3)),
+        ((16, 64, 4, 3), (128, 64, 8, 3)), ((32, 128, 8, 3), (128, 64, 8, 3)), ((32, 64, 4, 3), (128, 128, 8, 3)),
+        ((32, 64, 4, 3), (64, 64, 4, 3)), ((32, 64, 4, 3), (128, 32, 8, 3)))]
 
 
 def registers(kernel) -> str:
@@ -88,7 +92,7 @@ def main() -> None:
         except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
             rows.append({"kernel": "forward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
-    flash_fwd.forward_config = lambda *a: FlashConfig(128, 128, 8, 3)
+    flash_fwd.forward_config = lambda *a: FlashConfig(128, 128, 8, 3, descriptors=True)
     out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ())
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
     sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)

@@ -8,7 +8,8 @@ through Triton's own compiler and ptxas, no GPU needed: a stand-in driver names 
 becomes a compile. Prints per kernel the registers per thread, the stack frame (spilled registers live
 there), shared memory, and for each pipelined loop its buffers per operand and how many async copies it
 may leave in flight (``async_wait`` num): what decides whether a tile change can pay before it costs GPU
-time. Configs are block_m,block_n,num_warps,num_stages; the defaults are ``flash_config``'s.
+time. Configs are block_m,block_n,num_warps,num_stages,descriptors (0 or 1); the defaults are
+``flash_config``'s for the H200.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import tempfile
 import torch
 import triton
 import triton.runtime.jit as jit
-from flash_sweep import CAUSAL, scaled, scaled_grad
+from flash_sweep import CAUSAL, minus_inf, no_grad, scaled, scaled_grad
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
@@ -79,20 +80,34 @@ def resources(kernel) -> dict:
             "buffers per operand": ", ".join(buffers) or "-", "async_wait num": ", ".join(waits) or "-"}
 
 
+@triton.jit
+def window_keep(b, h, q_idx, kv_idx, aux):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+
+
+WINDOW = ScoreMod(name="resources_window", score=scaled, score_grad=scaled_grad, keep=window_keep, fill=minus_inf,
+                  fill_grad=no_grad)
+MASKS = {"causal": CAUSAL, "window": WINDOW, "none": PLAIN}
+
+
 def config(text: str | None, default: FlashConfig) -> FlashConfig:
-    return FlashConfig(*map(int, text.split(","))) if text else default
+    if not text:
+        return default
+    block_m, block_n, num_warps, num_stages, descriptors = map(int, text.split(","))
+    return FlashConfig(block_m, block_n, num_warps, num_stages, bool(descriptors))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mask", choices=("causal", "none"), default="causal")
+    parser.add_argument("--mask", choices=tuple(MASKS), default="causal")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--forward")
     parser.add_argument("--dkdv")
     parser.add_argument("--dq")
     args = parser.parse_args()
-    mod = CAUSAL if args.mask == "causal" else PLAIN
+    mod = MASKS[args.mask]
+    flash_config.has_tma = lambda device: True
     cuda, dtype = torch.device("cuda"), torch.bfloat16
     forward = config(args.forward, flash_config.forward_config(args.head_dim, dtype, mod.has_mask, cuda))
     defaults = flash_config.backward_configs(args.head_dim, dtype, cuda)

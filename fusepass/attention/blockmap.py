@@ -20,6 +20,7 @@ segment ids) is re-evaluated on every call.
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -107,6 +108,11 @@ class BlockMap:
     kind: torch.Tensor  # [Bm, Hm, n_q_blocks, n_kv_blocks] int8: EMPTY / PARTIAL / FULL
     rows: TileLists  # per q block, its kv blocks
     cols: TileLists  # per kv block, its q blocks
+
+    @functools.cached_property
+    def mean_row_tiles(self) -> float:
+        """The kv tiles a q block lists (FULL and PARTIAL), on average over the map (waits for the device)."""
+        return self.rows.count.sum(-1, dtype=torch.float64).mean().item()
 
     @property
     def batch_head_strides(self) -> tuple[int, int]:

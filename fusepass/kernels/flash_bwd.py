@@ -31,7 +31,8 @@ from fusepass.attention.blockmap import (
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
-    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, masked_scores, store_rows)
+    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, load_tile, masked_scores,
+    store_rows, tile_operands)
 
 
 @triton.jit
@@ -127,14 +128,15 @@ def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, 
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_block, visit, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum, Delta, b, h, bh,
+def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, h, bh,
                cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr,
                FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
-               DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+               DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               DESCRIPTORS: tl.constexpr):
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
-    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True).to(q.dtype)
+    q = load_tile(Q, b, h, q_block * BLOCK_M, Nq, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True, DESCRIPTORS)
+    do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
+                   DESCRIPTORS).to(q.dtype)
     shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
     p, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux,
                               aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL,
@@ -151,7 +153,7 @@ def _flash_backward_dkdv_kernel(
     Nq, Nk, group, q_lists, fallback_lists, aux, aux_grad, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
 ):
     kv_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -171,8 +173,6 @@ def _flash_backward_dkdv_kernel(
     for g in range(0, group):  # the query heads reading this kv head
         h = kv_head * group + g
         bh = b.to(tl.int64) * n_q_heads + h
-        Q_bh = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
-        DO_bh = DO + b.to(tl.int64) * do_strides[0] + h.to(tl.int64) * do_strides[1]
         if KEEP is None:
             # Without a mask only a last kv block reaching past Nk has PARTIAL tiles (all of them).
             n_partial = tl.where((kv_block + 1) * BLOCK_N > Nk, n_q_blocks, 0)
@@ -191,9 +191,9 @@ def _flash_backward_dkdv_kernel(
             else:
                 q_block = next_block
                 next_block = list_entry(full_blocks, n_full, i + 1)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
-                                SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D)
+                                SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
         if KEEP is not None:
             next_block = list_entry(partial_blocks, n_partial, 0)
         for i in range(0, n_partial):
@@ -202,19 +202,19 @@ def _flash_backward_dkdv_kernel(
             else:
                 q_block = next_block
                 next_block = list_entry(partial_blocks, n_partial, i + 1)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q_bh, DO_bh, q_strides, do_strides, Lse, LogSum,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
-                                SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D)
+                                SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
         if KEEP is not None:
             # q blocks holding rows the forward recomputed over all tiles: add their EMPTY tiles.
             fallback_count, fallback_index = fallback_lists
             for i in range(0, tl.load(fallback_count + bh)):
                 q_block = tl.load(fallback_index + bh * n_q_blocks + i)
                 tile_kind = tl.load(kind + (map_bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block)
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_block, tile_kind == EMPTY, Q_bh, DO_bh, q_strides, do_strides,
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_block, tile_kind == EMPTY, Q, DO, q_strides, do_strides,
                                     Lse, LogSum, Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p,
                                     SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M,
-                                    BLOCK_D)
+                                    BLOCK_D, DESCRIPTORS)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
                dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
@@ -223,14 +223,15 @@ def _flash_backward_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh, rows, Nq,
-             Nk, aux, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
+def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh, rows,
+             Nq, Nk, aux, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
              SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = load_rows(K_bh, cols, Nk, k_strides[2], offs_d, k_strides[3], HEAD_DIM, PARTIAL)
-    v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, PARTIAL)
+    k = load_tile(K, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
+                  DESCRIPTORS)
+    v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
+                  DESCRIPTORS)
     _, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, True, b, h, bh, rows, cols, Nq, Nk, aux, None,
                               seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
     return dot(grad.to(k.dtype), k, dq)
@@ -243,7 +244,7 @@ def _flash_backward_dq_kernel(
     Nq, Nk, group, kv_lists, fallback_rows, aux, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     h = tl.program_id(1)
@@ -255,8 +256,7 @@ def _flash_backward_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     Q_bh = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
     DO_bh = DO + b.to(tl.int64) * do_strides[0] + h.to(tl.int64) * do_strides[1]
-    K_bh = K + b.to(tl.int64) * k_strides[0] + (h // group).to(tl.int64) * k_strides[1]
-    V_bh = V + b.to(tl.int64) * v_strides[0] + (h // group).to(tl.int64) * v_strides[1]
+    kv_head = h // group
     q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
     do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True).to(q.dtype)
     shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
@@ -282,9 +282,9 @@ def _flash_backward_dq_kernel(
         else:
             kv_block = next_block
             next_block = list_entry(full_blocks, n_full, i + 1)
-        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh,
+        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
-                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
     if KEEP is not None:
         next_block = list_entry(partial_blocks, n_partial, 0)
     for i in range(0, n_partial):
@@ -293,14 +293,14 @@ def _flash_backward_dq_kernel(
         else:
             kv_block = next_block
             next_block = list_entry(partial_blocks, n_partial, i + 1)
-        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h, bh,
+        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
-                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
     if KEEP is not None:
         for kv_block in range(0, n_all):
-            dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K_bh, V_bh, k_strides, v_strides, b, h,
-                          bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
-                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D)
+            dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h,
+                          kv_head, bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD,
+                          True, DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
 
     store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
@@ -360,19 +360,23 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         fallback_lists = compact_lists(extra.fallback_rows[..., None, :], (1,), group=configs.dkdv.block_m)
     dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    (q_operand, do_operand), descriptors = tile_operands((q, do), configs.dkdv.block_m, block_d,
+                                                         configs.dkdv.descriptors)
     launch_fitting(
         _flash_backward_dkdv_kernel, (triton.cdiv(kv_len, configs.dkdv.block_n), kv_heads, batch),
-        q, k, v, do, lse, log_sum, delta, dk, dv,
+        q_operand, k, v, do_operand, lse, log_sum, delta, dk, dv,
         q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
         q_len, kv_len, q_heads // kv_heads, q_lists, fallback_lists, aux,
-        aux_grad if mod.has_aux_grad else None, seed, dropout_p, **constants)
+        aux_grad if mod.has_aux_grad else None, seed, dropout_p, DESCRIPTORS=descriptors, **constants)
 
     block_map, constants = kernel_arguments(dq_config)
     kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) if mod.has_mask \
         else None
+    (k_operand, v_operand), descriptors = tile_operands((k, v), dq_config.block_n, block_d, dq_config.descriptors)
     launch_fitting(
         _flash_backward_dq_kernel, (triton.cdiv(q_len, dq_config.block_m), q_heads, batch),
-        q, k, v, do, lse, log_sum, delta, dq,
+        q, k_operand, v_operand, do, lse, log_sum, delta, dq,
         q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(),
-        q_len, kv_len, q_heads // kv_heads, kv_lists, extra.fallback_rows, aux, seed, dropout_p, **constants)
+        q_len, kv_len, q_heads // kv_heads, kv_lists, extra.fallback_rows, aux, seed, dropout_p,
+        DESCRIPTORS=descriptors, **constants)
     return dq, dk, dv

@@ -10,7 +10,7 @@ stages, plus the Q tile), to be tuned with the benchmarks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,9 +24,20 @@ class FlashConfig:
     block_n: int  # key columns per tile
     num_warps: int
     num_stages: int
+    # Per-tile operands (K and V in the forward and dQ kernels, Q and dO in dK/dV) loaded through TMA tensor
+    # descriptors where their layouts allow (see `tile_operand`): one copy instruction per tile, no address
+    # arithmetic, rows past the end filled with zeros by the copy engine.
+    descriptors: bool = False
 
 
-INTERPRETER_CONFIG = FlashConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+# The interpreter runs descriptor loads too, so CPU tests cover that path.
+INTERPRETER_CONFIG = FlashConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, descriptors=True)
+
+
+def has_tma(device: torch.device) -> bool:
+    """Whether the GPU has the tensor memory accelerator (Hopper, sm_90, and later). False without a GPU (the
+    report models the GPU's tiles on any machine)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def head_block(head_dim: int) -> int:
@@ -37,6 +48,10 @@ def head_block(head_dim: int) -> int:
 def forward_config(head_dim: int, dtype: torch.dtype, has_mask: bool, device: torch.device) -> FlashConfig:
     if device.type != "cuda":
         return INTERPRETER_CONFIG
+    return replace(_forward_tiles(head_dim, dtype, has_mask), descriptors=has_tma(device))
+
+
+def _forward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> FlashConfig:
     block_d = head_block(head_dim)
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if block_d <= 64:
@@ -45,11 +60,27 @@ def forward_config(head_dim: int, dtype: torch.dtype, has_mask: bool, device: to
     if block_d <= 128:
         if wide:
             return FlashConfig(64, 32, num_warps=4, num_stages=3)
-        # bench/results/flash-sweep-d128-n8192-2026-11-30-0113: 128 × 128 and 128 × 64 at 8 warps, 3 stages
-        # both 1.42 ms causal B2 H16 N8192. Masks take 128 × 64: finer skipping, and the dQ kernel's tiles,
-        # whose block map the backward then reuses.
-        return FlashConfig(128, 64 if has_mask else 128, num_warps=8, num_stages=3)
+        # bench/results/flash-sweep-d128-n8192-2026-11-30-0225, causal B2 H16 N8192, K and V through
+        # descriptors: 128 × 128 1.20 ms, 128 × 64 1.29 (both 1.42 with pointer loads). Masks whose q blocks
+        # list few kv tiles take half-width tiles instead (see `narrow_kv_tiles`).
+        return FlashConfig(128, 128, num_warps=8, num_stages=3)
     return FlashConfig(32 if wide else 64, 32 if wide else 64, num_warps=4, num_stages=2)
+
+
+# Forward programs of masked attention walking fewer kv tiles than this (on average over the q blocks, at
+# 128-wide tiles) run faster at 64-wide ones: a sliding window of 1024 (9 tiles) took 0.60 ms at 128 × 128
+# and 0.40 at 128 × 64, causal (32 tiles on average) 1.22 and 1.29, the same work either way
+# (bench/results/attention-2026-11-30-0226, -0232).
+SHORT_ROWS = 16
+
+
+def narrow_kv_tiles(config: FlashConfig, mean_row_tiles: float | None) -> FlashConfig:
+    """The forward's config for a masked attention whose q blocks list `mean_row_tiles` kv tiles on average at
+    `config`'s tiles (None: not known without evaluating the mask on this call): half-width kv tiles where the
+    rows are short or unknown, and `config` is 128 wide."""
+    if config.block_n == 128 and (mean_row_tiles is None or mean_row_tiles < SHORT_ROWS):
+        return replace(config, block_n=64)
+    return config
 
 
 @dataclass(frozen=True)
@@ -65,6 +96,11 @@ class BackwardConfigs:
 def backward_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> BackwardConfigs:
     if device.type != "cuda":
         return BackwardConfigs(INTERPRETER_CONFIG, INTERPRETER_CONFIG)
+    tiles = _backward_tiles(head_dim, dtype)
+    return BackwardConfigs(*(replace(config, descriptors=has_tma(device)) for config in (tiles.dkdv, tiles.dq)))
+
+
+def _backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardConfigs:
     block_d = head_block(head_dim)
     if dtype == torch.float32:  # fp32 tiles take twice the registers and shared memory
         return BackwardConfigs(FlashConfig(32, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
@@ -73,9 +109,9 @@ def backward_configs(head_dim: int, dtype: torch.dtype, device: torch.device) ->
     if block_d <= 64:
         return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=2), FlashConfig(64, 64, 4, 3))
     if block_d <= 128:
-        # bench/results/flash-sweep-d128-n8192-2026-11-30-0113: 4.34 ms causal B2 H16 N8192 (4.54 with dQ at 2
-        # stages, 4.60 with both kernels at 128 × 64 tiles)
-        return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=3), FlashConfig(128, 64, 8, 3))
+        # bench/results/flash-sweep-d128-n8192-2026-11-30-0225, causal B2 H16 N8192, with descriptors: 3.91 ms
+        # (4.21 with dK/dV at 32 × 128 and 8 warps; 4.20 and 4.33 with pointer loads)
+        return BackwardConfigs(FlashConfig(32, 64, num_warps=4, num_stages=3), FlashConfig(128, 64, 8, 3))
     return BackwardConfigs(FlashConfig(16, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
 
 

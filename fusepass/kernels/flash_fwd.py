@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, row_lists
 from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels.flash_config import forward_config, head_block, launch_fitting
+from fusepass.kernels.flash_config import forward_config, head_block, launch_fitting, narrow_kv_tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -68,6 +69,22 @@ def load_rows(base, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.con
 
 
 @triton.jit
+def load_tile(src, b, head, row0, n_rows, strides, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+              BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, DESCRIPTOR: tl.constexpr):
+    """Rows row0 .. row0 + BLOCK_ROWS of one (batch, head) of a [B, H, n_rows, HEAD_DIM] tensor, zeros past
+    HEAD_DIM (and past n_rows, where CHECK_ROWS; a descriptor's copy always fills them with zeros). `src` is
+    the tensor's descriptor of [1, 1, BLOCK_ROWS, BLOCK_D] tiles when DESCRIPTOR (see `tile_operands`), else
+    the tensor, with `strides`."""
+    if DESCRIPTOR:
+        tile = src.load([b, head, row0, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        base = src + b.to(tl.int64) * strides[0] + head.to(tl.int64) * strides[1]
+        tile = load_rows(base, row0 + tl.arange(0, BLOCK_ROWS), n_rows, strides[2], tl.arange(0, BLOCK_D),
+                         strides[3], HEAD_DIM, CHECK_ROWS)
+    return tile
+
+
+@triton.jit
 def store_rows(base, tile, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr):
     ptrs = base + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :] * d_stride
     tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
@@ -96,15 +113,16 @@ def dropout_kept(seed, dropout_p, row_offsets, cols):
 
 
 @triton.jit
-def _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk, aux,
+def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk, aux,
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                  PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """Fold one kv tile into the running (acc, m, l) of a q block."""
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k = load_rows(K_bh, cols, Nk, k_strides[2], offs_d, k_strides[3], HEAD_DIM, PARTIAL)
-    v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, PARTIAL)
+    k = load_tile(K, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
+                  DESCRIPTORS)
+    v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
+                  DESCRIPTORS)
     s = dot(q, tl.trans(k))
     if PARTIAL:
         x, _ = masked_scores(s, b, h, q_idx, tl.minimum(cols, Nk - 1)[None, :], (cols < Nk)[None, :], aux,
@@ -142,6 +160,7 @@ def _flash_forward_kernel(
     Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     # Last q blocks first: under a causal mask they hold the most tiles, so the long programs start early
@@ -158,9 +177,8 @@ def _flash_forward_kernel(
     q_idx = tl.minimum(rows, Nq - 1)[:, None]
     drop_rows = (bh * Nq + rows) * Nk
 
+    kv_head = h // group
     Q_bh = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
-    K_bh = K + b.to(tl.int64) * k_strides[0] + (h // group).to(tl.int64) * k_strides[1]
-    V_bh = V + b.to(tl.int64) * v_strides[0] + (h // group).to(tl.int64) * v_strides[1]
     q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
 
     if KEEP is None:
@@ -181,9 +199,9 @@ def _flash_forward_kernel(
         else:
             kv_block = next_block
             next_block = list_entry(full_blocks, n_full, i + 1)
-        acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
+        acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk,
                                  aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, False, DROPOUT, True,
-                                 HEAD_DIM, BLOCK_N, BLOCK_D)
+                                 HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
     if KEEP is not None:
         next_block = list_entry(partial_blocks, n_partial, 0)
     for i in range(0, n_partial):
@@ -192,9 +210,9 @@ def _flash_forward_kernel(
         else:
             kv_block = next_block
             next_block = list_entry(partial_blocks, n_partial, i + 1)
-        acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h, q_idx, Nk,
+        acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk,
                                  aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True, DROPOUT, True,
-                                 HEAD_DIM, BLOCK_N, BLOCK_D)
+                                 HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
 
     # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
     # whose max stands SKIP_MARGIN above every fill value: not for rows without a kept element, or with
@@ -212,9 +230,9 @@ def _flash_forward_kernel(
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for kv_block in range(0, n_kv_blocks):
-            acc, m, l = _attend_tile(acc, m, l, q, K_bh, V_bh, k_strides, v_strides, kv_block, b, h,
+            acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
                                      q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True,
-                                     DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D)
+                                     DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
         log2_excess = tl.zeros([BLOCK_M], tl.float32)
     if KEEP is not None:
         tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
@@ -246,6 +264,33 @@ class FlashForwardExtra:
     block_map: BlockMap | None  # the forward's block map (the backward reuses it if its tiles match)
 
 
+def _descriptor_strides(t: torch.Tensor) -> list[int] | None:
+    """The strides a TMA descriptor of `t` takes, or None where its layout rules one out: the copy engine needs
+    a 16-byte aligned base, 16-byte aligned strides and unit stride along the last dim. A dim of extent 1 is
+    never stepped along; it takes the stride a contiguous tensor would have there."""
+    if t.data_ptr() % 16 or t.stride(-1) != 1:
+        return None
+    strides = list(t.stride())
+    for dim in range(t.dim() - 2, -1, -1):
+        if t.shape[dim] == 1:
+            strides[dim] = strides[dim + 1] * t.shape[dim + 1]
+        if strides[dim] <= 0 or strides[dim] * t.element_size() % 16:
+            return None
+    return strides
+
+
+def tile_operands(tensors: tuple[torch.Tensor, ...], block_rows: int, block_d: int, use: bool
+                  ) -> tuple[tuple, bool]:
+    """The kernel arguments of a kernel's per-tile operands ([B, H, N, D] tensors read a tile of block_rows
+    rows at a time) and whether they are descriptors: TMA descriptors of [1, 1, block_rows, block_d] tiles
+    when `use` and each tensor's layout allows one, else the tensors."""
+    strides = [_descriptor_strides(t) for t in tensors]
+    if not use or None in strides:
+        return tensors, False
+    return tuple(TensorDescriptor(t, list(t.shape), s, [1, 1, block_rows, block_d])
+                 for t, s in zip(tensors, strides)), True
+
+
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     assert q.dim() == k.dim() == v.dim() == 4, "q, k, v must be [B, H, N, D]"
     assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
@@ -273,6 +318,11 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     kv_heads, kv_len = k.shape[1], k.shape[2]
     config = forward_config(head_dim, q.dtype, mod.has_mask, q.device)
     if mod.has_mask and block_map is None:
+        # A cached map (KEEP reads no tensors) says once how many tiles the rows list; another would cost a
+        # wait on the device per call to ask.
+        wide_map = None if mod.keep_reads_aux else block_map_for(mod, aux, batch, q_heads, q_len, kv_len,
+                                                                 config.block_m, config.block_n, q.device)
+        config = narrow_kv_tiles(config, wide_map and wide_map.mean_row_tiles)
         block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
                                   q.device)
     block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
@@ -285,13 +335,14 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) \
         if mod.has_mask else None
     grid = (triton.cdiv(q_len, block_m), q_heads, batch)
+    (k_operand, v_operand), descriptors = tile_operands((k, v), block_n, head_block(head_dim), config.descriptors)
     launch_fitting(
         _flash_forward_kernel, grid,
-        q, k, v, out, lse, log_sum, fallback_rows,
+        q, k_operand, v_operand, out, lse, log_sum, fallback_rows,
         q.stride(), k.stride(), v.stride(), out.stride(),
         q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p,
         SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, DROPOUT=dropout_p > 0.0,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DESCRIPTORS=descriptors, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out, lse, FlashForwardExtra(log_sum, fallback_rows, block_map)

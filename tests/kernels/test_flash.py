@@ -22,7 +22,8 @@ import triton.language as tl
 from fusepass.attention.blockmap import EMPTY, FULL, PARTIAL, block_map_for, build_block_map, compact_lists
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.flash_bwd import flash_attention_backward
-from fusepass.kernels.flash_fwd import flash_attention_forward
+from fusepass.kernels.flash_config import SHORT_ROWS, FlashConfig, narrow_kv_tiles
+from fusepass.kernels.flash_fwd import flash_attention_forward, tile_operands
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32_MIN = float(torch.finfo(torch.float32).min)
@@ -306,7 +307,8 @@ f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 MATRIX = [
     # case, dtype, shape (B, Hq, Hkv, Nq, Nk, D), layout
     ("plain", f32, Shape(1, 4, 2, 37, 53, 24), "bhnd"),  # GQA, cross attention
-    ("plain", bf16, Shape(1, 2, 1, 37, 29, 100), "bnhd"),  # MQA, head dim padded to 128, strided views
+    # MQA, head dim padded to 128, strided views; rows of 200 bytes take pointer loads (no tensor descriptors)
+    ("plain", bf16, Shape(1, 2, 1, 37, 29, 100), "bnhd"),
     ("causal_inf", f32, Shape(1, 2, 2, 45, 45, 80), "bnhd"),
     ("causal_min", f16, Shape(1, 4, 2, 37, 53, 24), "bhnd"),
     ("causal_min", f32, Shape(1, 2, 2, 5, 20, 16), "bhnd"),  # fewer queries than one tile, smallest head dim
@@ -424,6 +426,20 @@ def test_block_map_matches_dense_mask(name):
                 assert torch.equal(listed, (kinds[block] == kind).nonzero().flatten().to(torch.int32))
 
 
+def test_mean_row_tiles():
+    # Causal over 37 × 53 at 16 × 16: q block i of 3 lists kv blocks 0..i (1 + 2 + 3 tiles).
+    causal_map = block_map_for(CASES["causal_min"].mod, (0.1,), 1, 2, 37, 53, 16, 16, DEVICE)
+    assert causal_map.mean_row_tiles == 2.0
+
+
+def test_short_rows_take_narrow_kv_tiles():
+    wide = FlashConfig(128, 128, 8, 3)
+    assert narrow_kv_tiles(wide, SHORT_ROWS - 1) == FlashConfig(128, 64, 8, 3)
+    assert narrow_kv_tiles(wide, None) == FlashConfig(128, 64, 8, 3)  # rows not known without evaluating KEEP
+    assert narrow_kv_tiles(wide, SHORT_ROWS) == wide
+    assert narrow_kv_tiles(FlashConfig(128, 64, 4, 3), 1) == FlashConfig(128, 64, 4, 3)
+
+
 def test_block_map_cache():
     causal_map = block_map_for(CASES["causal_min"].mod, (0.1,), 2, 2, 37, 53, 16, 16, DEVICE)
     # Maps depend on KEEP only: the -inf variant (same name, same keep) shares it; other tiles do not.
@@ -445,3 +461,18 @@ def test_compact_lists_of_groups(group):
     for b, h in itertools.product(range(2), range(3)):
         expected = (groups[b, h, 0] == 1).nonzero().flatten().to(torch.int32)
         assert torch.equal(index[b, h, 0, 0, :count[b, h, 0, 0]], expected)
+
+
+def test_tensor_descriptors_only_where_the_layout_allows():
+    def descriptors(t):
+        operands, used = tile_operands((t,), 16, 32, use=True)
+        return used and operands[0].strides
+    # Contiguous; a dim of extent 1 takes a contiguous stride whatever its own (here 3, not 16-byte aligned).
+    assert descriptors(torch.randn(2, 3, 5, 24)) == [360, 120, 24, 1]
+    assert descriptors(torch.randn(6, 5, 24).as_strided((1, 3, 5, 24), (3, 120, 24, 1))) == [360, 120, 24, 1]
+    # Rows of 100 bf16 (200 bytes), an unaligned base, a transposed head dim, a broadcast (stride 0) head.
+    assert not descriptors(torch.randn(1, 2, 5, 100, dtype=torch.bfloat16))
+    assert not descriptors(torch.randn(1, 2, 5, 25)[..., 1:])
+    assert not descriptors(torch.randn(1, 2, 24, 5).transpose(-1, -2))
+    assert not descriptors(torch.randn(1, 1, 5, 24).expand(1, 4, 5, 24))
+    assert not tile_operands((torch.randn(2, 3, 5, 24),), 16, 32, use=False)[1]
