@@ -1,0 +1,96 @@
+"""Host time of one compiled attention call, split into Triton launches (per kernel) and everything else.
+
+    PYTHONPATH=. python bench/launch_cost.py [--cases window,document,causal] [--backward] [--profile]
+
+Runs each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, warm, and times 20 calls on
+the host without waiting for the device (the launch queue is deep enough not to block): per call, the host
+time to return, the time inside each kernel's launch (``JITFunction.run``: argument binding,
+specialization, the driver call) and the rest (the op's Python, torch's custom-op and autograd wrappers).
+A call whose host time is above its device time leaves the GPU waiting. With --profile, the Python functions
+with the most host time over those calls, by own time and by cumulative time.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import pstats
+import time
+
+import torch
+import triton.runtime.jit as jit
+from attention import CASES
+from harness import keep
+
+import fusepass
+
+CALLS = 20
+
+
+def timed_launches() -> collections.Counter:
+    """Accumulate the host seconds of every Triton launch, by kernel name."""
+    spent: collections.Counter = collections.Counter()
+    run = jit.JITFunction.run
+
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            spent[self.fn.__name__] += time.perf_counter() - start
+
+    jit.JITFunction.run = timed
+    return spent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="window,document,causal")
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    spent = timed_launches()
+    rows = []
+    for name in args.cases.split(","):
+        case = CASES[name]
+        b, h, n, d = 2, 16, 8192, 128
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
+                   for _ in range(3))
+        extra = case.extra(b, h, n, "cuda")
+        compiled = torch.compile(case.fn, backend=fusepass.backend(strict=True))
+        grad_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+
+        def call():
+            out = compiled(q, k, v, *extra)
+            if args.backward:
+                torch.autograd.grad(out, (q, k, v), grad_out)
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        spent.clear()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            call()
+        host_us = (time.perf_counter() - start) / CALLS * 1e6
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) / CALLS * 1e6
+        launches_us = sum(spent.values()) / CALLS * 1e6
+        row = {"case": case.name, "pass": "fwd+bwd" if args.backward else "fwd", "host µs": host_us,
+               "wall µs": wall_us, "launches µs": launches_us, "other µs": host_us - launches_us,
+               "by kernel µs": ", ".join(f"{kernel} {seconds / CALLS * 1e6:.0f}"
+                                         for kernel, seconds in spent.most_common())}
+        rows.append(row)
+        print(row, flush=True)
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [call() for _ in range(CALLS)])
+            torch.cuda.synchronize()
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(profiler).sort_stats(order).print_stats(30)
+    suite = "launch-cost-" + ("fwd-bwd" if args.backward else "fwd")
+    print(keep(suite, ["case", "pass", "host µs", "wall µs", "launches µs", "other µs", "by kernel µs"],
+               rows))
+
+
+if __name__ == "__main__":
+    main()
