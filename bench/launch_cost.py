@@ -1,13 +1,15 @@
 """Host time of one compiled attention call, split into Triton launches (per kernel) and everything else.
 
-    PYTHONPATH=. python bench/launch_cost.py [--cases window,document,causal] [--backward] [--profile]
+    PYTHONPATH=. python bench/launch_cost.py [--cases window,document,causal] [--backward] [--profile] [--layers]
 
 Runs each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, warm, and times 20 calls on
 the host without waiting for the device (the launch queue is deep enough not to block): per call, the host
 time to return, the time inside each kernel's launch (``JITFunction.run``: argument binding,
 specialization, the driver call) and the rest (the op's Python, torch's custom-op and autograd wrappers).
 A call whose host time is above its device time leaves the GPU waiting. With --profile, the Python functions
-with the most host time over those calls, by own time and by cumulative time.
+with the most host time over those calls, by own time and by cumulative time. With --layers, the host time of
+the attention op's forward and backward called through torch's dispatcher and as plain Python functions (what
+the layers between them cost).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from attention import CASES
 from harness import keep
 
 import fusepass
+from fusepass.attention import op
 
 CALLS = 20
 
@@ -43,11 +46,37 @@ def timed_launches() -> collections.Counter:
     return spent
 
 
+def host_us(fn) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    spent = (time.perf_counter() - start) / CALLS * 1e6
+    torch.cuda.synchronize()
+    return spent
+
+
+def op_layers(q, k, v) -> dict:
+    """Host µs of the newest attention op's forward and backward, through the dispatcher and as Python."""
+    spec = list(op._specs)[-1]
+    seed = torch.empty(0, dtype=torch.int64, device=q.device)
+    detached = [t.detach() for t in (q, k, v)]
+    out, lse, log_sum, fallback = torch.ops.fusepass.attention(*detached, [], seed, spec)
+    grad_out = torch.randn_like(out)
+    backward_args = (grad_out, *detached, out, lse, log_sum, fallback, [], seed, spec)
+    return {"op fwd µs": host_us(lambda: torch.ops.fusepass.attention(*detached, [], seed, spec)),
+            "python fwd µs": host_us(lambda: op.attention._init_fn(*detached, [], seed, spec)),
+            "op bwd µs": host_us(lambda: torch.ops.fusepass.attention_backward(*backward_args)),
+            "python bwd µs": host_us(lambda: op.attention_backward._init_fn(*backward_args))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="window,document,causal")
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--layers", action="store_true")
     args = parser.parse_args()
     spent = timed_launches()
     rows = []
@@ -79,6 +108,8 @@ def main() -> None:
                "wall µs": wall_us, "launches µs": launches_us, "other µs": host_us - launches_us,
                "by kernel µs": ", ".join(f"{kernel} {seconds / CALLS * 1e6:.0f}"
                                          for kernel, seconds in spent.most_common())}
+        if args.layers:
+            row.update(op_layers(q, k, v))
         rows.append(row)
         print(row, flush=True)
         if args.profile:
@@ -88,8 +119,7 @@ def main() -> None:
             for order in ("tottime", "cumulative"):
                 pstats.Stats(profiler).sort_stats(order).print_stats(30)
     suite = "launch-cost-" + ("fwd-bwd" if args.backward else "fwd")
-    print(keep(suite, ["case", "pass", "host µs", "wall µs", "launches µs", "other µs", "by kernel µs"],
-               rows))
+    print(keep(suite, list(rows[0]), rows))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ off as ``keep`` so the kernel can skip empty tiles and skip mask arithmetic on f
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -527,11 +528,26 @@ class Lifter:
         bound = fill if not additive or fill == -math.inf else fill / 2
         keep_expr = " & ".join(f"({m[0]})" for m in masks)
         keep_uses = frozenset().union(*[m[4] for m in masks])
-        reads_aux = any("aux[" in line for line in self.code.lines)  # conservative: any tensor read
+        reads_aux = self._reads_aux(keep_expr)
         inner = masks[-1][2]
         score = self._module(replace={masks[0][5]: inner})
         fill_module = self._module(replace={masks[0][5]: ("add", inner, fill) if additive else ("constant", fill)})
         return (keep_expr, keep_uses, reads_aux), bound, score, fill_module
+
+    def _reads_aux(self, expr: str) -> bool:
+        """Whether the index expression `expr` loads from an aux tensor, itself or through the names it uses.
+        (A KEEP that does not is evaluated once per shape: its block map is cached.)"""
+        definitions = dict(line.split(" = ", 1) for line in self.code.lines)
+        pending, seen = [expr], set()
+        while pending:
+            text = pending.pop()
+            if "aux[" in text:
+                return True
+            for name in re.findall(rf"\b{self.code.prefix}\d+\b", text):
+                if name in definitions and name not in seen:
+                    seen.add(name)
+                    pending.append(definitions[name])
+        return False
 
     def _mask_at(self, node: torch.fx.Node):
         """``(keep, fill, inner, additive, uses, node)`` if ``node`` masks ``inner`` with a constant."""

@@ -58,11 +58,11 @@ class Emitter:
 
     def __init__(self, prefix: str = "t") -> None:
         self.lines: list[str] = []
-        self._prefix = prefix
+        self.prefix = prefix  # names are the prefix and a number
         self._count = 0
 
     def let(self, expr: str) -> str:
-        name = f"{self._prefix}{self._count}"
+        name = f"{self.prefix}{self._count}"
         self._count += 1
         self.lines.append(f"{name} = {expr}")
         return name

@@ -10,6 +10,7 @@ stages, plus the Q tile), to be tuned with the benchmarks.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +35,7 @@ class FlashConfig:
 INTERPRETER_CONFIG = FlashConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, descriptors=True)
 
 
+@functools.cache
 def has_tma(device: torch.device) -> bool:
     """Whether the GPU has the tensor memory accelerator (Hopper, sm_90, and later). False without a GPU (the
     report models the GPU's tiles on any machine)."""

@@ -140,6 +140,8 @@ def test_alibi_with_baddbmm():
     slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)], device=DEVICE)
     report = check(bloom_alibi, *qkv(nk=NQ), slopes, backward=True)
     assert "alibi" in attention_rewrite(report).features
+    # The bias reads the slopes, the mask only positions: its block map is cached, not rebuilt per call.
+    assert not list(op._specs.values())[-1].mod.keep_reads_aux
 
 
 def t5_bias(q, k, v, table):
@@ -205,6 +207,7 @@ def test_left_padded_batch_fully_masked_rows_match_eager(dtype):
     keep[0, :5] = False  # left padding: the first rows of batch 0 see no key at all
     report = check(padded_causal, *qkv(dtype, nk=NQ), keep, backward=True)
     assert "padding_mask" in attention_rewrite(report).features
+    assert list(op._specs.values())[-1].mod.keep_reads_aux  # the mask reads `keep`: mapped on every call
 
 
 def offset_scores(q, k, v):
