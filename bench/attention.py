@@ -165,6 +165,27 @@ def _alibi_dense(m, n):
     return bias.masked_fill(i[:, None] < i[None, :], float("-inf")).to(torch.bfloat16)
 
 
+def fusepass_call(case: Case, backward: bool, shape: tuple[int, int, int, int] = SHAPES["large"]
+                  ) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
+    """One call of `case` compiled by fusepass on fresh bf16 inputs of `shape` (forward, or forward and
+    backward), warmed up; and its (q, k, v)."""
+    b, h, n, d = shape
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+               for _ in range(3))
+    extra = case.extra(b, h, n, "cuda")
+    compiled = torch.compile(case.fn, backend=fusepass.backend(strict=True))
+    grad_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+
+    def call() -> None:
+        out = compiled(q, k, v, *extra)
+        if backward:
+            torch.autograd.grad(out, (q, k, v), grad_out)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    return call, (q, k, v)
+
+
 def run(case: Case, shape: tuple[int, int, int, int], peers: set[str], backward: bool) -> dict:
     b, h, n, d = shape
     device = "cuda"

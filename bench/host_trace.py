@@ -17,9 +17,8 @@ import time
 import warnings
 
 import torch
-from attention import CASES
+from attention import CASES, fusepass_call
 
-import fusepass
 
 
 def main() -> None:
@@ -28,31 +27,17 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     args = parser.parse_args()
     for name in args.cases.split(","):
-        case = CASES[name]
-        b, h, n, d = 2, 16, 8192, 128
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
-                   for _ in range(3))
-        extra = case.extra(b, h, n, "cuda")
-        compiled = torch.compile(case.fn, backend=fusepass.backend(strict=True))
-        grad_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-
-        def fused(*inputs):
-            out = compiled(*inputs)
-            if args.backward:
-                torch.autograd.grad(out, (q, k, v), grad_out)
-        for _ in range(3):
-            fused(q, k, v, *extra)
-        torch.cuda.synchronize()
+        fused, _ = fusepass_call(CASES[name], args.backward)
         start = time.perf_counter()
         for _ in range(20):
-            fused(q, k, v, *extra)
+            fused()
         host_ms = (time.perf_counter() - start) / 20 * 1e3
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) / 20 * 1e3
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                fused(q, k, v, *extra)
+                fused()
             torch.cuda.synchronize()
         print(f"== {name}: host {host_ms:.3f} ms per call to return, wall {wall_ms:.3f} ms per call")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
@@ -61,12 +46,12 @@ def main() -> None:
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            fused(q, k, v, *extra)
+            fused()
         torch.cuda.set_sync_debug_mode("default")
         for warning in caught:
             print(f"synchronizes: {warning.message} ({warning.filename}:{warning.lineno})")
         python = cProfile.Profile()
-        python.runcall(lambda: [fused(q, k, v, *extra) for _ in range(20)])
+        python.runcall(lambda: [fused() for _ in range(20)])
         pstats.Stats(python).sort_stats("tottime").print_stats(25)
 
 

@@ -21,10 +21,9 @@ import time
 
 import torch
 import triton.runtime.jit as jit
-from attention import CASES
+from attention import CASES, fusepass_call
 from harness import keep
 
-import fusepass
 from fusepass.attention import op
 
 CALLS = 20
@@ -82,20 +81,7 @@ def main() -> None:
     rows = []
     for name in args.cases.split(","):
         case = CASES[name]
-        b, h, n, d = 2, 16, 8192, 128
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=args.backward)
-                   for _ in range(3))
-        extra = case.extra(b, h, n, "cuda")
-        compiled = torch.compile(case.fn, backend=fusepass.backend(strict=True))
-        grad_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-
-        def call():
-            out = compiled(q, k, v, *extra)
-            if args.backward:
-                torch.autograd.grad(out, (q, k, v), grad_out)
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
+        call, (q, k, v) = fusepass_call(case, args.backward)
         spent.clear()
         start = time.perf_counter()
         for _ in range(CALLS):
