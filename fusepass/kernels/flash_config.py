@@ -18,6 +18,8 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from fusepass.attention.blockmap import BlockMap
+
 
 @dataclass(frozen=True)
 class FlashConfig:
@@ -26,7 +28,7 @@ class FlashConfig:
     num_warps: int
     num_stages: int
     # Per-tile operands (K and V in the forward and dQ kernels, Q and dO in dK/dV) loaded through TMA tensor
-    # descriptors where their layouts allow (see `tile_operand`): one copy instruction per tile, no address
+    # descriptors where their layouts allow (see `flash_fwd.tile_operands`): one copy instruction per tile, no address
     # arithmetic, rows past the end filled with zeros by the copy engine.
     descriptors: bool = False
 
@@ -76,11 +78,11 @@ def _forward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> FlashCo
 SHORT_ROWS = 16
 
 
-def narrow_kv_tiles(config: FlashConfig, mean_row_tiles: float | None) -> FlashConfig:
-    """The forward's config for a masked attention whose q blocks list `mean_row_tiles` kv tiles on average at
-    `config`'s tiles (None: not known without evaluating the mask on this call): half-width kv tiles where the
-    rows are short or unknown, and `config` is 128 wide."""
-    if config.block_n == 128 and (mean_row_tiles is None or mean_row_tiles < SHORT_ROWS):
+def narrow_kv_tiles(config: FlashConfig, wide_map: BlockMap | None) -> FlashConfig:
+    """The forward's config for a masked attention whose block map at `config`'s tiles is `wide_map` (None: not
+    known without evaluating the mask on this call): half-width kv tiles where `config` is 128 wide and the
+    rows are short or unknown. The map is asked for its row lengths (a wait on the device) only then."""
+    if config.block_n == 128 and (wide_map is None or wide_map.mean_row_tiles < SHORT_ROWS):
         return replace(config, block_n=64)
     return config
 

@@ -284,8 +284,10 @@ def tile_operands(tensors: tuple[torch.Tensor, ...], block_rows: int, block_d: i
     """The kernel arguments of a kernel's per-tile operands ([B, H, N, D] tensors read a tile of block_rows
     rows at a time) and whether they are descriptors: TMA descriptors of [1, 1, block_rows, block_d] tiles
     when `use` and each tensor's layout allows one, else the tensors."""
+    if not use:
+        return tensors, False
     strides = [_descriptor_strides(t) for t in tensors]
-    if not use or None in strides:
+    if None in strides:
         return tensors, False
     return tuple(TensorDescriptor(t, list(t.shape), s, [1, 1, block_rows, block_d])
                  for t, s in zip(tensors, strides)), True
@@ -322,7 +324,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         # wait on the device per call to ask.
         wide_map = None if mod.keep_reads_aux else block_map_for(mod, aux, batch, q_heads, q_len, kv_len,
                                                                  config.block_m, config.block_n, q.device)
-        config = narrow_kv_tiles(config, wide_map and wide_map.mean_row_tiles)
+        config = narrow_kv_tiles(config, wide_map)
         block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
                                   q.device)
     block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,

@@ -11,6 +11,7 @@ import itertools
 import math
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import pytest
@@ -433,11 +434,13 @@ def test_mean_row_tiles():
 
 
 def test_short_rows_take_narrow_kv_tiles():
+    def rows_of(mean_row_tiles):  # what narrow_kv_tiles asks of a block map
+        return SimpleNamespace(mean_row_tiles=mean_row_tiles)
     wide = FlashConfig(128, 128, 8, 3)
-    assert narrow_kv_tiles(wide, SHORT_ROWS - 1) == FlashConfig(128, 64, 8, 3)
+    assert narrow_kv_tiles(wide, rows_of(SHORT_ROWS - 1)) == FlashConfig(128, 64, 8, 3)
     assert narrow_kv_tiles(wide, None) == FlashConfig(128, 64, 8, 3)  # rows not known without evaluating KEEP
-    assert narrow_kv_tiles(wide, SHORT_ROWS) == wide
-    assert narrow_kv_tiles(FlashConfig(128, 64, 4, 3), 1) == FlashConfig(128, 64, 4, 3)
+    assert narrow_kv_tiles(wide, rows_of(SHORT_ROWS)) == wide
+    assert narrow_kv_tiles(FlashConfig(128, 64, 4, 3), rows_of(1)) == FlashConfig(128, 64, 4, 3)
 
 
 def test_block_map_cache():
