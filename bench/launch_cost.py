@@ -4,9 +4,10 @@
 
 Runs each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, warm, and times 20 calls on
 the host without waiting for the device (the launch queue is deep enough not to block): per call, the host
-time to return, the time inside each kernel's launch (``JITFunction.run``: argument binding,
-specialization, the driver call) and the rest (the op's Python, torch's custom-op and autograd wrappers).
-A call whose host time is above its device time leaves the GPU waiting. With --profile, the Python functions
+time to return, the time inside each kernel's launch (``fusepass.kernels.launch.launch``: the signature
+lookup and the driver call, or Triton's binding and specialization on a new signature) and the rest (the op's
+Python, torch's custom-op and autograd wrappers). A call whose host time is above its device time leaves the
+GPU waiting. With --profile, the Python functions
 with the most host time over those calls, by own time and by cumulative time. With --layers, the host time of
 the attention op's forward and backward called through torch's dispatcher and as plain Python functions (what
 the layers between them cost).
@@ -20,11 +21,11 @@ import pstats
 import time
 
 import torch
-import triton.runtime.jit as jit
 from attention import CASES, fusepass_call
 from harness import keep
 
-from fusepass.attention import op
+from fusepass.attention import blockmap, op
+from fusepass.kernels import flash_config, launch, pointwise
 
 CALLS = 20
 
@@ -32,16 +33,16 @@ CALLS = 20
 def timed_launches() -> collections.Counter:
     """Accumulate the host seconds of every Triton launch, by kernel name."""
     spent: collections.Counter = collections.Counter()
-    run = jit.JITFunction.run
 
-    def timed(self, *args, **kwargs):
+    def timed(kernel, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return run(self, *args, **kwargs)
+            return launch.launch(kernel, *args, **kwargs)
         finally:
-            spent[self.fn.__name__] += time.perf_counter() - start
+            spent[kernel.fn.__name__] += time.perf_counter() - start
 
-    jit.JITFunction.run = timed
+    for module in (flash_config, blockmap, pointwise):  # where kernels are launched
+        module.launch = timed
     return spent
 
 

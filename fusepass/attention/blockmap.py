@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from fusepass.attention.score_mod import ScoreMod
+from fusepass.kernels.launch import launch
 
 # Tile kinds, as stored in `BlockMap.kind`.
 EMPTY = tl.constexpr(0)
@@ -153,9 +154,9 @@ def compact_lists(values: torch.Tensor, targets: tuple[int, ...], group: int = 1
     count = torch.empty(*outer_shape, rows, len(targets), dtype=torch.int32, device=values.device)
     index = torch.empty(*outer_shape, rows, len(targets), n_groups, dtype=torch.int32, device=values.device)
     if count.numel():
-        _compact_kernel[(rows, outer.shape[0])](outer, count, index, n, n_groups, outer.stride(0), outer.stride(1),
-                                                outer.stride(2), TARGETS=tuple(targets), GROUP=group,
-                                                BLOCK=triton.next_power_of_2(n_groups))
+        launch(_compact_kernel, (rows, outer.shape[0]), outer, count, index, n, n_groups, outer.stride(0),
+               outer.stride(1), outer.stride(2), TARGETS=tuple(targets), GROUP=group,
+               BLOCK=triton.next_power_of_2(n_groups))
     return count, index
 
 
@@ -173,8 +174,8 @@ def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: in
     n_q_blocks, n_kv_blocks = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
     kind = torch.empty(map_batch, map_heads, n_q_blocks, n_kv_blocks, dtype=torch.int8, device=device)
     grid = (n_q_blocks, n_kv_blocks, map_batch * map_heads)
-    _tile_kind_kernel[grid](kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep,
-                            BLOCK_M=block_m, BLOCK_N=block_n)
+    launch(_tile_kind_kernel, grid, kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep, BLOCK_M=block_m,
+           BLOCK_N=block_n)
     return BlockMap(block_m, block_n, kind, rows=_tile_lists(kind), cols=_tile_lists(kind.transpose(-1, -2)))
 
 

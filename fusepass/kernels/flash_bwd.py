@@ -1,13 +1,14 @@
 """Backward flash-attention kernels over lifted score functions (after Triton's tutorial 06).
 
-Three kernels, no atomics for dQ / dK / dV:
+Two kernels, no atomics for dQ / dK / dV, launched in this order:
 
-1. preprocess: delta = rowsum(dO · O), the softmax-backward correction of each query row;
+1. dQ: one program per (batch, query head, q block) first computes delta = rowsum(dO · O), the
+   softmax-backward correction of each of its query rows, and stores it for the dK/dV kernel; then walks the
+   kv blocks of its q block, at tiles of its own;
 2. dK/dV: one program per (batch, kv head, kv block) walks, for each query head sharing the kv head, the
    q blocks the block map lists for its kv block, accumulating dK and dV in registers. Its tiles are laid
    out [kv, q] (pᵀ and d sᵀ are then the dots' operands as they are; transposing a tile in registers goes
-   through shared memory) and its q blocks are short, since per-q statistics broadcast along the short axis;
-3. dQ: one program per (batch, query head, q block) walks the kv blocks of its q block, at tiles of its own.
+   through shared memory) and its q blocks are short, since per-q statistics broadcast along the short axis.
 
 dO may come in `out`'s dtype; the dots read it in the inputs' dtype.
 
@@ -36,31 +37,13 @@ from fusepass.kernels.flash_fwd import (
 
 
 @triton.jit
-def _delta_kernel(Out, DO, Delta, out_strides, do_strides, Nq, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    q_block = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    out = load_rows(Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1], rows, Nq,
-                    out_strides[2], offs_d, out_strides[3], HEAD_DIM, True)
-    do = load_rows(DO + b.to(tl.int64) * do_strides[0] + h.to(tl.int64) * do_strides[1], rows, Nq,
-                   do_strides[2], offs_d, do_strides[3], HEAD_DIM, True)
-    bh = b.to(tl.int64) * tl.num_programs(1) + h
-    delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)
-
-
-@triton.jit
-def _row_stats(Lse, LogSum, Delta, bh, rows, Nq):
-    """Per query row: the shift m and log2 of the denominator that recompute the forward's weights, and
-    delta. Rows past Nq get m = +inf, hence weight 0."""
+def _row_stats(Lse, LogSum, bh, rows, Nq):
+    """Per query row: the shift m and log2 of the denominator that recompute the forward's weights. Rows past
+    Nq get m = +inf, hence weight 0."""
     row_in = rows < Nq
     lse = tl.load(Lse + bh * Nq + rows, mask=row_in, other=float("inf"))
     log_sum = tl.load(LogSum + bh * Nq + rows, mask=row_in, other=0.0)
-    delta = tl.load(Delta + bh * Nq + rows, mask=row_in, other=0.0)
-    return lse - log_sum, log_sum * LOG2E, delta
+    return lse - log_sum, log_sum * LOG2E
 
 
 @triton.jit
@@ -137,7 +120,8 @@ def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, 
     q = load_tile(Q, b, h, q_block * BLOCK_M, Nq, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True, DESCRIPTORS)
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
                    DESCRIPTORS).to(q.dtype)
-    shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
+    shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
+    delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
     p, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux,
                               aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL,
                               DROPOUT, True)
@@ -146,7 +130,7 @@ def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, 
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_backward_dkdv_kernel(
     Q, K, V, DO, Lse, LogSum, Delta, DK, DV,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
@@ -237,10 +221,10 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
     return dot(grad.to(k.dtype), k, dq)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_backward_dq_kernel(
-    Q, K, V, DO, Lse, LogSum, Delta, DQ,
-    q_strides, k_strides, v_strides, do_strides, dq_strides,
+    Q, K, V, Out, DO, Lse, LogSum, Delta, DQ,
+    q_strides, k_strides, v_strides, out_strides, do_strides, dq_strides,
     Nq, Nk, group, kv_lists, fallback_rows, aux, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -258,8 +242,13 @@ def _flash_backward_dq_kernel(
     DO_bh = DO + b.to(tl.int64) * do_strides[0] + h.to(tl.int64) * do_strides[1]
     kv_head = h // group
     q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
-    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True).to(q.dtype)
-    shift, log2_sum, delta = _row_stats(Lse, LogSum, Delta, bh, rows, Nq)
+    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True)
+    out = load_rows(Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1], rows, Nq,
+                    out_strides[2], offs_d, out_strides[3], HEAD_DIM, True)
+    delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
+    do = do.to(q.dtype)
+    shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
 
     if KEEP is None:
         n_full = Nk // BLOCK_N
@@ -335,11 +324,9 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     configs = backward_configs(head_dim, q.dtype, q.device)
     block_d = head_block(head_dim)
     lse, log_sum = lse.contiguous(), extra.log_sum.contiguous()
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    dq_config = configs.dq
-    _delta_kernel[(triton.cdiv(q_len, dq_config.block_m), q_heads, batch)](
-        out, do, delta, out.stride(), do.stride(), q_len, HEAD_DIM=head_dim, BLOCK_M=dq_config.block_m,
-        BLOCK_D=block_d, num_warps=dq_config.num_warps)
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # written by the dQ kernel
+    dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 
     def kernel_arguments(config: FlashConfig) -> tuple[BlockMap | None, dict]:
         """The block map at the kernel's tiles, and its constants."""
@@ -352,14 +339,24 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          num_warps=config.num_warps, num_stages=config.num_stages)
         return block_map, constants
 
+    dq_config = configs.dq
+    block_map, constants = kernel_arguments(dq_config)
+    kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) if mod.has_mask \
+        else None
+    (k_operand, v_operand), descriptors = tile_operands((k, v), dq_config.block_n, block_d, dq_config.descriptors)
+    launch_fitting(
+        _flash_backward_dq_kernel, (triton.cdiv(q_len, dq_config.block_m), q_heads, batch),
+        q, k_operand, v_operand, out, do, lse, log_sum, delta, dq,
+        q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
+        q_len, kv_len, q_heads // kv_heads, kv_lists, extra.fallback_rows, aux, seed, dropout_p,
+        DESCRIPTORS=descriptors, **constants)
+
     block_map, constants = kernel_arguments(configs.dkdv)
     q_lists = fallback_lists = None
     if mod.has_mask:
         q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
         # Per (b, h): the q blocks holding a row the forward recomputed over all tiles.
         fallback_lists = compact_lists(extra.fallback_rows[..., None, :], (1,), group=configs.dkdv.block_m)
-    dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     (q_operand, do_operand), descriptors = tile_operands((q, do), configs.dkdv.block_m, block_d,
                                                          configs.dkdv.descriptors)
     launch_fitting(
@@ -368,15 +365,4 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
         q_len, kv_len, q_heads // kv_heads, q_lists, fallback_lists, aux,
         aux_grad if mod.has_aux_grad else None, seed, dropout_p, DESCRIPTORS=descriptors, **constants)
-
-    block_map, constants = kernel_arguments(dq_config)
-    kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) if mod.has_mask \
-        else None
-    (k_operand, v_operand), descriptors = tile_operands((k, v), dq_config.block_n, block_d, dq_config.descriptors)
-    launch_fitting(
-        _flash_backward_dq_kernel, (triton.cdiv(q_len, dq_config.block_m), q_heads, batch),
-        q, k_operand, v_operand, do, lse, log_sum, delta, dq,
-        q.stride(), k.stride(), v.stride(), do.stride(), dq.stride(),
-        q_len, kv_len, q_heads // kv_heads, kv_lists, extra.fallback_rows, aux, seed, dropout_p,
-        DESCRIPTORS=descriptors, **constants)
     return dq, dk, dv

@@ -19,6 +19,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from fusepass.attention.blockmap import BlockMap
+from fusepass.kernels.launch import launch
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def launch_fitting(kernel: Any, grid: tuple, *args: Any, num_warps: int, num_sta
     stages = _fitting_stages.get(key(), num_stages) if _fitting_stages else num_stages
     while True:
         try:
-            kernel[grid](*args, num_warps=num_warps, num_stages=stages, **constants)
+            launch(kernel, grid, *args, num_warps=num_warps, num_stages=stages, **constants)
             return
         except OutOfResources:
             if stages == 1:

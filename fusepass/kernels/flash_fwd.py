@@ -153,7 +153,7 @@ def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_he
     return acc, m_new, l
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_forward_kernel(
     Q, K, V, Out, Lse, LogSum, Fallback,
     q_strides, k_strides, v_strides, out_strides,

@@ -23,6 +23,7 @@ from fusepass.codegen.pointwise import TRITON_DTYPE, Operand, held_dtype, to_sto
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.lower import Lowered
 from fusepass.elementwise.program import Program, Ref
+from fusepass.kernels.launch import launch
 
 INT32_MAX = 2**31 - 1
 
@@ -133,7 +134,10 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
         offset = _offset(f"o{i}", variant.output_dims[i], False)
         body.append(f"tl.store(o{i}_ptr + {offset}, {value}, mask=mask)")
 
-    lines = ["@triton.jit", f"def {name}({', '.join(params)}):"] + [f"    {line}" for line in body]
+    # Scalars read by value change from call to call: one compiled kernel for all of their values.
+    by_value = [p for p in params if p.endswith("_value")]
+    decorator = f"@triton.jit(do_not_specialize={by_value})" if by_value else "@triton.jit"
+    lines = [decorator, f"def {name}({', '.join(params)}):"] + [f"    {line}" for line in body]
     return "\n".join(lines) + "\n"
 
 
@@ -245,8 +249,8 @@ class PointwiseLauncher:
         if plan.grid[0] == 0:
             return outputs
         pointers = [inputs[a.input].item() if a.by_value else inputs[a.input] for a in self.lowered.accesses]
-        plan.kernel[plan.grid](*pointers, *outputs, *plan.int_args, XBLOCK=plan.xblock, YBLOCK=plan.yblock,
-                               num_warps=plan.num_warps)
+        launch(plan.kernel, plan.grid, *pointers, *outputs, *plan.int_args, XBLOCK=plan.xblock,
+               YBLOCK=plan.yblock, num_warps=plan.num_warps)
         return outputs
 
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:

@@ -1,0 +1,105 @@
+"""`launch`: the first call of an argument signature goes through Triton's ``kernel[grid]``, later calls
+straight to the compiled kernel it returned, with every parameter's value in order. Triton's own launch is
+replaced by a recorder, so this runs on any machine; the GPU suite runs the real launcher."""
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+from fusepass.kernels import launch as launch_module
+from fusepass.kernels.launch import launch
+
+
+def _kernel_source(X, n, seed, scale, pair, SCALE_FN: tl.constexpr, BLOCK: tl.constexpr = 64):
+    pass
+
+
+class _Recorder:
+    """Stands in for Triton: records bound launches (Triton's path) and direct ones (the compiled kernel's)."""
+
+    def __init__(self):
+        self.bound: list = []
+        self.direct: list = []
+
+    def run(self, kernel, *args, grid, warmup, **keywords):
+        self.bound.append((grid, args, keywords))
+        recorder = self
+
+        class Compiled:
+            def __getitem__(self, grid):
+                return lambda *values: recorder.direct.append((grid, values))
+
+        return Compiled()
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    recorder = _Recorder()
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: recorder.run(self, *a, **k))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "_compiled", launch_module.OrderedDict())
+    return recorder
+
+
+@pytest.fixture
+def kernel():
+    return JITFunction(_kernel_source, do_not_specialize=["seed"])
+
+
+def _identity(x):
+    return x
+
+
+def _other(x):
+    return x
+
+
+def _call(kernel, x, n=100, seed=7, scale=0.5, pair=(3, 16), fn=_identity, **keywords):
+    launch(kernel, (4,), x, n, seed, scale, pair, SCALE_FN=fn, num_warps=4, **keywords)
+
+
+def test_second_call_launches_the_compiled_kernel_with_every_value_in_order(recorder, kernel):
+    x = torch.randn(40)
+    _call(kernel, x)
+    _call(kernel, x, seed=123, scale=2.0)
+    assert len(recorder.bound) == 1 and recorder.bound[0][2] == {"SCALE_FN": _identity, "num_warps": 4}
+    (grid, values), = recorder.direct
+    assert grid == (4, 1, 1)
+    assert values[0] is x and values[1:] == (100, 123, 2.0, (3, 16), _identity, 64)
+
+
+@pytest.mark.parametrize("change", [
+    dict(x="misaligned"), dict(x="float64"), dict(n=101), dict(pair=(3, 17)), dict(fn=_other), dict(BLOCK=32),
+    dict(seed=2**31), dict(seed=-1), dict(num_warps=8)])
+def test_a_new_signature_goes_through_triton(recorder, kernel, change):
+    x = torch.randn(40)
+    _call(kernel, x)
+    if change.get("x") == "misaligned":
+        change["x"] = x[1:]  # 4 bytes past a 16-byte aligned base
+    elif change.get("x") == "float64":
+        change["x"] = x.double()
+    if "num_warps" in change:
+        launch(kernel, (4,), x, 100, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=8)
+    else:
+        _call(kernel, **{"x": x, **change})
+    assert len(recorder.bound) == 2 and not recorder.direct
+
+
+def test_values_triton_does_not_specialize_on_keep_the_compiled_kernel(recorder, kernel):
+    x = torch.randn(40)
+    for seed, scale in [(7, 0.5), (8, 0.25), (2**31 - 1, -3.0)]:
+        _call(kernel, torch.randn(40), seed=seed, scale=scale)
+    _call(kernel, x, seed=0)
+    assert len(recorder.bound) == 1 and len(recorder.direct) == 3
+
+
+def test_interpreted_kernels_are_launched_by_triton():
+    calls = []
+
+    class Interpreted:
+        def __getitem__(self, grid):
+            return lambda *args, **keywords: calls.append((grid, args, keywords))
+
+    launch(Interpreted(), (2, 3), 1, 2, BLOCK=16)
+    launch(Interpreted(), (2, 3), 1, 2, BLOCK=16)
+    assert calls == [((2, 3), (1, 2), {"BLOCK": 16})] * 2
