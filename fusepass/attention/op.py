@@ -151,8 +151,7 @@ def _seed(seed: torch.Tensor) -> int:
     return int(seed.item()) if seed.numel() else 0
 
 
-@torch.library.custom_op("fusepass::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch.Tensor], seed: torch.Tensor,
+def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch.Tensor], seed: torch.Tensor,
               spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [B, H, Nq, D], lse, log of the row sums, rows recomputed without tile skipping)."""
     s = _specs[spec]
@@ -185,6 +184,10 @@ def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: i
     return out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback
 
 
+# The op's implementation is also called directly by the compiled graphs (fusepass/runnable.py).
+attention = torch.library.custom_op("fusepass::attention", run_attention, mutates_args=())
+
+
 @attention.register_fake
 def _attention_fake(q, k, v, aux, seed, spec):
     s = _specs[spec]
@@ -195,8 +198,7 @@ def _attention_fake(q, k, v, aux, seed, spec):
     return out, lse, q.new_empty(shape[:3], dtype=torch.float32), fallback
 
 
-@torch.library.custom_op("fusepass::attention_backward", mutates_args=())
-def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor, fallback: torch.Tensor,
                        aux: list[torch.Tensor], seed: torch.Tensor, spec: str
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -241,6 +243,10 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                  s.unfused.forward_record.measured_unfused_ms or 0.0)
     aux_grads = [g.to(a.dtype) for g, a in zip(aux_grad, read)] + [a.new_empty(0) for a in aux[len(read):]]
     return grads[0], grads[1], grads[2], aux_grads
+
+
+attention_backward = torch.library.custom_op("fusepass::attention_backward", run_attention_backward,
+                                            mutates_args=())
 
 
 def _unfused_backward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, seed: int):

@@ -191,14 +191,17 @@ def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[
                                    (*sources, list(spec.lifted.aux) + extra, seed, name))
         call.meta["stack_trace"] = m.softmax.meta.get("stack_trace")
         out = graph.call_function(operator.getitem, (call, 0))
-        result = _to_output_layout(graph, out, m.values, tuple(val(m.pv).shape))
+        result = _to_output_layout(graph, out, m.values, tuple(val(m.pv).shape), spec.out_shape)
     m.pv.replace_all_uses_with(result)
 
 
-def _to_output_layout(graph: torch.fx.Graph, out: torch.fx.Node, values: Operands, shape: tuple[int, ...]
-                      ) -> torch.fx.Node:
-    """The op's [B, H, Nq, D] as the matmul with V produced it: its batch dims, its einsum order."""
+def _to_output_layout(graph: torch.fx.Graph, out: torch.fx.Node, values: Operands, shape: tuple[int, ...],
+                      op_shape: tuple[int, ...]) -> torch.fx.Node:
+    """The op's [B, H, Nq, D] (`op_shape`) as the matmul with V produced it: its batch dims, its einsum order.
+    The op's output itself where they agree (a view of it would be an output AOTAutograd regenerates per call)."""
     if values.out_perm is None:
+        if tuple(shape) == tuple(op_shape):
+            return out
         return graph.call_function(aten.view.default, (out, list(shape)))
     canonical_shape = [None] * len(shape)
     for i, p in enumerate(values.out_perm):
