@@ -3,7 +3,8 @@
 ``kernel[grid](*args)`` binds and specializes every argument and builds a cache key string before it reaches
 the driver: 60–165 µs of host time per launch on the GPU machine (bench/results/launch-cost-*), more than some
 of the kernels take. `launch` does that once per argument signature and then launches the compiled kernel
-Triton returned for it (``CompiledKernel[grid](*values)``, every parameter's value in order).
+Triton returned for it (``CompiledKernel[grid](*values)``, every parameter's value in order); `BoundLaunch`
+does the same for a launch plan that fixes the keywords, and looks at the positional arguments only.
 
 The signature is finer than Triton's specialization, so a compiled kernel is never reused where Triton would
 have compiled another. Per parameter: constexprs by value (functions by identity, held alive by the cache
@@ -106,3 +107,32 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **keywords: Any) -> N
         _compiled[key] = compiled, held
         if len(_compiled) > _CACHE_SIZE:
             _compiled.popitem(last=False)
+
+
+class BoundLaunch:
+    """`kernel` with its keywords (constexprs, launch options) and the number of its positional arguments
+    fixed, as a launch plan fixes them: a call looks up the signature of its positional arguments alone."""
+
+    def __init__(self, kernel: Any, n_args: int, **keywords: Any) -> None:
+        self.kernel = kernel
+        self.keywords = keywords  # held: constexpr functions keep their identity
+        self.direct = type(kernel) is JITFunction
+        if self.direct:
+            parameters = _Parameters(kernel, n_args)
+            self.modes = parameters.modes[:n_args]
+            self.keyword_values = parameters.values((), keywords)
+        self._compiled: dict[tuple, Any] = {}  # signature -> (compiled kernel, what it holds alive)
+
+    def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
+        if not self.direct:
+            self.kernel[grid](*args, **self.keywords)
+            return
+        held: list = []
+        key = (torch.cuda.current_device(), _signature(args, self.modes, held))
+        entry = self._compiled.get(key)
+        if entry is not None:
+            entry[0][(*grid, 1, 1)[:3]](*args, *self.keyword_values)
+            return
+        compiled = self.kernel[grid](*args, **self.keywords)
+        if compiled is not None:
+            self._compiled[key] = compiled, held

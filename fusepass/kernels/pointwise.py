@@ -23,7 +23,7 @@ from fusepass.codegen.pointwise import TRITON_DTYPE, Operand, held_dtype, to_sto
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.lower import Lowered
 from fusepass.elementwise.program import Program, Ref
-from fusepass.kernels.launch import launch
+from fusepass.kernels.launch import BoundLaunch
 
 INT32_MAX = 2**31 - 1
 
@@ -160,14 +160,11 @@ def compiled_kernel(name: str, program: Program, variant: Variant) -> Any:
 class LaunchPlan:
     """Everything about a launch that depends only on input shapes and strides."""
 
-    kernel: Any
+    launch: BoundLaunch  # the kernel with its block sizes and warps
     root: tuple[int, ...]
     out_strides: tuple[tuple[int, ...], ...]
     int_args: tuple[int, ...]
     grid: tuple[int]
-    xblock: int
-    yblock: int
-    num_warps: int
 
 
 def _contiguous_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
@@ -249,8 +246,7 @@ class PointwiseLauncher:
         if plan.grid[0] == 0:
             return outputs
         pointers = [inputs[a.input].item() if a.by_value else inputs[a.input] for a in self.lowered.accesses]
-        launch(plan.kernel, plan.grid, *pointers, *outputs, *plan.int_args, XBLOCK=plan.xblock,
-               YBLOCK=plan.yblock, num_warps=plan.num_warps)
+        plan.launch(plan.grid, *pointers, *outputs, *plan.int_args)
         return outputs
 
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
@@ -290,7 +286,9 @@ class PointwiseLauncher:
         kernel = compiled_kernel(self.__name__, lowered.program, variant)
         xblock, yblock, num_warps = choose_blocks(sizes)
         grid = (triton.cdiv(sizes[-1], yblock) * triton.cdiv(numel // sizes[-1], xblock),) if numel else (0,)
-        return LaunchPlan(kernel, root, out_strides, tuple(int_args), grid, xblock, yblock, num_warps)
+        n_args = len(accesses) + len(out_strides) + len(int_args)
+        return LaunchPlan(BoundLaunch(kernel, n_args, XBLOCK=xblock, YBLOCK=yblock, num_warps=num_warps), root,
+                          out_strides, tuple(int_args), grid)
 
 
 def warn_fallback(name: str, error: Exception) -> None:

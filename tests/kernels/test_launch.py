@@ -7,7 +7,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from fusepass.kernels import launch as launch_module
-from fusepass.kernels.launch import launch
+from fusepass.kernels.launch import BoundLaunch, launch
 
 
 def _kernel_source(X, n, seed, scale, pair, SCALE_FN: tl.constexpr, BLOCK: tl.constexpr = 64):
@@ -103,3 +103,13 @@ def test_interpreted_kernels_are_launched_by_triton():
     launch(Interpreted(), (2, 3), 1, 2, BLOCK=16)
     launch(Interpreted(), (2, 3), 1, 2, BLOCK=16)
     assert calls == [((2, 3), (1, 2), {"BLOCK": 16})] * 2
+
+
+def test_a_bound_launch_looks_at_its_positional_arguments_only(recorder, kernel):
+    bound = BoundLaunch(kernel, 5, SCALE_FN=_identity, num_warps=4)
+    x = torch.randn(40)
+    bound((3,), x, 100, 7, 0.5, (3, 16))
+    bound((5, 2), x, 100, 8, 0.25, (3, 16))
+    bound((5, 2), x[1:], 100, 8, 0.25, (3, 16))
+    assert [call[2] for call in recorder.bound] == [{"SCALE_FN": _identity, "num_warps": 4}] * 2
+    assert recorder.direct == [((5, 2, 1), (x, 100, 8, 0.25, (3, 16), _identity, 64))]
