@@ -1,8 +1,9 @@
 """Which pointwise nodes of a graph run together as one kernel.
 
-Producer and consumer merge greedily, in graph order, while three rules hold:
+Producer and consumer merge greedily, in graph order; then groups reading a common tensor (siblings, such as
+the two gradients of SwiGLU's backward) merge, so that the tensor is read once. Both while three rules hold:
 - no cycle: no path leaves the merged group and comes back into it (checked with networkx on the
-  graph of groups);
+  graph of groups; siblings merge only where no path joins them);
 - one iteration space: every value the group writes out has one shape (values read only inside the
   group may be smaller and are broadcast);
 - views inside a group are affine in the group's coordinates (see ``coords``); views at its edges stay in
@@ -125,6 +126,10 @@ class _Groups:
         return any(s is not consumer and nx.has_path(self.dag, s, consumer)
                    for s in self.dag.successors(producer))
 
+    def joined(self, a: torch.fx.Node, b: torch.fx.Node) -> bool:
+        """Whether a path joins the groups led by `a` and `b`, either way."""
+        return nx.has_path(self.dag, a, b) or nx.has_path(self.dag, b, a)
+
     def merge(self, producer: torch.fx.Node, consumer: torch.fx.Node) -> None:
         nx.contracted_nodes(self.dag, consumer, producer, self_loops=False, copy=False)
         self.leader[producer] = consumer
@@ -171,6 +176,15 @@ def partition(graph: torch.fx.Graph, device: torch.device) -> tuple[list[Group],
             if not _one_iteration_space(union) or groups.creates_cycle(producer, consumer):
                 continue
             groups.merge(producer, consumer)
+    for node in nodes:
+        readers = [u for u in node.users if u in fusable]
+        for first, other in zip(readers, readers[1:]):
+            a, b = groups.find(first), groups.find(other)
+            if a is b:
+                continue
+            if not _one_iteration_space(set(groups.members[a]) | set(groups.members[b])) or groups.joined(a, b):
+                continue
+            groups.merge(a, b)
 
     result = []
     for leader, members in groups.members.items():

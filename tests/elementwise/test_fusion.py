@@ -116,6 +116,30 @@ def test_a_path_through_an_outside_op_keeps_groups_apart():
     assert fused_kernel_count(report) == 2
 
 
+def test_siblings_reading_one_tensor_share_a_kernel():
+    g, u = (random_tensor((37, 19), torch.float32).requires_grad_() for _ in range(2))
+
+    report = check(lambda g, u: F.silu(g) * u, g, u, backward=True)
+    # Both gradients read g and the incoming gradient: one kernel reads them once and writes both.
+    assert fused_kernel_count(report, "backward") == 1
+    (launcher,) = [n for n in report.graphs["backward"].graph.nodes
+                   if type(n.target).__name__ == "PointwiseLauncher"]
+    assert len(launcher.meta["val"]) == 2
+
+
+def test_siblings_of_other_shapes_or_joined_by_a_path_stay_apart():
+    x = random_tensor((16, 16), torch.float32)
+
+    def fn(x):
+        a = torch.sigmoid(x) * 2
+        b = torch.tanh(x[0]) * 3  # writes [16]: another iteration space than a's
+        c = torch.exp(x) - (a @ x)  # a → mm → c
+        return a, b, c * 2 + 1
+
+    report = check(fn, x)
+    assert fused_kernel_count(report) == 3
+
+
 class MLP(nn.Module):
     def __init__(self, d=24, hidden=40):
         super().__init__()
