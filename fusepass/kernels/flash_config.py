@@ -50,6 +50,7 @@ def head_block(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+@functools.cache  # asked on every call of the kernels
 def forward_config(head_dim: int, dtype: torch.dtype, has_mask: bool, device: torch.device) -> FlashConfig:
     if device.type != "cuda":
         return INTERPRETER_CONFIG
@@ -98,6 +99,7 @@ class BackwardConfigs:
     dq: FlashConfig
 
 
+@functools.cache  # asked on every call of the kernels
 def backward_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> BackwardConfigs:
     if device.type != "cuda":
         return BackwardConfigs(INTERPRETER_CONFIG, INTERPRETER_CONFIG)
