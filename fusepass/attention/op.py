@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import triton
 
+from fusepass.attention.blockmap import BlockMap, TileLists
 from fusepass.attention.layout import OperandLayout
 from fusepass.attention.lift import Lifted
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.codegen.modules import load_module
 from fusepass.kernels.flash_bwd import flash_attention_backward
+from fusepass.kernels.flash_config import FlashConfig, forward_config, narrow_kv_tiles
 from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward
 from fusepass.report import profile
 from fusepass.report.records import Rewrite
@@ -116,6 +119,26 @@ class AttentionSpec:
         """Of the op's per-row flags of rows recomputed over all tiles: none without a mask."""
         return self.out_shape[:3] if self.lifted.functions.get("keep") else (0,)
 
+    def passed_map_tiles(self, q: torch.Tensor) -> FlashConfig | None:
+        """The tiles of the forward's block map where the op returns it: for a mask that reads tensors, mapped
+        on every call, so that the backward need not map it again at the forward's tiles (other maps are
+        cached). As `flash_attention_forward` takes them, whose rows are not known."""
+        if not (self.lifted.functions.get("keep") and self.lifted.keep_reads_aux):
+            return None
+        return narrow_kv_tiles(forward_config(self.q.size[3], q.dtype, True, q.device), None)
+
+    def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
+        """Of the forward's block map as the op returns it (kind, row and column lists; see `BlockMap`), or
+        empty. `q`: the op's input."""
+        tiles = self.passed_map_tiles(q)
+        if tiles is None:
+            return [(0,)] * len(_MAP_DTYPES)
+        batch, heads, q_len, _ = self.out_shape
+        shape = (batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1)
+        n_q, n_kv = triton.cdiv(q_len, tiles.block_m), triton.cdiv(self.k.size[2], tiles.block_n)
+        return [shape + (n_q, n_kv), shape + (n_q, 2), shape + (n_q, 2, n_kv), shape + (n_kv, 2),
+                shape + (n_kv, 2, n_q)]
+
     @property
     def mod(self) -> ScoreMod:
         """The score functions, compiled on first use (``triton.jit`` reads them from a file)."""
@@ -129,6 +152,27 @@ class AttentionSpec:
                 keep_uses_batch="b" in self.lifted.keep_uses, keep_uses_head="h" in self.lifted.keep_uses,
                 keep_reads_aux=self.lifted.keep_reads_aux)
         return self._mod
+
+
+# The forward's block map among the op's outputs: kind, rows count and index, cols count and index.
+_MAP_DTYPES = (torch.int8, torch.int32, torch.int32, torch.int32, torch.int32)
+
+
+def _map_tensors(spec: AttentionSpec, block_map: BlockMap | None, q: torch.Tensor) -> list[torch.Tensor]:
+    if block_map is None or spec.passed_map_tiles(q) is None:
+        return [q.new_empty(0, dtype=dtype) for dtype in _MAP_DTYPES]
+    return [block_map.kind, block_map.rows.count, block_map.rows.index, block_map.cols.count,
+            block_map.cols.index]
+
+
+def _block_map(spec: AttentionSpec, tensors: list[torch.Tensor], q: torch.Tensor) -> BlockMap | None:
+    """The forward's block map from the op's outputs, or None where the op returned none."""
+    kind, rows_count, rows_index, cols_count, cols_index = tensors
+    if not kind.numel():
+        return None
+    tiles = spec.passed_map_tiles(q)
+    return BlockMap(tiles.block_m, tiles.block_n, kind, TileLists(rows_count, rows_index),
+                    TileLists(cols_count, cols_index))
 
 
 _specs: dict[str, AttentionSpec] = {}
@@ -152,8 +196,9 @@ def _seed(seed: torch.Tensor) -> int:
 
 
 def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch.Tensor], seed: torch.Tensor,
-              spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [B, H, Nq, D], lse, log of the row sums, rows recomputed without tile skipping)."""
+                  spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(out [B, H, Nq, D], lse, log of the row sums, rows recomputed without tile skipping, the forward's block
+    map where it is not cached: see `AttentionSpec.map_shapes`)."""
     s = _specs[spec]
     if s.unfused.failed:
         return _unfused_forward(s, (q, k, v, *aux), _seed(seed))
@@ -173,7 +218,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
         profile.measure(s.unfused.forward_record, forward,
                         lambda: s.unfused.forward((q, k, v, *aux), _seed(seed)))
     fallback = extra.fallback_rows if extra.fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
-    return out, lse, extra.log_sum, fallback
+    return out, lse, extra.log_sum, fallback, _map_tensors(s, extra.block_map, q)
 
 
 def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: int):
@@ -181,7 +226,9 @@ def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: i
     out = s.unfused.to_canonical(s.unfused.forward(inputs, seed), s.out_shape)
     rows = s.out_shape[:3]
     fallback = out.new_zeros(s.fallback_shape, dtype=torch.int8)
-    return out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback
+    block_map = [out.new_zeros(shape, dtype=dtype) for shape, dtype in zip(s.map_shapes(inputs[0]), _MAP_DTYPES)]
+    return (out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback,
+            block_map)
 
 
 # The op's implementation is also called directly by the compiled graphs (fusepass/runnable.py).
@@ -195,12 +242,13 @@ def _attention_fake(q, k, v, aux, seed, spec):
     out = q.new_empty(shape, dtype=s.out_dtype)
     lse = q.new_empty(shape[:3], dtype=torch.float32)
     fallback = q.new_empty(s.fallback_shape, dtype=torch.int8)
-    return out, lse, q.new_empty(shape[:3], dtype=torch.float32), fallback
+    block_map = [q.new_empty(shape, dtype=dtype) for shape, dtype in zip(s.map_shapes(q), _MAP_DTYPES)]
+    return out, lse, q.new_empty(shape[:3], dtype=torch.float32), fallback, block_map
 
 
 def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor, fallback: torch.Tensor,
-                       aux: list[torch.Tensor], seed: torch.Tensor, spec: str
+                           out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor, fallback: torch.Tensor,
+                           block_map: list[torch.Tensor], aux: list[torch.Tensor], seed: torch.Tensor, spec: str
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Gradients of the sources of q, k, v and of every aux tensor (zeros where none flows)."""
     s = _specs[spec]
@@ -210,7 +258,7 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     q4, k4, v4 = _views(s, q, k, v, aux)
     read = tuple(aux[:len(s.aux_strides)])
     needs = _aux_needs_grad(s, len(aux))
-    extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None, None)
+    extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None, _block_map(s, block_map, q))
 
     # The gradients take their sources' strides, and the kernels write them through the views the op read.
     grads = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v)]
@@ -267,7 +315,7 @@ def _aux_needs_grad(spec: AttentionSpec, count: int) -> list[bool]:
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, aux, seed, spec):
+def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, block_map, aux, seed, spec):
     needs = _aux_needs_grad(_specs[spec], len(aux))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             [torch.empty_like(a) if n else a.new_empty(0) for a, n in zip(aux, needs)])
@@ -275,15 +323,16 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, aux
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, aux, seed, spec = inputs
-    out, lse, log_sum, fallback = output
-    ctx.save_for_backward(q, k, v, out, lse, log_sum, fallback, seed, *aux)
+    out, lse, log_sum, fallback, block_map = output
+    ctx.save_for_backward(q, k, v, out, lse, log_sum, fallback, seed, *block_map, *aux)
     ctx.spec = spec
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor, *unused: Any):
-    q, k, v, out, lse, log_sum, fallback, seed, *aux = ctx.saved_tensors
-    dq, dk, dv, daux = attention_backward(grad_out.contiguous(), q, k, v, out, lse, log_sum, fallback, list(aux),
-                                          seed, ctx.spec)
+    q, k, v, out, lse, log_sum, fallback, seed, *rest = ctx.saved_tensors
+    block_map, aux = rest[:len(_MAP_DTYPES)], rest[len(_MAP_DTYPES):]
+    dq, dk, dv, daux = attention_backward(grad_out.contiguous(), q, k, v, out, lse, log_sum, fallback,
+                                          list(block_map), list(aux), seed, ctx.spec)
     return dq, dk, dv, [g if g.numel() else None for g in daux], None, None
 
 

@@ -280,6 +280,29 @@ def test_document_mask_from_segment_ids():
     check(document_mask, *qkv(nk=NQ), segments, backward=True)
 
 
+def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypatch):
+    from fusepass.attention import blockmap
+
+    built = []
+    build = blockmap.build_block_map
+    monkeypatch.setattr(blockmap, "build_block_map", lambda *args: built.append(args[6:8]) or build(*args))
+    segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
+    q, k, v = (t.requires_grad_() for t in qkv(nk=NQ))
+    compiled = torch.compile(document_mask, backend=fusepass.backend(strict=True))
+    out = compiled(q, k, v, segments)
+    built.clear()
+    out = compiled(q, k, v, segments)
+    assert len(built) == 1  # the forward's map, which the op returns for the backward
+    spec = list(op._specs.values())[-1]
+    returned = op.run_attention(q.detach(), k.detach(), v.detach(), [segments], torch.empty(0), spec.name)[4]
+    assert [tuple(t.shape) for t in returned] == spec.map_shapes(q)
+    built.clear()
+    torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    # Kernels at other tiles than the forward's map the mask at theirs (the dK/dV kernel's on a GPU).
+    tiles = spec.passed_map_tiles(q)
+    assert all((block_m, block_n) != (tiles.block_m, tiles.block_n) for block_m, block_n in built)
+
+
 def scaled_by_a_tensor(q, k, v, temperature):
     return torch.softmax((q @ k.transpose(-1, -2)) * temperature, dim=-1) @ v
 
