@@ -119,11 +119,16 @@ class AttentionSpec:
         """Of the op's per-row flags of rows recomputed over all tiles: none without a mask."""
         return self.out_shape[:3] if self.lifted.functions.get("keep") else (0,)
 
+    @property
+    def passes_map(self) -> bool:
+        """Whether the op returns the forward's block map: for a mask that reads tensors, mapped on every call,
+        so that the backward need not map it again at the forward's tiles (other maps are cached)."""
+        return bool(self.lifted.functions.get("keep")) and self.lifted.keep_reads_aux
+
     def passed_map_tiles(self, q: torch.Tensor) -> FlashConfig | None:
-        """The tiles of the forward's block map where the op returns it: for a mask that reads tensors, mapped
-        on every call, so that the backward need not map it again at the forward's tiles (other maps are
-        cached). As `flash_attention_forward` takes them, whose rows are not known."""
-        if not (self.lifted.functions.get("keep") and self.lifted.keep_reads_aux):
+        """The tiles of the forward's block map where the op returns it, as `flash_attention_forward` takes
+        them for a mask whose rows are not known. `q`: the op's input."""
+        if not self.passes_map:
             return None
         return narrow_kv_tiles(forward_config(self.q.size[3], q.dtype, True, q.device), None)
 
@@ -159,7 +164,7 @@ _MAP_DTYPES = (torch.int8, torch.int32, torch.int32, torch.int32, torch.int32)
 
 
 def _map_tensors(spec: AttentionSpec, block_map: BlockMap | None, q: torch.Tensor) -> list[torch.Tensor]:
-    if block_map is None or spec.passed_map_tiles(q) is None:
+    if block_map is None or not spec.passes_map:
         return [q.new_empty(0, dtype=dtype) for dtype in _MAP_DTYPES]
     return [block_map.kind, block_map.rows.count, block_map.rows.index, block_map.cols.count,
             block_map.cols.index]
@@ -249,7 +254,7 @@ def _attention_fake(q, k, v, aux, seed, spec):
 def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor, fallback: torch.Tensor,
                            block_map: list[torch.Tensor], aux: list[torch.Tensor], seed: torch.Tensor, spec: str
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Gradients of the sources of q, k, v and of every aux tensor (zeros where none flows)."""
     s = _specs[spec]
     inputs = (q, k, v, *aux)

@@ -37,7 +37,7 @@ def recorder(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: recorder.run(self, *a, **k))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(launch_module, "_compiled", launch_module.OrderedDict())
+    monkeypatch.setattr(launch_module, "_bound", launch_module.OrderedDict())
     return recorder
 
 
