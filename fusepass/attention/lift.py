@@ -31,7 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fusepass.attention.index import Idx, merge
 from fusepass.attention.layout import VIEW_OPS, Unsupported
 from fusepass.attention.match import AttentionMatch, packet, val
-from fusepass.attention.spans import Span, float_exact, narrow, result_span
+from fusepass.attention.spans import Span, float_exact, float_rounding, narrow, result_span, truncated
 from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Emitter, Operand, bind, constant_value,
                                         held_dtype, is_supported, literal, translate)
 
@@ -64,7 +64,7 @@ class Code:
     zero_dim: bool = False
     mask: tuple[str, Any] | None = None  # for where(keep, 0, fill): (keep expression, fill)
     compares: int = 0  # comparisons of query against key positions it depends on (1: causal, 2: a band)
-    span: Span | None = None  # the values an integer can take; an int64 one that fits in int32 is emitted so
+    span: Span | None = None  # the values it can take (see spans.py); an int64 one that fits in int32 is emitted so
     # An fp32 expression of the same integer, exact: converted per position vector before they broadcast
     # (int → float of a whole tile is a quarter-rate instruction per score).
     as_float: str | None = None
@@ -403,8 +403,10 @@ class Lifter:
         self._note_op(target, args)
         result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()},
                            torch.int32 if narrow_result else dtype, round_casts=False)
+        # Integers only have an fp32 form (a float result is its own).
+        as_float = None if dtype.is_floating_point else self._float_form(target, args, kwargs, span)
         return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span,
-                    as_float=self._float_form(target, args, kwargs, span))
+                    as_float=as_float)
 
     def _float_form(self, target: Any, args: tuple, kwargs: dict, span: Span | None) -> str | None:
         """The fp32 form of an integer result whose operands have one, where every value stays exact in fp32:
@@ -757,18 +759,27 @@ def _span_of(value: Any) -> Span | None:
         return (0, 1) if value.dtype == torch.bool else value.span
     if isinstance(value, (bool, int)):
         return int(value), int(value)
+    if isinstance(value, float):
+        return value, value
     return None
 
 
 def _result_span(target: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> Span | None:
-    """The span of an integer op's result (None for other dtypes, or where unknown)."""
-    if dtype.is_floating_point or dtype == torch.bool or not hasattr(target, "_schema"):
+    """The span of an op's numeric result (None for bools, or where unknown); a float's widened for rounding,
+    a float's conversion to an integer that of its truncated values (see spans.py)."""
+    if dtype == torch.bool or not hasattr(target, "_schema"):
         return None
     kind = getattr(target, "overloadpacket", None)
     if kind in CASTS:
-        return _span_of(args[1] if kind == aten.copy else args[0])
+        source = args[1] if kind == aten.copy else args[0]
+        span = _span_of(source)
+        if dtype.is_floating_point:
+            return float_rounding(span)
+        from_float = isinstance(source, float) or isinstance(source, Code) and source.dtype.is_floating_point
+        return truncated(span) if from_float else span
     bound = bind(target, args, kwargs)
-    return result_span(target, {name: _span_of(v) for name, v in bound.items() if v is not None})
+    span = result_span(target, {name: _span_of(v) for name, v in bound.items() if v is not None})
+    return float_rounding(span) if dtype.is_floating_point else span
 
 
 def _needs_int64_offsets(tensor: torch.Tensor) -> bool:

@@ -1,20 +1,26 @@
-"""Integer value ranges of index code: int64 positions computed in int32 where they provably fit.
+"""Value ranges of index code: int64 positions computed in int32 where they provably fit.
 
 Torch computes positions (``arange``, their differences, ALiBi distances) in int64. On the GPU int64
 arithmetic takes two instructions and int64 → float32 conversion is slow, on every element of every tile.
 So the lifter tracks, for int64 index values, the span of values they can take; one whose span fits in
 int32 is emitted as int32, where every operation on it gives what int64 would. An op whose result could
 leave int32 (or whose range is not tracked here) gets its operands widened back to int64 first.
+
+Floats computed from positions have spans too (T5's log-scaled buckets: a log of a clamped distance, scaled,
+converted back to int64), so that their conversion to an integer gets one. A float span holds the exact
+results widened by `float_rounding` per op, for fp32's rounding; a conversion to an integer then takes every
+integer the truncated values can reach.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 aten = torch.ops.aten
 
-Span = tuple[int, int]  # inclusive
+Span = tuple[float, float]  # inclusive: ints for integer values
 INT32 = (-(2 ** 31 - 1), 2 ** 31 - 1)  # symmetric, so that negation and abs stay inside
 
 
@@ -30,6 +36,21 @@ def float_exact(span: Span | None) -> bool:
 def narrow(dtype: torch.dtype, span: Span | None) -> bool:
     """Whether a value of this dtype and span is emitted as int32 though torch holds it in int64."""
     return dtype == torch.int64 and fits(span)
+
+
+def float_rounding(span: Span | None) -> Span | None:
+    """A float op's exact span widened for its fp32 rounding (and the error of fast special functions): far
+    more than a few ulps, which is all a handful of ops can add. None where not finite."""
+    if span is None or not all(math.isfinite(x) for x in span):
+        return None
+    return tuple(x + sign * (abs(x) * 2.0 ** -16 + 2.0 ** -16) for x, sign in zip(span, (-1, 1)))
+
+
+def truncated(span: Span | None) -> Span | None:
+    """The integers a float of this span converts to (truncation toward zero)."""
+    if span is None or not all(math.isfinite(x) for x in span):
+        return None
+    return math.trunc(span[0]), math.trunc(span[1])
 
 
 def _product(a: Span, b: Span) -> Span:
@@ -72,4 +93,11 @@ def result_span(target: Any, spans: dict[str, Span | None]) -> Span | None:
         return _clip(a, spans.get("min"), spans.get("max"))
     if kind == aten.where and a is not None and b is not None:
         return min(a[0], b[0]), max(a[1], b[1])
+    if kind == aten.div and a is not None and b is not None and "rounding_mode" not in spans:  # true division
+        if b[0] <= 0 <= b[1]:
+            return None
+        ends = [x / y for x in a for y in b]
+        return min(ends), max(ends)
+    if kind == aten.log and a is not None and a[0] > 0:
+        return math.log(a[0]), math.log(a[1])
     return None

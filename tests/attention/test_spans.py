@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from support import check, random_tensor
 
 from fusepass.attention import op
-from fusepass.attention.spans import fits, result_span
+from fusepass.attention.spans import fits, float_rounding, result_span, truncated
 
 aten = torch.ops.aten
 
@@ -29,9 +30,21 @@ aten = torch.ops.aten
     (aten.where.self, {"condition": (0, 1), "self": (0, 4), "other": (-1, -1)}, (-1, 4)),
     (aten.remainder.Scalar, {"self": (0, 9), "other": (4, 4)}, None),  # not tracked: widened
     (aten.add.Tensor, {"self": None, "other": (0, 1), "alpha": (1, 1)}, None),
+    (aten.div.Tensor, {"self": (1.0, 8192.0), "other": (8.0, 8.0)}, (0.125, 1024.0)),
+    (aten.div.Tensor, {"self": (1.0, 2.0), "other": (-1.0, 1.0)}, None),  # a divisor that may be zero
+    (aten.div.Tensor_mode, {"self": (0, 9), "other": (2, 2), "rounding_mode": None}, None),  # floor or trunc
+    (aten.log.default, {"self": (1.0, math.e)}, (0.0, 1.0)),
+    (aten.log.default, {"self": (0.0, 1.0)}, None),  # log 0 is not finite
 ])
 def test_result_spans(target, spans, expected):
     assert result_span(target, spans) == expected
+
+
+def test_float_spans_widen_for_rounding_and_truncate_toward_zero():
+    low, high = float_rounding((-1.5, 20.0))
+    assert low < -1.5 and 20.0 < high < 20.01
+    assert truncated(float_rounding((-1.5, 20.0))) == (-1, 20)
+    assert float_rounding((0.0, float("inf"))) is None and truncated(None) is None
 
 
 def test_int32_bounds_are_symmetric():
@@ -86,3 +99,26 @@ def test_distances_convert_to_float_per_position_vector_where_exact(fn, per_vect
     check(fn, q, k, v, slopes, backward=True, rtol=1e-3, atol=1e-3)
     source = _score_source()
     assert ("(kv_idx).to(tl.float32)" in source) == per_vector, source
+
+
+def t5_bucket_bias(q, k, v, table, log_of=lambda d: d):
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    relative = i[None, :] - i[:, None]
+    distance = relative.abs()
+    large = 4 + (torch.log(log_of(distance.float().clamp(min=1) / 4)) / math.log(32 / 4) * 4).to(torch.long)
+    buckets = (relative > 0).to(torch.long) * 8 + torch.where(distance < 4, distance, large.clamp(max=7))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.softmax(scores + F.embedding(buckets, table).permute(2, 0, 1), dim=-1) @ v
+
+
+@pytest.mark.parametrize("log_of, int64", [
+    (lambda d: d, False),
+    (lambda d: d - 0.25, True),  # may reach log of a non-positive value: no span, the buckets stay in int64
+])
+def test_log_buckets_run_in_int32_where_the_logs_are_bounded(log_of, int64):
+    q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
+    table = random_tensor((16, 3), torch.float32)
+    check(lambda q, k, v, table: t5_bucket_bias(q, k, v, table, log_of), q, k, v, table, backward=True)
+    source = _score_source()
+    assert ("tl.int64" in source) == int64, source
