@@ -31,7 +31,7 @@ from fusepass.report import hooks, profile, roofline
 from fusepass.report.intermediates import largest_intermediates
 from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, new_report
-from fusepass.runnable import runnable
+from fusepass.runnable import copy_graph, runnable
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
 CPU_NOTICE = ("kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU): rewrites are planned and "
@@ -155,7 +155,7 @@ class Backend:
     def _step(self, step: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule],
               graph: torch.fx.GraphModule, ctx: PassContext, what: str) -> torch.fx.GraphModule:
         """Run one pass on a copy; if it fails, the graph goes on unchanged."""
-        before = torch.fx.GraphModule(graph, _copy_graph(graph.graph))
+        before = torch.fx.GraphModule(graph, copy_graph(graph.graph))
         try:
             return step(graph, ctx)
         except Exception as error:
@@ -177,13 +177,6 @@ class Backend:
         report.hotspots.append(Hotspot(kind="fallback", phase="forward", location="?",
                                        reason=f"{step} failed: {type(error).__name__}: {error}"))
         return gm.forward
-
-
-def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    copy = torch.fx.Graph()
-    output = copy.graph_copy(graph, {})
-    copy.output(output)
-    return copy
 
 
 def backend(**options: Any) -> Backend:

@@ -20,12 +20,17 @@ _DIRECT_CALLS = {
 }
 
 
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    copy = torch.fx.Graph()
+    output = copy.graph_copy(graph, {})
+    copy.output(output)
+    return copy
+
+
 def runnable(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `module` with direct calls for fusepass's ops and without detaches (`module` is unchanged:
     the report shows it)."""
-    graph = torch.fx.Graph()
-    output = graph.graph_copy(module.graph, {})
-    graph.output(output)
+    graph = copy_graph(module.graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
