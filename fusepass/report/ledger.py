@@ -335,7 +335,7 @@ def _kv_reads(shape: AttentionShape, tiles: Tiles) -> float:
 
 
 FORWARD_KERNEL = "_flash_forward_kernel"
-DELTA_KERNEL, DKDV_KERNEL, DQ_KERNEL = "_delta_kernel", "_flash_backward_dkdv_kernel", "_flash_backward_dq_kernel"
+DKDV_KERNEL, DQ_KERNEL = "_flash_backward_dkdv_kernel", "_flash_backward_dq_kernel"
 TORCH_OPS = "torch ops around the kernels"  # aux gradient buffers: zero-filled fp32, then cast
 
 
@@ -364,10 +364,11 @@ def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles:
                   for a in with_grad)
     buffers = sum(a.bytes // a.itemsize * (4 + 4 + a.itemsize) for a in with_grad)
     parts = {
-        DELTA_KERNEL: q_rows * (2 * d * oes + STAT_BYTES),
         DKDV_KERNEL: 4 * kv_rows * d * es + q_rows * row * dkdv_tiles.waves(dkdv_tiles.kv_blocks(shape))
         + _aux_tiles(shape, dkdv_tiles, aux) + atomics,
-        DQ_KERNEL: q_rows * row + _kv_reads(shape, dq_tiles) + q_rows * d * es + _aux_tiles(shape, dq_tiles, aux),
+        # dQ also reads O, for delta = rowsum(dO · O), which it writes for dK/dV (in `row`, read there).
+        DQ_KERNEL: q_rows * (row + d * oes) + _kv_reads(shape, dq_tiles) + q_rows * d * es
+        + _aux_tiles(shape, dq_tiles, aux),
     }
     if buffers:
         parts[TORCH_OPS] = buffers

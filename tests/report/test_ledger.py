@@ -64,14 +64,14 @@ def test_the_seeds_standard_attention_backward(planned_only):
     assert backward.flops == 4 * 2 * N * N * D + 4 * N * N
     assert backward.bytes_ideal == 2 * 8 * N * D  # Q, K, V, O, dO read, dQ, dK, dV written
     # Backward tiles: dK/dV 32 × 64 reads Q, dO and three statistics per row once per wave of its 64
-    # programs; dQ 128 × 64 reads K and V once per wave of 32; delta. The kernels write dQ, dK, dV in place.
+    # programs; dQ 128 × 64 reads K and V once per wave of 32, and O for delta. The kernels write dQ, dK, dV in
+    # place.
     row = D * 4 + 12
-    delta = N * (2 * D * 2 + 4)
     dkdv = 4 * N * D * 2 + N * row * (1 + 63 / 132)
-    dq = N * row + 2 * N * D * 2 * (1 + 31 / 132) + N * D * 2
-    assert backward.bytes_fused == round(delta + dkdv + dq)
+    dq = N * (row + D * 2) + 2 * N * D * 2 * (1 + 31 / 132) + N * D * 2
+    assert backward.bytes_fused == round(dkdv + dq)
     assert backward.detail["bytes_fused_by_kernel"] == {
-        "_delta_kernel": delta, "_flash_backward_dkdv_kernel": round(dkdv), "_flash_backward_dq_kernel": round(dq)}
+        "_flash_backward_dkdv_kernel": round(dkdv), "_flash_backward_dq_kernel": round(dq)}
 
 
 def test_causal_density_is_the_share_of_tiles_on_or_below_the_diagonal():

@@ -88,10 +88,10 @@ rewrites                          HBM bytes                 FLOP/B           est
                           unfused      fused      saved  unfused   fused   unfused     fused
   attention   forward    86.0 KiB   16.6 KiB   69.4 KiB     1.64    8.51     24 ns   4.62 ns
       tests/report/test_table.py:48 | 8 ops | 144 kFLOP | 4.4 KiB less kept for backward | causal
-  attention   backward  121.0 KiB   53.8 KiB   67.2 KiB     2.21    9.27   33.8 ns     15 ns
+  attention   backward  121.0 KiB   49.5 KiB   71.5 KiB     2.21    10.1   33.8 ns   13.8 ns
       tests/report/test_table.py:48 | 7 ops | 274 kFLOP | causal
   elementwise forward    44.1 KiB   12.1 KiB   32.0 KiB     0.11    0.41   12.3 ns   3.37 ns
       tests/report/test_table.py:49 | 5 ops | 5.12 kFLOP
   elementwise backward  104.1 KiB   24.1 KiB   80.1 KiB     0.10    0.42   29.1 ns   6.71 ns
       tests/report/test_table.py:49 | 10 ops | 10.2 kFLOP
-  total                 355.2 KiB  106.4 KiB  248.8 KiB                    99.1 ns   29.7 ns""")
+  total                 355.2 KiB  102.2 KiB  253.0 KiB                    99.1 ns   28.5 ns""")
