@@ -20,7 +20,8 @@ from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes,
 from fusepass.attention.op import AttentionSpec, Unfused, register
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.context import PassContext, mark_planned
-from fusepass.kernels.flash_config import FlashConfig, backward_configs, forward_config
+from fusepass.kernels.flash_config import (
+    FlashConfig, ModeledRows, backward_configs, forward_config, narrow_kv_tiles)
 from fusepass.report.ledger import (AttentionShape, AuxRead, Tiles, attention_rewrites, op_bytes, tile_density,
                                     value_bytes)
 from fusepass.report.records import Hotspot, Rewrite
@@ -117,7 +118,12 @@ def _records(replaced: list[torch.fx.Node], spec: AttentionSpec, sources: list[t
                    per_tile=value_bytes(a) // val(a).element_size() >= q_len * shape.kv_len,
                    needs_grad=bool(a.meta.get("requires_grad"))) for a in spec.lifted.aux]
     gradient_flows = any(n.meta.get("requires_grad") for n in kept)
-    return attention_rewrites(where, replaced, kept, shape, tiles(forward_config(head_dim, dtype, masked, cuda)),
+    forward = forward_config(head_dim, dtype, masked, cuda)
+    if masked:  # the width the kernel takes for the mask's rows, as far as the density model knows them
+        wide = tiles(forward)
+        known = wide.known and not spec.lifted.keep_reads_aux
+        forward = narrow_kv_tiles(forward, ModeledRows(wide.density * wide.kv_blocks(shape)) if known else None)
+    return attention_rewrites(where, replaced, kept, shape, tiles(forward),
                               (tiles(backward.dkdv), tiles(backward.dq)), aux,
                               tuple(features), {"shape": [batch, heads, q_len, shape.kv_len, head_dim],
                                                 "kv_heads": shape.kv_heads}, gradient_flows)

@@ -80,7 +80,14 @@ def _forward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> FlashCo
 SHORT_ROWS = 16
 
 
-def narrow_kv_tiles(config: FlashConfig, wide_map: BlockMap | None) -> FlashConfig:
+@dataclass(frozen=True)
+class ModeledRows:
+    """Row lengths where no block map is at hand: as the report's ledger models the tiles a mask keeps."""
+
+    mean_row_tiles: float
+
+
+def narrow_kv_tiles(config: FlashConfig, wide_map: BlockMap | ModeledRows | None) -> FlashConfig:
     """The forward's config for a masked attention whose block map at `config`'s tiles is `wide_map` (None: not
     known without evaluating the mask on this call): half-width kv tiles where `config` is 128 wide and the
     rows are short or unknown. The map is asked for its row lengths (a wait on the device) only then."""

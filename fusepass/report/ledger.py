@@ -284,6 +284,7 @@ class Tiles:
     density: float  # fraction of score tiles the kernel visits
     model: str  # how the density was found
     concurrent: int  # programs in flight (one per SM)
+    known: bool = True  # False: the density is a stand-in, the mask's tiles are only known at run time
 
     def q_blocks(self, shape: AttentionShape) -> int:
         return -(-shape.q_len // self.block_m)
@@ -321,7 +322,8 @@ def tile_density(features: Sequence[str], skips_tiles: bool, q_len: int, kv_len:
         return Tiles(block_m, block_n, 1.0, "every tile: none can be skipped", concurrent)
     if "causal" in features and "window" not in features and q_len == kv_len:
         return Tiles(block_m, block_n, causal_tile_fraction(q_len, block_m, block_n), "causal tiles", concurrent)
-    return Tiles(block_m, block_n, 1.0, "mask density unknown before run time: every tile counted", concurrent)
+    return Tiles(block_m, block_n, 1.0, "mask density unknown before run time: every tile counted", concurrent,
+                 known=False)
 
 
 def _aux_tiles(shape: AttentionShape, tiles: Tiles, aux: Sequence[AuxRead]) -> float:

@@ -87,6 +87,22 @@ def causal(q, k, v):
     return torch.softmax(s, dim=-1) @ v
 
 
+def sliding_window(q, k, v):
+    i = torch.arange(q.shape[-2])
+    distance = i[:, None] - i[None, :]
+    s = (q @ k.transpose(-1, -2)).masked_fill((distance < 0) | (distance >= 512), float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn, block_n", [(causal, 128), (sliding_window, 64)])
+def test_the_forward_tiles_are_those_the_kernel_takes_for_the_rows(planned_only, fn, block_n):
+    q, k, v = (torch.randn(1, 2, 4096, 128, dtype=torch.bfloat16) for _ in range(3))
+    (forward,) = rewrites(compiled_report(fn, q, k, v), kind="attention")
+    # At 128 × 128 causal rows list 16.5 kv tiles on average: 128 wide. The model does not count a window's
+    # rows (about 5 here): unknown rows run 64 wide, as short ones do.
+    assert (forward.detail["tiles"]["block_m"], forward.detail["tiles"]["block_n"]) == (128, block_n)
+
+
 def test_a_causal_mask_halves_the_fused_flops(planned_only):
     q, k, v = (torch.randn(1, 2, 512, 16) for _ in range(3))
     (forward,) = rewrites(compiled_report(causal, q, k, v), kind="attention")
