@@ -116,10 +116,31 @@ class BlockMap:
         return self.rows.count.sum(-1, dtype=torch.float64).mean().item()
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        """The map as tensors, in the order `from_tensors` reads them (dtypes `MAP_DTYPES`)."""
+        return [self.kind, self.rows.count, self.rows.index, self.cols.count, self.cols.index]
+
+    @classmethod
+    def from_tensors(cls, block_m: int, block_n: int, tensors: list[torch.Tensor]) -> BlockMap:
+        kind, rows_count, rows_index, cols_count, cols_index = tensors
+        return cls(block_m, block_n, kind, TileLists(rows_count, rows_index), TileLists(cols_count, cols_index))
+
+    @property
     def batch_head_strides(self) -> tuple[int, int]:
         """(map_batch_stride, map_head_stride): `b * .. + h * ..` is the map's flattened (b, h) index."""
         map_batch, map_heads = self.kind.shape[:2]
         return (map_heads if map_batch > 1 else 0), (1 if map_heads > 1 else 0)
+
+
+# Of `BlockMap.tensors`: kind, rows count and index, cols count and index.
+MAP_DTYPES = (torch.int8, torch.int32, torch.int32, torch.int32, torch.int32)
+
+
+def map_shapes(map_batch: int, map_heads: int, n_q_blocks: int, n_kv_blocks: int) -> list[tuple[int, ...]]:
+    """The shapes of `BlockMap.tensors` (see `TileLists`)."""
+    outer = (map_batch, map_heads)
+    return [outer + (n_q_blocks, n_kv_blocks), outer + (n_q_blocks, 2), outer + (n_q_blocks, 2, n_kv_blocks),
+            outer + (n_kv_blocks, 2), outer + (n_kv_blocks, 2, n_q_blocks)]
 
 
 @triton.jit

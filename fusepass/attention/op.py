@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import triton
 
-from fusepass.attention.blockmap import BlockMap, TileLists
+from fusepass.attention.blockmap import MAP_DTYPES, BlockMap, map_shapes
 from fusepass.attention.layout import OperandLayout
 from fusepass.attention.lift import Lifted
 from fusepass.attention.score_mod import ScoreMod
@@ -133,16 +133,13 @@ class AttentionSpec:
         return narrow_kv_tiles(forward_config(self.q.size[3], q.dtype, True, q.device), None)
 
     def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
-        """Of the forward's block map as the op returns it (kind, row and column lists; see `BlockMap`), or
-        empty. `q`: the op's input."""
+        """Of the forward's block map as the op returns it (`BlockMap.tensors`), or empty. `q`: the op's input."""
         tiles = self.passed_map_tiles(q)
         if tiles is None:
-            return [(0,)] * len(_MAP_DTYPES)
+            return [(0,)] * len(MAP_DTYPES)
         batch, heads, q_len, _ = self.out_shape
-        shape = (batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1)
-        n_q, n_kv = triton.cdiv(q_len, tiles.block_m), triton.cdiv(self.k.size[2], tiles.block_n)
-        return [shape + (n_q, n_kv), shape + (n_q, 2), shape + (n_q, 2, n_kv), shape + (n_kv, 2),
-                shape + (n_kv, 2, n_q)]
+        return map_shapes(batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1,
+                          triton.cdiv(q_len, tiles.block_m), triton.cdiv(self.k.size[2], tiles.block_n))
 
     @property
     def mod(self) -> ScoreMod:
@@ -159,25 +156,18 @@ class AttentionSpec:
         return self._mod
 
 
-# The forward's block map among the op's outputs: kind, rows count and index, cols count and index.
-_MAP_DTYPES = (torch.int8, torch.int32, torch.int32, torch.int32, torch.int32)
-
-
 def _map_tensors(spec: AttentionSpec, block_map: BlockMap | None, q: torch.Tensor) -> list[torch.Tensor]:
     if block_map is None or not spec.passes_map:
-        return [q.new_empty(0, dtype=dtype) for dtype in _MAP_DTYPES]
-    return [block_map.kind, block_map.rows.count, block_map.rows.index, block_map.cols.count,
-            block_map.cols.index]
+        return [q.new_empty(0, dtype=dtype) for dtype in MAP_DTYPES]
+    return block_map.tensors
 
 
 def _block_map(spec: AttentionSpec, tensors: list[torch.Tensor], q: torch.Tensor) -> BlockMap | None:
     """The forward's block map from the op's outputs, or None where the op returned none."""
-    kind, rows_count, rows_index, cols_count, cols_index = tensors
-    if not kind.numel():
+    if not tensors[0].numel():
         return None
     tiles = spec.passed_map_tiles(q)
-    return BlockMap(tiles.block_m, tiles.block_n, kind, TileLists(rows_count, rows_index),
-                    TileLists(cols_count, cols_index))
+    return BlockMap.from_tensors(tiles.block_m, tiles.block_n, tensors)
 
 
 _specs: dict[str, AttentionSpec] = {}
@@ -231,7 +221,7 @@ def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: i
     out = s.unfused.to_canonical(s.unfused.forward(inputs, seed), s.out_shape)
     rows = s.out_shape[:3]
     fallback = out.new_zeros(s.fallback_shape, dtype=torch.int8)
-    block_map = [out.new_zeros(shape, dtype=dtype) for shape, dtype in zip(s.map_shapes(inputs[0]), _MAP_DTYPES)]
+    block_map = [out.new_zeros(shape, dtype=dtype) for shape, dtype in zip(s.map_shapes(inputs[0]), MAP_DTYPES)]
     return (out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback,
             block_map)
 
@@ -247,7 +237,7 @@ def _attention_fake(q, k, v, aux, seed, spec):
     out = q.new_empty(shape, dtype=s.out_dtype)
     lse = q.new_empty(shape[:3], dtype=torch.float32)
     fallback = q.new_empty(s.fallback_shape, dtype=torch.int8)
-    block_map = [q.new_empty(shape, dtype=dtype) for shape, dtype in zip(s.map_shapes(q), _MAP_DTYPES)]
+    block_map = [q.new_empty(shape, dtype=dtype) for shape, dtype in zip(s.map_shapes(q), MAP_DTYPES)]
     return out, lse, q.new_empty(shape[:3], dtype=torch.float32), fallback, block_map
 
 
@@ -335,7 +325,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_out: torch.Tensor, *unused: Any):
     q, k, v, out, lse, log_sum, fallback, seed, *rest = ctx.saved_tensors
-    block_map, aux = rest[:len(_MAP_DTYPES)], rest[len(_MAP_DTYPES):]
+    block_map, aux = rest[:len(MAP_DTYPES)], rest[len(MAP_DTYPES):]
     dq, dk, dv, daux = attention_backward(grad_out.contiguous(), q, k, v, out, lse, log_sum, fallback,
                                           list(block_map), list(aux), seed, ctx.spec)
     return dq, dk, dv, [g if g.numel() else None for g in daux], None, None
