@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.attention.index import Idx, merge
 from fusepass.attention.layout import VIEW_OPS, Unsupported
+from fusepass.attention.score_mod import DistanceTable
 from fusepass.attention.match import AttentionMatch, packet, val
 from fusepass.attention.spans import Span, float_exact, float_rounding, narrow, result_span, truncated
 from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Emitter, Operand, bind, constant_value,
@@ -42,6 +43,13 @@ LANES = 4  # the fake length of E's values: pointwise ops do not care
 SPLAT_OF_S = "tl.full(s.shape, -0.0, tl.float32)"
 # Integer ops whose fp32 form (Code.as_float) is exact when every value is.
 FLOAT_FORM_OPS = {aten.add, aten.sub, aten.neg, aten.abs, *CASTS}
+# A value of the distance k - q alone whose code is longer than this many statements is read from a table of
+# its values per distance instead (one statement: the distance, an offset and a load, a coalesced read of a
+# few hundred bytes per tile). T5's log-bucketed bias takes ~20 statements per score, ALiBi's slope × distance 4.
+TABULATE_ABOVE = 8
+# Where a distance table's slot in the aux tuple goes: known once every tensor the chain reads is.
+TABLE_SLOT = "@table{}@"
+TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # held as fp32: the table stores them exactly
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,10 @@ class Code:
     # An fp32 expression of the same integer, exact: converted per position vector before they broadcast
     # (int → float of a whole tile is a quarter-rate instruction per score).
     as_float: str | None = None
+    # The integer a·q + c·k + d of the query and key positions, as (a, c, d), where it is that exactly.
+    affine: tuple[int, int, int] | None = None
+    # A function of the distance k - q alone (and of b, h and tensors read at them): see `_tabulated`.
+    relative: bool = False
 
     @property
     def narrow(self) -> bool:
@@ -97,7 +109,7 @@ class GradLeaf:
 class Lifted:
     """The score chain as the kernel's functions' source, and the tensors those read."""
 
-    source: str  # the jit functions, named in ``functions``
+    source: str  # the jit functions, named in ``functions`` and ``tables``
     functions: dict[str, str]  # score, score_grad, keep, fill, fill_grad → function name
     aux: list[torch.fx.Node]
     aux_needs_grad: list[bool]
@@ -105,6 +117,7 @@ class Lifted:
     keep_uses: frozenset[str]
     keep_reads_aux: bool
     features: list[str]
+    tables: list[DistanceTable]
 
 
 class Lifter:
@@ -123,6 +136,8 @@ class Lifter:
         self.features: set[str] = set()
         self.mask_compares = 0  # the most query-against-key comparisons a mask condition depends on
         self.aux_loads_in_code: set[int] = set()
+        self.tables: list[DistanceTable] = []
+        self.table_sources: list[str] = []
         self.s_leaf = self._placeholder("s", val(m.qk).dtype, False)
         self.leaves[self.s_leaf] = None
 
@@ -180,9 +195,34 @@ class Lifter:
     def _leaf(self, code: Code) -> torch.fx.Node:
         if code.expr not in self.leaf_of_expr:
             node = self._placeholder("v", code.dtype, code.zero_dim)
-            self.leaves[node] = code
+            self.leaves[node] = self._tabulated(code) or code
             self.leaf_of_expr[code.expr] = node
         return self.leaf_of_expr[code.expr]
+
+    def _tabulated(self, code: Code) -> Code | None:
+        """A value of the distance k - q alone that enters E, read from a table of its values per distance
+        where its own code is longer (T5's bucket: a log, conversions and a gather per score): the table
+        holds the very values that code computes, evaluated once per distance."""
+        if not (code.relative and {"q", "k"} <= code.uses and code.dtype in TABLE_DTYPES and code.mask is None):
+            return None
+        lines = self._closure(code.expr)
+        c = self.canon
+        batch, heads = (c.batch if "b" in code.uses else 1), (c.heads if "h" in code.uses else 1)
+        distances = c.q_len + c.kv_len - 1
+        if len(lines) <= TABULATE_ABOVE or batch * heads * distances >= 2 ** 31:
+            return None
+        table = DistanceTable(f"{self.name}_distance{len(self.tables)}", batch, heads, c.q_len, c.kv_len)
+        # The table is evaluated at a valid (q, k) pair of each distance: those code reads tensors at.
+        self.table_sources.append(_function(table.function, "r, b, h, aux",
+                                            ["q_idx = tl.maximum(-r, 0)", "kv_idx = tl.maximum(r, 0)", *lines],
+                                            f"return ({code.expr}).to(tl.float32)"))
+        # The terms along the key axis first: they add per position vector, then one subtraction per score.
+        start = [f"{c.q_len - 1}"] + [f"h * {distances}"] * (heads > 1) + [f"b * {heads * distances}"] * (batch > 1)
+        read = self.code.let(f"tl.load(aux[{TABLE_SLOT.format(len(self.tables))}] + "
+                             f"((kv_idx + ({' + '.join(start)})) - q_idx))")
+        self.tables.append(table)
+        self.features.add("distance_table")
+        return Code(read, code.dtype, code.uses, span=code.span)
 
     def _e_node(self, target: Any, args: tuple, kwargs: dict, uses: frozenset[str] | None = None) -> Diff:
         def as_e(a: Any) -> Any:
@@ -194,12 +234,35 @@ class Lifter:
                 return type(a)(as_e(x) for x in a)
             return a
 
+        def as_float(a: Any) -> Any:
+            if isinstance(a, Code) and a.as_float is not None:
+                return Code(a.as_float, torch.float32, a.uses, a.zero_dim)
+            if isinstance(a, (list, tuple)):
+                return type(a)(as_float(x) for x in a)
+            return a
+
+        def fake(e_args: Any) -> Any:
+            return torch.fx.node.map_arg(e_args, lambda n: n.meta["val"])
+
+        def fake_value(a: Any) -> Any:  # without making leaves of index values
+            if isinstance(a, Diff):
+                return a.node.meta["val"]
+            if isinstance(a, Code):
+                return torch.empty(() if a.zero_dim else (LANES,), dtype=a.dtype)
+            if isinstance(a, (list, tuple)):
+                return type(a)(fake_value(x) for x in a)
+            return a
+
+        with self.fake:
+            result = target(*fake_value(args), **{k: fake_value(v) for k, v in kwargs.items()})
+        if result.dtype == torch.float32:
+            # An integer promoted to fp32 by the op: its exact fp32 form (converted per position vector, not
+            # per score) stands for it.
+            args, kwargs = as_float(args), {k: as_float(v) for k, v in kwargs.items()}
         e_args, e_kwargs = as_e(args), {k: as_e(v) for k, v in kwargs.items()}
         node = self.graph.call_function(target, e_args, e_kwargs)
-        fake_args = torch.fx.node.map_arg(e_args, lambda n: n.meta["val"])
-        fake_kwargs = torch.fx.node.map_arg(e_kwargs, lambda n: n.meta["val"])
         with self.fake:
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
+            node.meta["val"] = target(*fake(e_args), **fake(e_kwargs))
         if uses is None:
             uses = frozenset().union(*[a.uses for a in list(args) + list(kwargs.values())
                                        if isinstance(a, (Code, Diff))])
@@ -266,8 +329,12 @@ class Lifter:
             span = (min(ends), max(ends))
         target = torch.int32 if narrow(dtype, span) else held_dtype(dtype)
         as_float = f"({expr}).to(tl.float32)" if float_exact(span) else None
+        affine = None
+        position = _affine_of(coords[0])
+        if position is not None and span is not None:
+            affine = (step * position[0], step * position[1], start + step * position[2])
         return Code(self.code.let(f"({expr}).to({TRITON_DTYPE[target]})"), dtype, uses, span=span,
-                    as_float=as_float)
+                    as_float=as_float, affine=affine)
 
     def _triangle(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
         x = self.value(node.args[0], coords)
@@ -299,6 +366,7 @@ class Lifter:
         plain = iter(coords[:start] + coords[start + len(index_shape):])
         parts, uses = [], set()
         wide = _needs_int64_offsets(val(table))
+        relative = True  # every index a value of the distance alone, no other dim read at q or k
         for d, (size, stride) in enumerate(zip(table_shape, val(table).stride())):
             if d in present:
                 i = self.value(indices[d], _broadcast(index_coords, index_shape, tuple(val(indices[d]).shape)))
@@ -307,13 +375,15 @@ class Lifter:
                 wrapped = self.code.let(f"tl.where({i.expr} < 0, {i.expr} + {size}, {i.expr})")
                 parts.append(_offset_term(wrapped, stride, wide))
                 uses |= i.uses
+                relative &= _of_distance(i)
             else:
                 text, u = self.render(next(plain))
                 parts.append(_offset_term(text, stride, wide))
                 uses |= u
+                relative &= not {"q", "k"} & u
         if table.meta.get("requires_grad", False) or "q" in uses and "k" in uses:
             self.features.add("relative_bias")
-        return self._read(table, " + ".join(parts), frozenset(uses), gathered=True)
+        return self._read(table, " + ".join(parts), frozenset(uses), gathered=True, relative=relative)
 
     def _load(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
         tensor = val(node)
@@ -330,8 +400,8 @@ class Lifter:
             uses |= u
         return self._read(node, " + ".join(parts) if parts else "0", frozenset(uses))
 
-    def _read(self, tensor: torch.fx.Node, offset: str, uses: frozenset[str], gathered: bool = False
-              ) -> Code | Diff:
+    def _read(self, tensor: torch.fx.Node, offset: str, uses: frozenset[str], gathered: bool = False,
+              relative: bool = False) -> Code | Diff:
         t = val(tensor)
         if t.device != val(self.m.qk).device:
             raise Unsupported(f"a score input on {t.device}, the scores on {val(self.m.qk).device}")
@@ -347,7 +417,7 @@ class Lifter:
         load = f"tl.load(aux[{index}] + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
         if held_dtype(t.dtype) != t.dtype:
             load += f".to({TRITON_DTYPE[held_dtype(t.dtype)]})"
-        return Code(self.code.let(load), t.dtype, uses, t.dim() == 0)
+        return Code(self.code.let(load), t.dtype, uses, t.dim() == 0, relative=relative)
 
     def _aux_index(self, tensor: torch.fx.Node) -> int:
         if tensor not in self.aux:
@@ -368,9 +438,7 @@ class Lifter:
         kwargs = {k: arg_value(v) for k, v in node.kwargs.items()}
         result = self._pointwise_value(node.target, args, kwargs, val(node).dtype, val(node).dim() == 0)
         if isinstance(result, Code) and packet(node) in (aten.where, aten.masked_fill):
-            mask = _mask_of(node, args)
-            result = Code(result.expr, result.dtype, result.uses, result.zero_dim, mask, result.compares,
-                          result.span)
+            result = replace(result, mask=_mask_of(node, args), as_float=None, affine=None)
         return result
 
     def _pointwise_value(self, target: Any, args: tuple, kwargs: dict, dtype: torch.dtype,
@@ -405,8 +473,12 @@ class Lifter:
                            torch.int32 if narrow_result else dtype, round_casts=False)
         # Integers only have an fp32 form (a float result is its own).
         as_float = None if dtype.is_floating_point else self._float_form(target, args, kwargs, span)
+        affine = None if dtype.is_floating_point or span is None else _affine_result(target, args, kwargs)
+        nested = any(isinstance(a, (list, tuple)) for a in flat)  # operands in lists: not looked into
+        relative = not nested and all(_of_distance(a) for a in codes) or \
+            affine is not None and affine[0] == -affine[1] != 0
         return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span,
-                    as_float=as_float)
+                    as_float=as_float, affine=affine, relative=relative)
 
     def _float_form(self, target: Any, args: tuple, kwargs: dict, span: Span | None) -> str | None:
         """The fp32 form of an integer result whose operands have one, where every value stays exact in fp32:
@@ -472,28 +544,30 @@ class Lifter:
         self.graph.output(final.node)
         keep, fill_value, score_graph, fill_graph = self._split_mask()
         functions: dict[str, str] = {}
-        prelude = list(self.code.lines)
         chunks = []
-        chunks.append(self._score_function(f"{self.name}_score", score_graph, prelude))
-        chunks.append(self._grad_function(f"{self.name}_score_grad", score_graph, prelude))
+        chunks.append(self._score_function(f"{self.name}_score", score_graph))
+        chunks.append(self._grad_function(f"{self.name}_score_grad", score_graph))
         functions["score"], functions["score_grad"] = f"{self.name}_score", f"{self.name}_score_grad"
         fill_bound = -math.inf
         keep_uses: frozenset[str] = frozenset()
         keep_reads_aux = False
         if keep is not None:
             keep_expr, keep_uses, keep_reads_aux = keep
-            chunks.append(_function(f"{self.name}_keep", "b, h, q_idx, kv_idx, aux", prelude,
+            chunks.append(self._index_function(f"{self.name}_keep", "b, h, q_idx, kv_idx, aux", [],
                                     f"return {keep_expr}"))
-            chunks.append(self._score_function(f"{self.name}_fill", fill_graph, prelude))
-            chunks.append(self._grad_function(f"{self.name}_fill_grad", fill_graph, prelude))
+            chunks.append(self._score_function(f"{self.name}_fill", fill_graph))
+            chunks.append(self._grad_function(f"{self.name}_fill_grad", fill_graph))
             functions.update(keep=f"{self.name}_keep", fill=f"{self.name}_fill",
                              fill_grad=f"{self.name}_fill_grad")
             fill_bound = fill_value
         features = self._features()
-        return Lifted(source="\n\n".join(chunks), functions=functions, aux=self.aux,
+        source = "\n\n".join(chunks + self.table_sources)
+        for t in range(len(self.tables)):
+            source = source.replace(TABLE_SLOT.format(t), str(len(self.aux) + t))
+        return Lifted(source=source, functions=functions, aux=self.aux,
                       aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
                       fill_bound=fill_bound,
-                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, features=features)
+                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, features=features, tables=self.tables)
 
     def _features(self) -> list[str]:
         features = set(self.features)
@@ -539,17 +613,18 @@ class Lifter:
     def _reads_aux(self, expr: str) -> bool:
         """Whether the index expression `expr` loads from an aux tensor, itself or through the names it uses.
         (A KEEP that does not is evaluated once per shape: its block map is cached.)"""
+        return any("aux[" in text for text in [expr, *self._closure(expr)])
+
+    def _closure(self, expr: str) -> list[str]:
+        """The statements of index code the expression `expr` reads, directly or not, in their order."""
         definitions = dict(line.split(" = ", 1) for line in self.code.lines)
         pending, seen = [expr], set()
         while pending:
-            text = pending.pop()
-            if "aux[" in text:
-                return True
-            for name in re.findall(rf"\b{self.code.prefix}\d+\b", text):
+            for name in re.findall(rf"\b{self.code.prefix}\d+\b", pending.pop()):
                 if name in definitions and name not in seen:
                     seen.add(name)
                     pending.append(definitions[name])
-        return False
+        return [line for line in self.code.lines if line.split(" = ", 1)[0] in seen]
 
     def _mask_at(self, node: torch.fx.Node):
         """``(keep, fill, inner, additive, uses, node)`` if ``node`` masks ``inner`` with a constant."""
@@ -628,21 +703,26 @@ class Lifter:
                 env[node.name] = Operand(node.name, dtype, zero_dim)
         return env
 
-    def _score_function(self, name: str, module: torch.fx.GraphModule, prelude: list[str]) -> str:
-        lines = list(prelude)
+    def _index_function(self, name: str, params: str, lines: list[str], ret: str) -> str:
+        """A jit function of `lines` and `ret`, after the statements of index code they read (only those: a
+        value read from a distance table leaves its own code unread)."""
+        return _function(name, params, self._closure("\n".join(lines + [ret])) + lines, ret)
+
+    def _score_function(self, name: str, module: torch.fx.GraphModule) -> str:
+        lines: list[str] = []
         env = self._bind_leaves(module, lines)
         result = _emit_graph(module, env, lines, "e")[0]
-        return _function(name, "s, b, h, q_idx, kv_idx, aux", lines,
-                         f"return ({result.expr} + {SPLAT_OF_S}).to(tl.float32)")
+        return self._index_function(name, "s, b, h, q_idx, kv_idx, aux", lines,
+                                    f"return ({result.expr} + {SPLAT_OF_S}).to(tl.float32)")
 
-    def _grad_function(self, name: str, module: torch.fx.GraphModule, prelude: list[str]) -> str:
+    def _grad_function(self, name: str, module: torch.fx.GraphModule) -> str:
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
         by_name = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
         differentiable = [i for i, n in enumerate(placeholders)
                           if by_name.get(n.name) is self.s_leaf or isinstance(self.leaves.get(by_name.get(n.name)),
                                                                                GradLeaf)]
         backward = _vjp_graph(module, differentiable)
-        lines = list(prelude)
+        lines: list[str] = []
         env = self._bind_leaves(module, lines)
         env_backward = {}
         backward_placeholders = [n for n in backward.graph.nodes if n.op == "placeholder"]
@@ -660,7 +740,7 @@ class Lifter:
                 # The dQ kernel passes aux_grad=None: the dK/dV kernel alone accumulates aux gradients.
                 lines.append("if aux_grad is not None:")
                 lines += ["    " + line for line in _accumulate(self.leaves[leaf], grad.expr)]
-        return _function(name, "s, ds, b, h, q_idx, kv_idx, aux, aux_grad", lines, f"return {result}")
+        return self._index_function(name, "s, ds, b, h, q_idx, kv_idx, aux, aux_grad", lines, f"return {result}")
 
 
 def _accumulate(leaf: GradLeaf, grad: str) -> list[str]:
@@ -752,6 +832,52 @@ def _emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: li
 def _function(name: str, params: str, lines: list[str], ret: str) -> str:
     body = "\n".join(f"    {line}" for line in lines + [ret])
     return f"@triton.jit\ndef {name}({params}):\n{body}\n"
+
+
+def _of_distance(value: Code) -> bool:
+    """Whether an index value is a function of the distance k - q alone (one not varying with q or k is)."""
+    return value.relative or not {"q", "k"} & value.uses
+
+
+def _affine_of(idx: Idx) -> tuple[int, int, int] | None:
+    """``idx`` as (a, c, d) of a·q + c·k + d, where it is a sum of whole positions."""
+    coefs = {"q": 0, "k": 0}
+    for t in idx.terms:
+        if t.var not in coefs or t.div != 1 or t.mod is not None:
+            return None
+        coefs[t.var] += t.coef
+    return coefs["q"], coefs["k"], idx.const
+
+
+def _affine_result(target: Any, args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
+    """The (a, c, d) of an integer op's result whose operands are affine in the positions: sums, differences,
+    negations, products with a constant and casts (the result's span fits its dtype: no wrap-around)."""
+    kind = getattr(target, "overloadpacket", None)
+
+    def affine(a: Any) -> tuple[int, int, int] | None:
+        if isinstance(a, Code):
+            if a.affine is None and not a.uses and a.span is not None and a.span[0] == a.span[1]:
+                return 0, 0, a.span[0]  # a constant
+            return a.affine
+        if isinstance(a, int) and not isinstance(a, bool):
+            return 0, 0, a
+        return None
+
+    if kind in CASTS:
+        return affine(args[1] if kind == aten.copy else args[0])
+    forms = [affine(a) for a in args]
+    if None in forms or kwargs.get("alpha", 1) != 1:
+        return None
+    if kind == aten.neg:
+        return tuple(-x for x in forms[0])
+    if kind in (aten.add, aten.sub) and len(forms) == 2:
+        sign = 1 if kind == aten.add else -1
+        return tuple(x + sign * y for x, y in zip(*forms))
+    if kind == aten.mul and len(forms) == 2:
+        for (a, c, d), other in ((forms[0], forms[1]), (forms[1], forms[0])):
+            if a == c == 0:
+                return tuple(d * x for x in other)
+    return None
 
 
 def _span_of(value: Any) -> Span | None:

@@ -152,7 +152,8 @@ class AttentionSpec:
                 fill=fns.get("fill"), fill_grad=fns.get("fill_grad"), fill_bound=self.lifted.fill_bound,
                 has_aux_grad=any(self.lifted.aux_needs_grad),
                 keep_uses_batch="b" in self.lifted.keep_uses, keep_uses_head="h" in self.lifted.keep_uses,
-                keep_reads_aux=self.lifted.keep_reads_aux)
+                keep_reads_aux=self.lifted.keep_reads_aux,
+                tables=tuple((getattr(module, t.function), t) for t in self.lifted.tables))
         return self._mod
 
 

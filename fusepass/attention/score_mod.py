@@ -10,6 +10,20 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class DistanceTable:
+    """A value of the distance r = k - q alone, tabulated per call over r in [-(q_len - 1), kv_len - 1]
+    (`fusepass/kernels/distance_table.py`) by the jit function named `function`, ``(r, b, h, aux) → fp32``.
+    The table is [batch, heads, q_len + kv_len - 1], batch and heads 1 where the value does not vary with
+    them; the score functions read it as the aux tensor after the chain's own and the tables before it."""
+
+    function: str
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+
+
+@dataclass(frozen=True)
 class ScoreMod:
     """Generated ``@triton.jit`` functions of one attention's score chain.
 
@@ -30,6 +44,7 @@ class ScoreMod:
     keep_uses_batch: bool = False
     keep_uses_head: bool = False
     keep_reads_aux: bool = False
+    tables: tuple[tuple[Any, DistanceTable], ...] = ()  # (the jit function, its table), read after aux
 
     @property
     def has_mask(self) -> bool:

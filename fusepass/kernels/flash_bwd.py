@@ -30,6 +30,7 @@ import triton.language as tl
 from fusepass.attention.blockmap import (
     EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, list_entry, row_lists)
 from fusepass.attention.score_mod import ScoreMod
+from fusepass.kernels.distance_table import distance_tables
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, load_tile, masked_scores,
@@ -323,6 +324,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     assert lse.shape == extra.log_sum.shape == (batch, q_heads, q_len)
     configs = backward_configs(head_dim, q.dtype, q.device)
     block_d = head_block(head_dim)
+    aux = aux + distance_tables(mod, aux, q.device)
     lse, log_sum = lse.contiguous(), extra.log_sum.contiguous()
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # written by the dQ kernel
     dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))

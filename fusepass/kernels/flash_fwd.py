@@ -30,6 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, row_lists
 from fusepass.attention.score_mod import ScoreMod
+from fusepass.kernels.distance_table import distance_tables
 from fusepass.kernels.flash_config import forward_config, head_block, launch_fitting, narrow_kv_tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -316,6 +317,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     """
     check_attention_inputs(q, k, v)
     assert 0.0 <= dropout_p < 1.0
+    aux = aux + distance_tables(mod, aux, q.device)
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     config = forward_config(head_dim, q.dtype, mod.has_mask, q.device)
