@@ -31,6 +31,10 @@ import triton.language as tl
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.launch import launch
 
+# Warps of a `_tile_kind_kernel` program: the document mask mapped in 40 µs at 2, 120 at 4 and 123 at 1
+# (bench/results/tile-kind-sweep-2026-11-30-0521; a padding mask 14–16 µs at any).
+TILE_KIND_WARPS = 2
+
 # Tile kinds, as stored in `BlockMap.kind`.
 EMPTY = tl.constexpr(0)
 PARTIAL = tl.constexpr(1)
@@ -196,7 +200,7 @@ def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: in
     kind = torch.empty(map_batch, map_heads, n_q_blocks, n_kv_blocks, dtype=torch.int8, device=device)
     grid = (n_q_blocks, n_kv_blocks, map_batch * map_heads)
     launch(_tile_kind_kernel, grid, kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep, BLOCK_M=block_m,
-           BLOCK_N=block_n)
+           BLOCK_N=block_n, num_warps=TILE_KIND_WARPS)
     return BlockMap(block_m, block_n, kind, rows=_tile_lists(kind), cols=_tile_lists(kind.transpose(-1, -2)))
 
 
