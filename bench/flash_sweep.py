@@ -1,6 +1,6 @@
 """Tile configs of the flash kernels, timed on causal attention: what ``flash_config`` should choose.
 
-    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2]
+    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--forward-only]
 
 Calls the kernels directly (no compile step), with a causal score function written here by hand.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 import torch
 import triton
@@ -46,6 +47,8 @@ def no_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
 
 CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf,
                   fill_grad=no_grad)
+# The same, its scale declared (ScoreMod.linear_scale): full tiles fold it into the exponent.
+CAUSAL_LINEAR = replace(CAUSAL, name="sweep_causal_linear", linear_scale=0.08838834764831845)
 
 # Per-tile operands through TMA descriptors; the first config of each list also with pointer loads.
 FORWARD = [FlashConfig(128, 128, 8, 3, descriptors=False)] + [
@@ -71,6 +74,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--forward-only", action="store_true")
     args = parser.parse_args()
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -81,16 +85,17 @@ def main() -> None:
     sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
-    for config in FORWARD:
+    for mod, config in [(CAUSAL, c) for c in FORWARD] + [(CAUSAL_LINEAR, c) for c in FORWARD[1:2] + FORWARD[4:5]]:
         flash_fwd.forward_config = lambda *a, c=config: c
+        kernel = "forward" if mod is CAUSAL else "forward, scale folded"
         try:
-            out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ())
+            out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, ())
             error = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
-            ms = median_ms(lambda: flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ()))
-            rows.append({"kernel": "forward", "config": str(config), "ms": ms, "TFLOP/s": flops / ms / 1e9,
+            ms = median_ms(lambda: flash_fwd.flash_attention_forward(q, k, v, mod, ()))
+            rows.append({"kernel": kernel, "config": str(config), "ms": ms, "TFLOP/s": flops / ms / 1e9,
                          "error": error, "registers / spills": registers(flash_fwd._flash_forward_kernel)})
         except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
-            rows.append({"kernel": "forward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
+            rows.append({"kernel": kernel, "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
     flash_fwd.forward_config = lambda *a: FlashConfig(128, 128, 8, 3, descriptors=True)
     out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ())
@@ -99,7 +104,7 @@ def main() -> None:
     sdpa_bwd = median_ms(lambda: torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True))
     rows.append({"kernel": "sdpa backward", "config": "-", "ms": sdpa_bwd, "TFLOP/s": 2.5 * flops / sdpa_bwd / 1e9})
     expected = torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True)
-    for config in BACKWARD:
+    for config in [] if args.forward_only else BACKWARD:
         flash_bwd.backward_configs = lambda *a, c=config: c
         try:
             grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (), None)

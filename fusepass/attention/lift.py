@@ -34,7 +34,7 @@ from fusepass.attention.score_mod import DistanceTable
 from fusepass.attention.match import AttentionMatch, packet, val
 from fusepass.attention.spans import Span, float_exact, float_rounding, narrow, result_span, truncated
 from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Emitter, Operand, bind, constant_value,
-                                        held_dtype, is_supported, literal, translate)
+                                        float32_reciprocal, held_dtype, is_supported, literal, translate)
 
 aten = torch.ops.aten
 LANES = 4  # the fake length of E's values: pointwise ops do not care
@@ -43,6 +43,8 @@ LANES = 4  # the fake length of E's values: pointwise ops do not care
 SPLAT_OF_S = "tl.full(s.shape, -0.0, tl.float32)"
 # Integer ops whose fp32 form (Code.as_float) is exact when every value is.
 FLOAT_FORM_OPS = {aten.add, aten.sub, aten.neg, aten.abs, *CASTS}
+# Casts whose first argument is the value cast.
+VALUE_CASTS = CASTS - {aten.copy}
 # A value of the distance k - q alone whose code is longer than this many statements is read from a table of
 # its values per distance instead (one statement: the distance, an offset and a load, a coalesced read of a
 # few hundred bytes per tile). T5's log-bucketed bias takes ~20 statements per score, ALiBi's slope × distance 4.
@@ -118,6 +120,7 @@ class Lifted:
     keep_reads_aux: bool
     features: list[str]
     tables: list[DistanceTable]
+    linear_scale: float | None  # see ScoreMod.linear_scale
 
 
 class Lifter:
@@ -567,7 +570,31 @@ class Lifter:
         return Lifted(source=source, functions=functions, aux=self.aux,
                       aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
                       fill_bound=fill_bound,
-                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, features=features, tables=self.tables)
+                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, features=features, tables=self.tables,
+                      linear_scale=self._linear_scale(score_graph))
+
+    def _linear_scale(self, module: torch.fx.GraphModule) -> float | None:
+        """c where the score graph computes s · c for a positive constant c, through casts that do not narrow
+        (as emitted: a division by a constant is a product with its fp32 reciprocal)."""
+        node = next(n for n in module.graph.nodes if n.op == "output").args[0]
+        while isinstance(node, torch.fx.Node) and packet(node) in VALUE_CASTS and \
+                node.meta["val"].dtype.is_floating_point and \
+                node.meta["val"].dtype.itemsize >= node.args[0].meta["val"].dtype.itemsize:
+            node = node.args[0]
+        if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and len(node.args) == 2 and
+                held_dtype(node.meta["val"].dtype) == torch.float32):
+            return None
+        a, c = node.args
+        if packet(node) == aten.div:
+            c = float32_reciprocal(c)
+        elif packet(node) == aten.mul:
+            if isinstance(c, torch.fx.Node):
+                c, a = a, c
+        else:
+            return None
+        is_s = isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.name == self.s_leaf.name
+        return float(c) if is_s and isinstance(c, (int, float)) and not isinstance(c, bool) and 0 < c < math.inf \
+            else None
 
     def _features(self) -> list[str]:
         features = set(self.features)

@@ -45,6 +45,9 @@ class ScoreMod:
     keep_uses_head: bool = False
     keep_reads_aux: bool = False
     tables: tuple[tuple[Any, DistanceTable], ...] = ()  # (the jit function, its table), read after aux
+    # c where SCORE(s) is s · c for a positive constant c: the forward's FULL tiles then fold c into the
+    # exponent's fma (max(s · c) is max(s) · c, rounding being monotonic) instead of a product per score.
+    linear_scale: float | None = None
 
     @property
     def has_mask(self) -> bool:

@@ -181,15 +181,22 @@ def _div_kind(args: dict[str, Any]) -> Kind:
     return Kind.DEFAULT if args.get("rounding_mode") else Kind.INT_TO_FLOAT
 
 
+def float32_reciprocal(divisor: Any) -> float | None:
+    """The float32 reciprocal a division by the constant `divisor` multiplies by (see `_quotient`), or None
+    where it divides."""
+    if not isinstance(divisor, (int, float)) or isinstance(divisor, bool):
+        return None
+    reciprocal = float(torch.tensor(1.0, dtype=torch.float32) / float(divisor))
+    return reciprocal if math.isfinite(reciprocal) and abs(reciprocal) >= torch.finfo(torch.float32).tiny else None
+
+
 def _quotient(c, self, other) -> str:
     """self / other. By a constant, in float32, as a product with its reciprocal: Triton's float32 `/` is
     `div.full.f32`, a reciprocal on the special-function unit (the one exp2 needs in attention) and a
     multiply, no closer to the exact quotient (2 ulp) than the product (1 ulp; exact for powers of two)."""
-    divisor = c.raw.get("other")
-    if isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and held_dtype(c.compute) == torch.float32:
-        reciprocal = float(torch.tensor(1.0, dtype=torch.float32) / float(divisor))
-        if math.isfinite(reciprocal) and abs(reciprocal) >= torch.finfo(torch.float32).tiny:
-            return f"({self} * {c.lit(reciprocal)})"
+    reciprocal = float32_reciprocal(c.raw.get("other"))
+    if reciprocal is not None and held_dtype(c.compute) == torch.float32:
+        return f"({self} * {c.lit(reciprocal)})"
     return f"({self} / {other})"
 
 

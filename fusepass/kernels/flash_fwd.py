@@ -116,8 +116,8 @@ def dropout_kept(seed, dropout_p, row_offsets, cols):
 @triton.jit
 def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk, aux,
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
-                 PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
+                 SCALE: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """Fold one kv tile into the running (acc, m, l) of a q block."""
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k = load_tile(K, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
@@ -128,14 +128,23 @@ def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_he
     if PARTIAL:
         x, _ = masked_scores(s, b, h, q_idx, tl.minimum(cols, Nk - 1)[None, :], (cols < Nk)[None, :], aux,
                              SCORE, KEEP, FILL)
+        log2_scale = LOG2E
+    elif FUSED_EXP and SCALE is not None:
+        # SCORE(s) = s · SCALE, folded into the exponent's fma (see ScoreMod.linear_scale): x stays s.
+        x = s
+        log2_scale = SCALE * LOG2E
     else:
         x = SCORE(s, b, h, q_idx, cols[None, :], aux)
-    m_new = tl.maximum(m, tl.max(x, 1))
+        log2_scale = LOG2E
+    if not PARTIAL and FUSED_EXP and SCALE is not None:
+        m_new = tl.maximum(m, tl.max(x, 1) * SCALE)
+    else:
+        m_new = tl.maximum(m, tl.max(x, 1))
     if FUSED_EXP:
         # Rows whose max is not tame shift by 0: their weights so far are 0 or garbage, and they are
         # recomputed (see the kernel's fallback).
         shift2 = tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E
-        p = tl.math.exp2(tl.math.fma(x, LOG2E, -shift2[:, None]))
+        p = tl.math.exp2(tl.math.fma(x, log2_scale, -shift2[:, None]))
         # The weights so far are 2^(x·log2(e) - old shift2): rescaled by the difference of the rounded
         # shifts, they share the new ones' factor 2^δ exactly. A row without a finite score so far has none.
         old_shift2 = tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E
@@ -159,7 +168,7 @@ def _flash_forward_kernel(
     Q, K, V, Out, Lse, LogSum, Fallback,
     q_strides, k_strides, v_strides, out_strides,
     Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
-    SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, DROPOUT: tl.constexpr,
+    SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DESCRIPTORS: tl.constexpr,
 ):
@@ -201,7 +210,7 @@ def _flash_forward_kernel(
             kv_block = next_block
             next_block = list_entry(full_blocks, n_full, i + 1)
         acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk,
-                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, False, DROPOUT, True,
+                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
     if KEEP is not None:
         next_block = list_entry(partial_blocks, n_partial, 0)
@@ -212,7 +221,7 @@ def _flash_forward_kernel(
             kv_block = next_block
             next_block = list_entry(partial_blocks, n_partial, i + 1)
         acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk,
-                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True, DROPOUT, True,
+                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, True, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
 
     # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
@@ -232,7 +241,7 @@ def _flash_forward_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for kv_block in range(0, n_kv_blocks):
             acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
-                                     q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, True,
+                                     q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, True,
                                      DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
         log2_excess = tl.zeros([BLOCK_M], tl.float32)
     if KEEP is not None:
@@ -345,7 +354,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         q, k_operand, v_operand, out, lse, log_sum, fallback_rows,
         q.stride(), k.stride(), v.stride(), out.stride(),
         q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p,
-        SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, DROPOUT=dropout_p > 0.0,
+        SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
         DESCRIPTORS=descriptors, num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -55,6 +55,16 @@ def scaled_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
 
 
 @triton.jit
+def quarter(s, b, h, q_idx, kv_idx, aux):
+    return s * 0.25
+
+
+@triton.jit
+def quarter_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    return ds * 0.25
+
+
+@triton.jit
 def causal(b, h, q_idx, kv_idx, aux):
     return kv_idx <= q_idx
 
@@ -227,6 +237,12 @@ CASES = {
                        lambda s, i, r: where(is_causal(i), s * r["scale"], -math.inf), scale_only),
     "causal_min": Case(masked("t_causal", causal, F32_MIN),
                        lambda s, i, r: where(is_causal(i), s * r["scale"], F32_MIN), scale_only),
+    # SCORE(s) = s / 4, declared: full tiles fold the scale into the exponent.
+    "plain_linear": Case(ScoreMod("t_plain_linear", quarter, quarter_grad, linear_scale=0.25),
+                         lambda s, i, r: s * 0.25, scale_only),
+    "causal_linear": Case(masked("t_causal_linear", causal, F32_MIN, score=quarter, score_grad=quarter_grad,
+                                 linear_scale=0.25),
+                          lambda s, i, r: where(is_causal(i), s * 0.25, F32_MIN), scale_only),
     "causal_soft": Case(SOFT_CAUSAL,
                         lambda s, i, r: torch.where(is_causal(i), s * r["scale"], s * r["scale"] - PENALTY.value),
                         scale_only),
@@ -314,6 +330,8 @@ MATRIX = [
     ("causal_min", f16, Shape(1, 4, 2, 37, 53, 24), "bhnd"),
     ("causal_min", f32, Shape(1, 2, 2, 5, 20, 16), "bhnd"),  # fewer queries than one tile, smallest head dim
     ("causal_soft", f32, Shape(1, 2, 1, 37, 53, 24), "bhnd"),
+    ("plain_linear", f32, Shape(1, 2, 1, 37, 53, 24), "bhnd"),
+    ("causal_linear", bf16, Shape(1, 2, 2, 45, 61, 32), "bhnd"),
     ("window_min", f32, Shape(1, 2, 1, 53, 53, 24), "bhnd"),
     ("alibi_causal", bf16, Shape(1, 4, 2, 37, 37, 24), "bhnd"),
     ("softcap", f32, Shape(1, 2, 2, 37, 53, 24), "bhnd"),
