@@ -64,6 +64,19 @@ def quarter_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
     return ds * 0.25
 
 
+HUGE = 2.0 ** 120
+
+
+@triton.jit
+def huge(s, b, h, q_idx, kv_idx, aux):
+    return s * 1.329227995784916e36  # HUGE
+
+
+@triton.jit
+def huge_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    return ds * 1.329227995784916e36
+
+
 @triton.jit
 def causal(b, h, q_idx, kv_idx, aux):
     return kv_idx <= q_idx
@@ -497,3 +510,20 @@ def test_tensor_descriptors_only_where_the_layout_allows():
     assert not descriptors(torch.randn(1, 2, 24, 5).transpose(-1, -2))
     assert not descriptors(torch.randn(1, 1, 5, 24).expand(1, 4, 5, 24))
     assert not tile_operands((torch.randn(2, 3, 5, 24),), 16, 32, use=False)[1]
+
+
+def test_rows_of_huge_scores_take_the_exact_exponent():
+    """Scores near 2^125 · 36 (a declared scale of 2^120): their rows' max is not tame, so the forward recomputes
+    them and the backward's full tiles take the exact exponent instead of folding the scale."""
+    torch.manual_seed(0)
+    assert HUGE == 1.329227995784916e36
+    shape = Shape(1, 2, 1, 37, 53, 24)
+    case = Case(masked("t_causal_huge", causal, F32_MIN, score=huge, score_grad=huge_grad, linear_scale=HUGE),
+                lambda s, i, r: where(is_causal(i), s * HUGE, F32_MIN), scale_only)
+    q, k, v, do = make_qkv(shape, torch.float32)
+    q, k = 1 + 0.01 * q, 1.5 + 0.01 * k  # q · k near 36: scores near 4.8e37, past 2^125
+    got = run_flash(case, case.make_inputs(shape), q, k, v, do)
+    expected = reference(case, {}, q, k, v, do)
+    # dq and dk carry the scale: 2^120 times the rounding of d s. dv holds the weights the backward recomputed.
+    for name in ("out", "lse", "dv"):
+        torch.testing.assert_close(got[name].double(), expected[name].detach(), rtol=1e-5, atol=1e-5)
