@@ -1,6 +1,6 @@
 """Tile configs of the flash kernels, timed on causal attention: what ``flash_config`` should choose.
 
-    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--forward-only]
+    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--forward-only] [--chosen]
 
 Calls the kernels directly (no compile step), with a causal score function written here by hand.
 """
@@ -75,7 +75,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--chosen", action="store_true", help="only the configs flash_config chooses")
     args = parser.parse_args()
+    forward, backward = (FORWARD[1:2], BACKWARD[1:2]) if args.chosen else (FORWARD, BACKWARD)
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
@@ -85,7 +87,7 @@ def main() -> None:
     sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
-    for mod, config in [(CAUSAL, c) for c in FORWARD] + [(CAUSAL_LINEAR, c) for c in FORWARD[1:2] + FORWARD[4:5]]:
+    for mod, config in [(CAUSAL, c) for c in forward] + [(CAUSAL_LINEAR, c) for c in FORWARD[1:2] + FORWARD[4:5]]:
         flash_fwd.forward_config = lambda *a, c=config: c
         kernel = "forward" if mod is CAUSAL else "forward, scale folded"
         try:
@@ -104,7 +106,7 @@ def main() -> None:
     sdpa_bwd = median_ms(lambda: torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True))
     rows.append({"kernel": "sdpa backward", "config": "-", "ms": sdpa_bwd, "TFLOP/s": 2.5 * flops / sdpa_bwd / 1e9})
     expected = torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True)
-    for config in [] if args.forward_only else BACKWARD:
+    for config in [] if args.forward_only else backward:
         flash_bwd.backward_configs = lambda *a, c=config: c
         try:
             grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (), None)

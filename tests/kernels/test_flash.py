@@ -513,8 +513,8 @@ def test_tensor_descriptors_only_where_the_layout_allows():
 
 
 def test_rows_of_huge_scores_take_the_exact_exponent():
-    """Scores near 2^125 · 36 (a declared scale of 2^120): their rows' max is not tame, so the forward recomputes
-    them and the backward's full tiles take the exact exponent instead of folding the scale."""
+    """Scores near 2^125 · 36 (a declared scale of 2^120): their rows' max is not tame, so the forward, which
+    folded the scale into the exponent on full tiles, recomputes them the exact way."""
     torch.manual_seed(0)
     assert HUGE == 1.329227995784916e36
     shape = Shape(1, 2, 1, 37, 53, 24)
