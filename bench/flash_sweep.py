@@ -106,20 +106,19 @@ def main() -> None:
     sdpa_bwd = median_ms(lambda: torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True))
     rows.append({"kernel": "sdpa backward", "config": "-", "ms": sdpa_bwd, "TFLOP/s": 2.5 * flops / sdpa_bwd / 1e9})
     expected = torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True)
-    runs = [] if args.forward_only else [(CAUSAL, c) for c in backward] + [(CAUSAL_LINEAR, BACKWARD[1])]
-    for mod, config in runs:
+    for config in [] if args.forward_only else backward:
         flash_bwd.backward_configs = lambda *a, c=config: c
-        kernel = "backward" if mod is CAUSAL else "backward, scale folded"
         try:
-            grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, mod, (), None)
+            grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (), None)
             error = max(((g.float() - e.float()).norm() / e.float().norm()).item() for g, e in zip(grads, expected))
-            ms = median_ms(lambda: flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, mod, (), None))
-            rows.append({"kernel": kernel, "config": str(config), "ms": ms,
+            ms = median_ms(lambda: flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (),
+                                                                      None))
+            rows.append({"kernel": "backward", "config": str(config), "ms": ms,
                          "TFLOP/s": 2.5 * flops / ms / 1e9, "error": error,
                          "registers / spills": ", ".join(registers(k) for k in (
                              flash_bwd._flash_backward_dkdv_kernel, flash_bwd._flash_backward_dq_kernel))})
         except Exception as e:
-            rows.append({"kernel": kernel, "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
+            rows.append({"kernel": "backward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
     print(keep(f"flash-sweep-d{d}-n{n}", ["kernel", "config", "ms", "TFLOP/s", "error", "registers / spills"], rows))
 

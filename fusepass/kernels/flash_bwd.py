@@ -65,7 +65,7 @@ def _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCOR
 @triton.jit
 def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux, aux_grad,
                     seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
-                    SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, SCALE: tl.constexpr, PARTIAL: tl.constexpr,
+                    SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                     DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The (dropped) weights and the score-side gradient of one tile: (p_dropped, d s).
 
@@ -93,16 +93,10 @@ def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, 
         dp = dot(do, tl.trans(v))
     if PARTIAL:
         x, kept = masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE, KEEP, FILL)
-        p = tl.math.exp2((x - shift) * LOG2E - log2_sum)
-    elif SCALE is not None:
-        # SCORE(s) = s · SCALE (ScoreMod.linear_scale): the shift taken to the units of s, a subtraction and an
-        # fma per score. It is finite: a row's shift on a full tile is a score (or a fill above all its kept
-        # ones), at most SCALE times the largest s, and s - shift / SCALE is as exact as s · SCALE - shift.
-        kept = None
-        p = tl.math.exp2((s - shift * (1.0 / SCALE)) * (SCALE * LOG2E) - log2_sum)
     else:
         kept = None
-        p = tl.math.exp2((SCORE(s, b, h, q_idx, kv_idx, aux) - shift) * LOG2E - log2_sum)
+        x = SCORE(s, b, h, q_idx, kv_idx, aux)
+    p = tl.math.exp2((x - shift) * LOG2E - log2_sum)
     p = tl.where(visit, p, 0.0)
     if DROPOUT:
         kept_weights = dropout_kept(seed, dropout_p, row_offsets, col_offsets)
@@ -120,8 +114,7 @@ def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, h, bh,
                cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr,
-               FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, SCALE: tl.constexpr,
-               PARTIAL: tl.constexpr,
+               FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                DESCRIPTORS: tl.constexpr):
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -131,8 +124,8 @@ def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, 
     shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
     delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
     p, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux,
-                              aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, SCALE,
-                              PARTIAL, DROPOUT, True)
+                              aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL,
+                              DROPOUT, True)
     dv = dot(p.to(do.dtype), do, dv)
     dk = dot(grad.to(q.dtype), q, dk)
     return dk, dv
@@ -144,7 +137,7 @@ def _flash_backward_dkdv_kernel(
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
     Nq, Nk, group, q_lists, fallback_lists, aux, aux_grad, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    FILL_GRAD: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
 ):
     kv_block = tl.program_id(0)
@@ -185,7 +178,7 @@ def _flash_backward_dkdv_kernel(
                 next_block = list_entry(full_blocks, n_full, i + 1)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
-                                SCORE_GRAD, FILL_GRAD, SCALE, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
+                                SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
         if KEEP is not None:
             next_block = list_entry(partial_blocks, n_partial, 0)
         for i in range(0, n_partial):
@@ -196,7 +189,7 @@ def _flash_backward_dkdv_kernel(
                 next_block = list_entry(partial_blocks, n_partial, i + 1)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
-                                SCORE_GRAD, FILL_GRAD, SCALE, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
+                                SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
         if KEEP is not None:
             # q blocks holding rows the forward recomputed over all tiles: add their EMPTY tiles.
             fallback_count, fallback_index = fallback_lists
@@ -205,7 +198,7 @@ def _flash_backward_dkdv_kernel(
                 tile_kind = tl.load(kind + (map_bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block)
                 dk, dv = _dkdv_tile(dk, dv, k, v, q_block, tile_kind == EMPTY, Q, DO, q_strides, do_strides,
                                     Lse, LogSum, Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p,
-                                    SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, SCALE, True, DROPOUT, HEAD_DIM, BLOCK_M,
+                                    SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M,
                                     BLOCK_D, DESCRIPTORS)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
@@ -217,8 +210,7 @@ def _flash_backward_dkdv_kernel(
 @triton.jit
 def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh, rows,
              Nq, Nk, aux, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
-             SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, SCALE: tl.constexpr, PARTIAL: tl.constexpr,
-             DROPOUT: tl.constexpr,
+             SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k = load_tile(K, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
@@ -226,8 +218,7 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
     v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
                   DESCRIPTORS)
     _, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, True, b, h, bh, rows, cols, Nq, Nk, aux, None,
-                              seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, SCALE, PARTIAL, DROPOUT,
-                              False)
+                              seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
     return dot(grad.to(k.dtype), k, dq)
 
 
@@ -237,7 +228,7 @@ def _flash_backward_dq_kernel(
     q_strides, k_strides, v_strides, out_strides, do_strides, dq_strides,
     Nq, Nk, group, kv_lists, fallback_rows, aux, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    FILL_GRAD: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -282,7 +273,7 @@ def _flash_backward_dq_kernel(
             kv_block = next_block
             next_block = list_entry(full_blocks, n_full, i + 1)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
-                      rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, SCALE, False,
+                      rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
     if KEEP is not None:
         next_block = list_entry(partial_blocks, n_partial, 0)
@@ -293,13 +284,13 @@ def _flash_backward_dq_kernel(
             kv_block = next_block
             next_block = list_entry(partial_blocks, n_partial, i + 1)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
-                      rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, SCALE, True,
+                      rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
     if KEEP is not None:
         for kv_block in range(0, n_all):
             dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h,
                           kv_head, bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD,
-                          SCALE, True, DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
+                          True, DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
 
     store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
@@ -345,7 +336,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         if mod.has_mask:
             block_map = _backward_block_map(mod, aux, extra, q, kv_len, config.block_m, config.block_n)
         constants = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
-                         FILL_GRAD=mod.fill_grad, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
+                         FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
                          BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
                          num_warps=config.num_warps, num_stages=config.num_stages)
         return block_map, constants
