@@ -136,6 +136,11 @@ CASES = {
         lambda b, h, n, device: (torch.randn(32, h, device=device, dtype=torch.bfloat16),), None,
         lambda b, h, n, table: (lambda s, b, h, q, kv: s + table[t5_bucket(kv - q), h], None), lambda n: 1.0,
         flex_scale=1.0),
+    "t5_learnable": Case(
+        "T5 bias, learnable table", t5_bias,
+        lambda b, h, n, device: (torch.randn(32, h, device=device, dtype=torch.bfloat16, requires_grad=True),),
+        None, lambda b, h, n, table: (lambda s, b, h, q, kv: s + table[t5_bucket(kv - q), h], None), lambda n: 1.0,
+        flex_scale=1.0),
     "softcap": Case(
         "softcap + causal", softcap_causal, no_extra, None,
         lambda b, h, n: (lambda s, b, h, q, kv: torch.tanh(s / 20.0) * 20.0, _causal_mask),
@@ -214,10 +219,13 @@ def run(case: Case, shape: tuple[int, int, int, int], peers: set[str], backward:
     report = fusepass.last_report()
     rewritten = any(r.kind == "attention" for r in report.rewrites) if report else False
 
+    # The gradients of q, k, v and of every input that needs one (a learnable bias table).
+    wrt = (q, k, v, *[x for x in extra if isinstance(x, torch.Tensor) and x.requires_grad])
+
     def step(fn):
         if not backward:
             return fn
-        return lambda: torch.autograd.grad(fn(), (q, k, v), grad)
+        return lambda: torch.autograd.grad(fn(), wrt, grad)
 
     flops = 4 * b * h * n * n * d * case.density(n) * (2.5 if backward else 1.0)
     row = {"case": case.name, "shape": f"B{b} H{h} N{n} D{d}", "pass": "fwd+bwd" if backward else "fwd",
