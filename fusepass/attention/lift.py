@@ -315,7 +315,7 @@ class Lifter:
             return s
         if ops.alpha != 1:
             s = self._e_node(aten.mul.Tensor, (s, ops.alpha), {})
-        bias = self.value(ops.bias, _broadcast(coords, tuple(val(self.m.qk).shape), tuple(val(ops.bias).shape)))
+        bias = self.value(ops.bias, _broadcast(coords, tuple(val(self.m.qk).shape), tuple(_tensor(ops.bias).shape)))
         if ops.beta != 1:
             bias = self._pointwise_value(aten.mul.Tensor, (bias, ops.beta), {}, val(self.m.qk).dtype)
         return self._e_node(aten.add.Tensor, (s, bias), {})
@@ -361,7 +361,7 @@ class Lifter:
         else:
             table, indices = node.args[0], list(node.args[1])
         present = [d for d, ix in enumerate(indices) if ix is not None]
-        index_shape = tuple(torch.broadcast_shapes(*[tuple(val(indices[d]).shape) for d in present]))
+        index_shape = tuple(torch.broadcast_shapes(*[tuple(_tensor(indices[d]).shape) for d in present]))
         table_shape = tuple(val(table).shape)
         adjacent = present == list(range(present[0], present[-1] + 1))
         start = present[0] if adjacent else 0
@@ -389,7 +389,7 @@ class Lifter:
         return self._read(table, " + ".join(parts), frozenset(uses), gathered=True, relative=relative)
 
     def _load(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
-        tensor = val(node)
+        tensor = _tensor(node)
         if not all(isinstance(s, int) for s in tensor.stride()):
             raise Unsupported("a score input with symbolic strides")
         coords = _broadcast(coords, tuple(tensor.shape), tuple(tensor.shape))
@@ -432,7 +432,7 @@ class Lifter:
 
         def arg_value(a: Any) -> Any:
             if isinstance(a, torch.fx.Node):
-                return self.value(a, _broadcast(coords, shape, tuple(val(a).shape)))
+                return self.value(a, _broadcast(coords, shape, tuple(_tensor(a).shape)))
             if isinstance(a, (list, tuple)):
                 return type(a)(arg_value(x) for x in a)
             return a
@@ -859,6 +859,16 @@ def _emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: li
 def _function(name: str, params: str, lines: list[str], ret: str) -> str:
     body = "\n".join(f"    {line}" for line in lines + [ret])
     return f"@triton.jit\ndef {name}({params}):\n{body}\n"
+
+
+def _tensor(node: torch.fx.Node) -> torch.Tensor:
+    """The value a node of the chain stands for, which must be a tensor: a number Dynamo made symbolic (an int
+    that changed between calls) is not planned for."""
+    value = val(node)
+    if not isinstance(value, torch.Tensor):
+        raise Unsupported(f"the score chain reads {node.name}, a number Dynamo made symbolic because it changed "
+                          "between calls (torch.compile(..., dynamic=False) keeps it a constant)")
+    return value
 
 
 def _of_distance(value: Code) -> bool:

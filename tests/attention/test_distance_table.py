@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support import check, random_tensor
 
 from fusepass.attention import op
@@ -89,3 +91,18 @@ def test_terms_stay_per_score(case):
         check(lambda q, k, v: t5_bias(q, k, v, table, lambda context, memory: memory - 2 * context), q, k, v,
               backward=True, **FP32)
     assert not spec().lifted.tables
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(q_coef=st.integers(-2, 2), k_coef=st.integers(-2, 2), shift=st.integers(-3, 3))
+def test_only_functions_of_the_distance_are_tabulated(q_coef, k_coef, shift):
+    """Buckets of q_coef·q + k_coef·k + shift: a table exactly where that is a multiple of k - q (not 0), and
+    the scores as eager computes them either way."""
+    torch._dynamo.reset()  # else Dynamo makes the coefficients symbolic from the second example on
+    table = random_tensor((16, H), torch.float32)
+
+    def relative_of(context, memory):
+        return context * q_coef + memory * k_coef + shift
+
+    check(lambda q, k, v: t5_bias(q, k, v, table, relative_of), *inputs(), backward=True, **FP32)
+    assert bool(spec().lifted.tables) == (q_coef == -k_coef != 0)

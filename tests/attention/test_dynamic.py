@@ -66,3 +66,23 @@ def test_symbolic_sizes_with_dropout_are_declined_with_the_reason():
     torch.compile(dropout_attention, backend="fusepass", dynamic=True)(q, q, q)
     (hotspot,) = [h for h in fusepass.last_report().hotspots if h.kind == "attention"]
     assert "dropout" in hotspot.reason
+
+
+def windowed(window: int):
+    def attention(q, k, v):
+        i = torch.arange(q.shape[-2], device=q.device)
+        s = (q @ k.transpose(-1, -2)).masked_fill(i[:, None] - i[None, :] >= window, float("-inf"))
+        return torch.softmax(s, dim=-1) @ v
+    return attention
+
+
+def test_a_number_made_symbolic_is_declined_with_the_reason():
+    """A closure's int that changed between calls: Dynamo recompiles with it symbolic. The attention then runs
+    unfused, exactly, with the reason in the report."""
+    q = random_tensor((1, 2, 19, 16), torch.float32)
+    for window in (4, 7):
+        fusepass.reset()
+        out = torch.compile(windowed(window), backend="fusepass")(q, q, q)
+        torch.testing.assert_close(out, windowed(window)(q, q, q), rtol=1e-5, atol=1e-5)
+    (hotspot,) = [h for h in fusepass.last_report().hotspots if h.kind == "attention"]
+    assert "symbolic" in hotspot.reason and "dynamic=False" in hotspot.reason
