@@ -97,17 +97,30 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
     return static, report
 
 
+def _external_inputs(graph: torch.fx.Graph, m: AttentionMatch
+                     ) -> tuple[list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node]]:
+    """(the ops the attention's rewrite replaces, the tensors they read from outside, the numbers: sizes and
+    other ints Dynamo made symbolic)."""
+    sources = [_walk_up(operand)[0] for operand in (m.scores.left, m.scores.right, m.values.right)]
+    replaced = replaced_subgraph(graph, removed_nodes(m), sources)
+    _, externals = subgraph_module(replaced, [], m.pv)
+    tensors = [n for n in externals if isinstance(val(n), torch.Tensor)]
+    return replaced, tensors, [n for n in externals if not isinstance(val(n), torch.Tensor)]
+
+
+def reads_symbolic_ints(graph: torch.fx.Graph, m: AttentionMatch) -> bool:
+    """Whether the attention reads an int Dynamo made symbolic (one that changed between calls: a window
+    size from a closure): then it is planned at each value, as at each size."""
+    return any(isinstance(val(n), torch.SymInt) for n in _external_inputs(graph, m)[2])
+
+
 def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, name: str, where: str
                     ) -> list[Rewrite]:
     """Cut the attention out as a module called through ``attention_dynamic``; its records at the sizes
     Dynamo saw. Raises ``Unsupported`` (the graph untouched) where that plan does not rewrite it."""
     if m.dropout_p > 0:
         raise Unsupported("symbolic shapes with dropout (the backward could not replay the forward's mask)")
-    sources = [_walk_up(operand)[0] for operand in (m.scores.left, m.scores.right, m.values.right)]
-    replaced = replaced_subgraph(graph, removed_nodes(m), sources)
-    _, externals = subgraph_module(replaced, [], m.pv)
-    tensors = [n for n in externals if isinstance(val(n), torch.Tensor)]
-    sizes = [n for n in externals if not isinstance(val(n), torch.Tensor)]
+    replaced, tensors, sizes = _external_inputs(graph, m)
     module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
     spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options)
 

@@ -13,7 +13,7 @@ import operator
 import torch
 import torch.fx
 
-from fusepass.attention.dynamic import rewrite_dynamic
+from fusepass.attention.dynamic import reads_symbolic_ints, rewrite_dynamic
 from fusepass.attention.layout import OperandView, Unsupported, broadcast_to, canonical, operand_view
 from fusepass.attention.lift import Canon, Lifter
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
@@ -144,7 +144,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         name = f"attention_{next(_names)}"
         try:
             m = match(softmax)
-            if not _static(m):
+            if not _static(m) or reads_symbolic_ints(graph, m):
                 ctx.report.rewrites.extend(rewrite_dynamic(graph, m, ctx, name, where))
                 changed = changed or ctx.run_kernels
                 continue

@@ -76,13 +76,35 @@ def windowed(window: int):
     return attention
 
 
-def test_a_number_made_symbolic_is_declined_with_the_reason():
-    """A closure's int that changed between calls: Dynamo recompiles with it symbolic. The attention then runs
-    unfused, exactly, with the reason in the report."""
-    q = random_tensor((1, 2, 19, 16), torch.float32)
-    for window in (4, 7):
+def test_an_int_made_symbolic_is_planned_at_each_value():
+    """A closure's int that changed between calls: Dynamo recompiles with it symbolic, and the attention is
+    planned again at each value it takes, as at each size, forward and backward exact."""
+    q = random_tensor((1, 2, 19, 16), torch.float32).requires_grad_()
+    for window in (4, 7, 9):
         fusepass.reset()
         out = torch.compile(windowed(window), backend="fusepass")(q, q, q)
-        torch.testing.assert_close(out, windowed(window)(q, q, q), rtol=1e-5, atol=1e-5)
+        expected = windowed(window)(q, q, q)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        grad = torch.randn_like(out)
+        torch.testing.assert_close(torch.autograd.grad(out, q, grad)[0], torch.autograd.grad(expected, q, grad)[0],
+                                   rtol=1e-4, atol=1e-4)
+        if window == 7:  # the recompile with the window symbolic (9 runs that graph: no new report)
+            (rewrite,) = rewrites(fusepass.last_report(), kind="attention", phase="forward")
+            assert rewrite.detail["sizes"].startswith("symbolic")
+
+
+def scaled(scale: float):
+    def attention(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
+    return attention
+
+
+def test_a_symbolic_float_is_declined_with_the_reason():
+    q = random_tensor((1, 2, 19, 16), torch.float32)
+    with torch._dynamo.config.patch(specialize_float=False):
+        for scale in (0.25, 0.5):
+            fusepass.reset()
+            out = torch.compile(scaled(scale), backend="fusepass")(q, q, q)
+            torch.testing.assert_close(out, scaled(scale)(q, q, q), rtol=1e-5, atol=1e-5)
     (hotspot,) = [h for h in fusepass.last_report().hotspots if h.kind == "attention"]
     assert "symbolic" in hotspot.reason and "dynamic=False" in hotspot.reason
