@@ -99,12 +99,15 @@ class Diff:
 
 @dataclass
 class GradLeaf:
-    """A tensor element E reads whose gradient the backward accumulates: aux ``index`` at ``offset``."""
+    """A tensor element E reads whose gradient the backward accumulates: aux ``index`` at ``offset``; or, with a
+    ``slot``, an element of a distance table: read from ``aux[slot]``, its gradient summed per distance into
+    ``aux_grad[slot]`` and then into the tensor's (see `_gathered_by_distance`)."""
 
     aux: int
     offset: str
     mask: str | None
     uses: frozenset[str]
+    slot: str | None = None
 
 
 @dataclass
@@ -208,24 +211,40 @@ class Lifter:
         holds the very values that code computes, evaluated once per distance."""
         if not (code.relative and {"q", "k"} <= code.uses and code.dtype in TABLE_DTYPES and code.mask is None):
             return None
-        lines = self._closure(code.expr)
-        c = self.canon
-        batch, heads = (c.batch if "b" in code.uses else 1), (c.heads if "h" in code.uses else 1)
-        distances = c.q_len + c.kv_len - 1
-        if len(lines) <= TABULATE_ABOVE or batch * heads * distances >= 2 ** 31:
+        if len(self._closure(code.expr)) <= TABULATE_ABOVE:
             return None
-        table = DistanceTable(f"{self.name}_distance{len(self.tables)}", batch, heads, c.q_len, c.kv_len)
-        # The table is evaluated at a valid (q, k) pair of each distance: those code reads tensors at.
-        self.table_sources.append(_function(table.function, "r, b, h, aux",
-                                            ["q_idx = tl.maximum(-r, 0)", "kv_idx = tl.maximum(r, 0)", *lines],
-                                            f"return ({code.expr}).to(tl.float32)"))
-        # The terms along the key axis first: they add per position vector, then one subtraction per score.
-        start = [f"{c.q_len - 1}"] + [f"h * {distances}"] * (heads > 1) + [f"b * {heads * distances}"] * (batch > 1)
-        read = self.code.let(f"tl.load(aux[{TABLE_SLOT.format(len(self.tables))}] + "
-                             f"((kv_idx + ({' + '.join(start)})) - q_idx))")
+        table = self._distance_table(code.expr, code.uses)
+        if table is None:
+            return None
+        slot, offset = table
+        return Code(self.code.let(f"tl.load(aux[{slot}] + {offset})"), code.dtype, code.uses, span=code.span)
+
+    def _distance_table(self, value: str, uses: frozenset[str], grad_of: tuple[int, str] | None = None
+                        ) -> tuple[str, str] | None:
+        """A table of the index expression `value` (a function of the distance alone) per distance: its slot in
+        the aux tuple and the offset that reads it at a tile's positions; None where it would pass 2^31
+        entries. `grad_of`: (aux index, offset) of the tensor element `value` loads, where its gradient is
+        summed per distance and then added there."""
+        c = self.canon
+        batch, heads = (c.batch if "b" in uses else 1), (c.heads if "h" in uses else 1)
+        distances = c.q_len + c.kv_len - 1
+        if batch * heads * distances >= 2 ** 31:
+            return None
+        t = len(self.tables)
+        # Evaluated at a valid (q, k) pair of each distance: what the code reads tensors at.
+        at_distance = ["q_idx = tl.maximum(-r, 0)", "kv_idx = tl.maximum(r, 0)"]
+        table = DistanceTable(f"{self.name}_distance{t}", batch, heads, c.q_len, c.kv_len)
+        self.table_sources.append(_function(table.function, "r, b, h, aux", at_distance + self._closure(value),
+                                            f"return ({value}).to(tl.float32)"))
+        if grad_of is not None:
+            table = replace(table, grad_of=grad_of[0], offset_function=f"{table.function}_offset")
+            self.table_sources.append(_function(table.offset_function, "r, b, h, aux",
+                                                at_distance + self._closure(grad_of[1]), f"return {grad_of[1]}"))
         self.tables.append(table)
         self.features.add("distance_table")
-        return Code(read, code.dtype, code.uses, span=code.span)
+        # The terms along the key axis first: they add per position vector, then one subtraction per score.
+        start = [f"{c.q_len - 1}"] + [f"h * {distances}"] * (heads > 1) + [f"b * {heads * distances}"] * (batch > 1)
+        return TABLE_SLOT.format(t), f"((kv_idx + ({' + '.join(start)})) - q_idx)"
 
     def _e_node(self, target: Any, args: tuple, kwargs: dict, uses: frozenset[str] | None = None) -> Diff:
         def as_e(a: Any) -> Any:
@@ -414,13 +433,29 @@ class Lifter:
             self._note_read(t, uses)
         if tensor.meta.get("requires_grad", False):
             leaf = self._placeholder("g", t.dtype, t.dim() == 0)
-            self.leaves[leaf] = GradLeaf(index, offset, mask, uses)
+            self.leaves[leaf] = self._gathered_by_distance(index, offset, mask, uses, relative, t.dtype) or \
+                GradLeaf(index, offset, mask, uses)
             return Diff(leaf, uses)
         self.aux_loads_in_code.add(index)
         load = f"tl.load(aux[{index}] + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
         if held_dtype(t.dtype) != t.dtype:
             load += f".to({TRITON_DTYPE[held_dtype(t.dtype)]})"
         return Code(self.code.let(load), t.dtype, uses, t.dim() == 0, relative=relative)
+
+    def _gathered_by_distance(self, index: int, offset: str, mask: str | None, uses: frozenset[str], relative: bool,
+                              dtype: torch.dtype) -> GradLeaf | None:
+        """An element of a table a gradient flows to, gathered at a function of the distance alone (a learnable
+        relative-position bias), read from a table of its values per distance. Its gradient is summed per
+        distance there, then added to the table's entries once per distance: per score, the atomic adds spread
+        over Nq + Nk - 1 entries per head instead of contending for the few entries of the table."""
+        if not (relative and {"q", "k"} <= uses and dtype in TABLE_DTYPES):
+            return None
+        load = f"tl.load(aux[{index}] + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
+        table = self._distance_table(load, uses, grad_of=(index, offset))
+        if table is None:
+            return None
+        slot, table_offset = table
+        return GradLeaf(index, table_offset, None, uses, slot=slot)
 
     def _aux_index(self, tensor: torch.fx.Node) -> int:
         if tensor not in self.aux:
@@ -722,9 +757,9 @@ class Lifter:
                 env[node.name] = Operand(binding.expr, binding.dtype, binding.zero_dim)
             elif isinstance(binding, GradLeaf):
                 t = val(self.aux[binding.aux])
-                load = f"tl.load(aux[{binding.aux}] + {binding.offset}" + (
+                load = f"tl.load(aux[{binding.slot or binding.aux}] + {binding.offset}" + (
                     f", mask={binding.mask}, other=0)" if binding.mask else ")")
-                if held_dtype(t.dtype) != t.dtype:
+                if binding.slot is None and held_dtype(t.dtype) != t.dtype:
                     load += f".to({TRITON_DTYPE[held_dtype(t.dtype)]})"
                 lines.append(f"{node.name} = {load}")
                 env[node.name] = Operand(node.name, dtype, zero_dim)
@@ -773,18 +808,19 @@ class Lifter:
 def _accumulate(leaf: GradLeaf, grad: str) -> list[str]:
     """Add a gradient tile into the aux tensor's gradient, summing first over the axes it is broadcast on."""
     full = f"({grad} + {SPLAT_OF_S}).to(tl.float32)"
+    target = leaf.slot or leaf.aux
     if "q" not in leaf.uses and "k" not in leaf.uses:
-        return [f"tl.atomic_add(aux_grad[{leaf.aux}] + {leaf.offset}, tl.sum({full}))"]
+        return [f"tl.atomic_add(aux_grad[{target}] + {leaf.offset}, tl.sum({full}))"]
     if "q" not in leaf.uses or "k" not in leaf.uses:
         # Summed over the axis of the index it does not read: q's is 0 in [q, kv] tiles, 1 in the [kv, q]
         # tiles of the dK/dV kernel.
         axis, transposed_axis = ("0", "1") if "q" not in leaf.uses else ("1", "0")
 
         def add(summed: str) -> str:
-            return (f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), "
+            return (f"tl.atomic_add(aux_grad[{target}] + ({leaf.offset}), "
                     f"tl.expand_dims(tl.sum({full}, {summed}), {summed}), mask={leaf.mask})")
         return ["if q_idx.shape[0] == 1:  # [kv, q] tiles", "    " + add(transposed_axis), "else:", "    " + add(axis)]
-    return [f"tl.atomic_add(aux_grad[{leaf.aux}] + ({leaf.offset}), {full}, mask={leaf.mask})"]
+    return [f"tl.atomic_add(aux_grad[{target}] + ({leaf.offset}), {full}, mask={leaf.mask})"]
 
 
 def _vjp_graph(module: torch.fx.GraphModule, differentiable: list[int]) -> torch.fx.GraphModule:

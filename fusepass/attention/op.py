@@ -153,7 +153,9 @@ class AttentionSpec:
                 has_aux_grad=any(self.lifted.aux_needs_grad),
                 keep_uses_batch="b" in self.lifted.keep_uses, keep_uses_head="h" in self.lifted.keep_uses,
                 keep_reads_aux=self.lifted.keep_reads_aux,
-                tables=tuple((getattr(module, t.function), t) for t in self.lifted.tables),
+                tables=tuple((getattr(module, t.function),
+                              getattr(module, t.offset_function) if t.offset_function else None, t)
+                             for t in self.lifted.tables),
                 linear_scale=self.lifted.linear_scale)
         return self._mod
 

@@ -21,6 +21,11 @@ class DistanceTable:
     heads: int
     q_len: int
     kv_len: int
+    # Where the value is an element of aux tensor `grad_of` that a gradient flows to: the jit function
+    # ``(r, b, h, aux) → offset`` of that element. The score functions then sum its gradient per distance into
+    # aux_grad[the table's slot], and the backward adds each distance's sum at that offset.
+    grad_of: int | None = None
+    offset_function: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class ScoreMod:
     keep_uses_batch: bool = False
     keep_uses_head: bool = False
     keep_reads_aux: bool = False
-    tables: tuple[tuple[Any, DistanceTable], ...] = ()  # (the jit function, its table), read after aux
+    # (the value's jit function, the offset's or None, its table), read after aux
+    tables: tuple[tuple[Any, Any, DistanceTable], ...] = ()
     # c where SCORE(s) is s · c for a positive constant c: the forward's FULL tiles then fold c into the
     # exponent's fma (max(s · c) is max(s) · c, rounding being monotonic) instead of a product per score.
     linear_scale: float | None = None

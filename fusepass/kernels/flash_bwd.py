@@ -30,7 +30,7 @@ import triton.language as tl
 from fusepass.attention.blockmap import (
     EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, list_entry, row_lists)
 from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels.distance_table import distance_tables
+from fusepass.kernels.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, load_tile, masked_scores,
@@ -325,6 +325,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     configs = backward_configs(head_dim, q.dtype, q.device)
     block_d = head_block(head_dim)
     aux = aux + distance_tables(mod, aux, q.device)
+    by_distance = distance_gradients(mod, q.device) if mod.has_aux_grad else ()
     lse, log_sum = lse.contiguous(), extra.log_sum.contiguous()
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # written by the dQ kernel
     dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
@@ -366,5 +367,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         q_operand, k, v, do_operand, lse, log_sum, delta, dk, dv,
         q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
         q_len, kv_len, q_heads // kv_heads, q_lists, fallback_lists, aux,
-        aux_grad if mod.has_aux_grad else None, seed, dropout_p, DESCRIPTORS=descriptors, **constants)
+        aux_grad + by_distance if mod.has_aux_grad else None, seed, dropout_p, DESCRIPTORS=descriptors, **constants)
+    if by_distance:
+        add_distance_gradients(mod, aux, aux_grad, by_distance)
     return dq, dk, dv

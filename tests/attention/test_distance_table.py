@@ -1,7 +1,7 @@
 """A score term of the distance k - q alone, costly per score (T5's log-bucketed bias), is read from a table
 of its values per distance: the scores as eager computes them, forward and backward, and its code gone
-from the score functions. Cheap terms, terms that read positions otherwise, and tables a gradient flows to
-stay per score."""
+from the score functions. An element of a learnable table gathered by distance is read so too, and its
+gradient summed per distance. Cheap terms and terms that read positions otherwise stay per score."""
 from __future__ import annotations
 
 import inspect
@@ -77,15 +77,22 @@ def alibi(q, k, v, slopes):
     return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias, dim=-1) @ v
 
 
-@pytest.mark.parametrize("case", ["cheap", "learnable table", "not a distance"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_learnable_table_is_read_per_distance_and_its_gradient_summed_per_distance(dtype):
+    table = random_tensor((16, H), dtype)
+    check(t5_bias, *inputs(dtype), table, backward=True, **(FP32 if dtype == torch.float32 else {}))
+    (distance_table,) = spec().lifted.tables
+    assert distance_table.grad_of == 0 and distance_table.offset_function
+    source = score_source()
+    assert "tl.log" not in source, source
+
+
+@pytest.mark.parametrize("case", ["cheap", "not a distance"])
 def test_terms_stay_per_score(case):
     q, k, v = inputs()
     if case == "cheap":  # ALiBi: a slope times the distance costs less than a table read
         slopes = random_tensor((H,), torch.float32)
         check(lambda q, k, v: alibi(q, k, v, slopes), q, k[:, :, :NQ], v[:, :, :NQ], backward=True, **FP32)
-    elif case == "learnable table":  # its gradient is gathered per score
-        table = random_tensor((16, H), torch.float32)
-        check(t5_bias, q, k, v, table, backward=True, **FP32)
     else:
         table = random_tensor((16, H), torch.float32)
         check(lambda q, k, v: t5_bias(q, k, v, table, lambda context, memory: memory - 2 * context), q, k, v,
