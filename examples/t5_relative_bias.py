@@ -2,8 +2,9 @@
 
     python examples/t5_relative_bias.py
 
-The kernel computes each tile's buckets from its positions, gathers the table entries, and in the backward
-accumulates the table's gradient itself.
+The bias depends on the key-query distance alone: fusepass gathers the table entry of each distance once per
+call into a table the kernel reads, and in the backward sums the table's gradient per distance before adding
+it to the table.
 """
 from __future__ import annotations
 
