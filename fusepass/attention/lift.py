@@ -217,7 +217,7 @@ class Lifter:
         if table is None:
             return None
         slot, offset = table
-        return Code(self.code.let(f"tl.load(aux[{slot}] + {offset})"), code.dtype, code.uses, span=code.span)
+        return Code(self.code.let(_load_text(slot, offset, None)), code.dtype, code.uses, span=code.span)
 
     def _distance_table(self, value: str, uses: frozenset[str], grad_of: tuple[int, str] | None = None
                         ) -> tuple[str, str] | None:
@@ -437,7 +437,7 @@ class Lifter:
                 GradLeaf(index, offset, mask, uses)
             return Diff(leaf, uses)
         self.aux_loads_in_code.add(index)
-        load = f"tl.load(aux[{index}] + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
+        load = _load_text(index, offset, mask)
         if held_dtype(t.dtype) != t.dtype:
             load += f".to({TRITON_DTYPE[held_dtype(t.dtype)]})"
         return Code(self.code.let(load), t.dtype, uses, t.dim() == 0, relative=relative)
@@ -450,8 +450,7 @@ class Lifter:
         over Nq + Nk - 1 entries per head instead of contending for the few entries of the table."""
         if not (relative and {"q", "k"} <= uses and dtype in TABLE_DTYPES):
             return None
-        load = f"tl.load(aux[{index}] + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
-        table = self._distance_table(load, uses, grad_of=(index, offset))
+        table = self._distance_table(_load_text(index, offset, mask), uses, grad_of=(index, offset))
         if table is None:
             return None
         slot, table_offset = table
@@ -757,8 +756,7 @@ class Lifter:
                 env[node.name] = Operand(binding.expr, binding.dtype, binding.zero_dim)
             elif isinstance(binding, GradLeaf):
                 t = val(self.aux[binding.aux])
-                load = f"tl.load(aux[{binding.slot or binding.aux}] + {binding.offset}" + (
-                    f", mask={binding.mask}, other=0)" if binding.mask else ")")
+                load = _load_text(binding.slot or binding.aux, binding.offset, binding.mask)
                 if binding.slot is None and held_dtype(t.dtype) != t.dtype:
                     load += f".to({TRITON_DTYPE[held_dtype(t.dtype)]})"
                 lines.append(f"{node.name} = {load}")
@@ -803,6 +801,11 @@ class Lifter:
                 lines.append("if aux_grad is not None:")
                 lines += ["    " + line for line in _accumulate(self.leaves[leaf], grad.expr)]
         return self._index_function(name, "s, ds, b, h, q_idx, kv_idx, aux, aux_grad", lines, f"return {result}")
+
+
+def _load_text(aux: int | str, offset: str, mask: str | None) -> str:
+    """Code loading aux tensor `aux` at `offset` (0 where `mask` is false)."""
+    return f"tl.load(aux[{aux}] + {offset}" + (f", mask={mask}, other=0)" if mask else ")")
 
 
 def _accumulate(leaf: GradLeaf, grad: str) -> list[str]:
