@@ -125,26 +125,22 @@ def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_he
     v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
                   DESCRIPTORS)
     s = dot(q, tl.trans(k))
+    x_scale = 1.0  # the final scores are x · x_scale
     if PARTIAL:
         x, _ = masked_scores(s, b, h, q_idx, tl.minimum(cols, Nk - 1)[None, :], (cols < Nk)[None, :], aux,
                              SCORE, KEEP, FILL)
-        log2_scale = LOG2E
     elif FUSED_EXP and SCALE is not None:
         # SCORE(s) = s · SCALE, folded into the exponent's fma (see ScoreMod.linear_scale): x stays s.
         x = s
-        log2_scale = SCALE * LOG2E
+        x_scale = SCALE
     else:
         x = SCORE(s, b, h, q_idx, cols[None, :], aux)
-        log2_scale = LOG2E
-    if not PARTIAL and FUSED_EXP and SCALE is not None:
-        m_new = tl.maximum(m, tl.max(x, 1) * SCALE)
-    else:
-        m_new = tl.maximum(m, tl.max(x, 1))
+    m_new = tl.maximum(m, tl.max(x, 1) * x_scale)
     if FUSED_EXP:
         # Rows whose max is not tame shift by 0: their weights so far are 0 or garbage, and they are
         # recomputed (see the kernel's fallback).
         shift2 = tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E
-        p = tl.math.exp2(tl.math.fma(x, log2_scale, -shift2[:, None]))
+        p = tl.math.exp2(tl.math.fma(x, x_scale * LOG2E, -shift2[:, None]))
         # The weights so far are 2^(x·log2(e) - old shift2): rescaled by the difference of the rounded
         # shifts, they share the new ones' factor 2^δ exactly. A row without a finite score so far has none.
         old_shift2 = tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E
