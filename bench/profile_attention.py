@@ -1,11 +1,12 @@
 """What holds an attention forward back: Nsight Compute's view of fusepass's kernel beside FlexAttention's.
 
-    PYTHONPATH=. python bench/profile_attention.py [--cases causal,alibi] [--ncu ncu] [--out DIR]
+    PYTHONPATH=. python bench/profile_attention.py [--cases causal,alibi] [--backward] [--ncu ncu] [--out DIR]
 
 For each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) the script runs itself under
 ``ncu --clock-control none --profile-from-start off``: the child compiles the case with fusepass and with
 FlexAttention, runs both once to compile and fill every cache, then runs one forward of each between
-``cudaProfilerStart`` and ``cudaProfilerStop``. Kept per kernel: duration, issue-slot and pipe utilization
+``cudaProfilerStart`` and ``cudaProfilerStop`` (with ``--backward``, one forward and backward of each, every input
+of the case that can take a gradient needing one). Kept per kernel: duration, issue-slot and pipe utilization
 (tensor, FMA, ALU, XU: the special-function unit exp2 runs on), registers, occupancy and the top warp
 stall reasons. Small kernels (block maps) are left out. Writes ncu's full details beside the table.
 """
@@ -40,11 +41,16 @@ METRICS = {
     "smsp__average_warps_issue_stalled_wait_per_issue_active.ratio": "stall wait",
     "smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio": "stall short sb",
     "smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio": "stall mio",
+    "smsp__average_warps_issue_stalled_lg_throttle_per_issue_active.ratio": "stall lg",
+    "smsp__average_warps_issue_stalled_membar_per_issue_active.ratio": "stall membar",
+    "smsp__average_warps_issue_stalled_dispatch_stall_per_issue_active.ratio": "stall dispatch",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram %",
+    "lts__t_sector_hit_rate.pct": "L2 hit %",
 }
 MIN_DURATION_US = 50.0
 
 
-def child(case_name: str) -> None:
+def child(case_name: str, backward: bool) -> None:
     from attention import CASES
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -52,14 +58,19 @@ def child(case_name: str) -> None:
 
     case = CASES[case_name]
     b, h, n, d = 2, 16, 8192, 128
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+               for _ in range(3))
     extra = case.extra(b, h, n, "cuda")
+    if not backward:
+        extra = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in extra)
     fused = torch.compile(case.fn, backend=fusepass.backend(strict=True))
     score_mod, mask_mod = case.flex(b, h, n, *extra)
     block_mask = create_block_mask(mask_mod, b, h, n, n, device="cuda") if mask_mod else None
     flex = torch.compile(flex_attention)
-    runs = [lambda: fused(q, k, v, *extra),
-            lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.flex_scale)]
+    calls = [lambda: fused(q, k, v, *extra),
+             lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.flex_scale)]
+    grad = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    runs = [(lambda call=call: call().backward(grad)) if backward else call for call in calls]
     for run in runs:
         run()
     torch.cuda.synchronize()
@@ -70,19 +81,21 @@ def child(case_name: str) -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def profile(case_name: str, ncu: str, out_dir: str) -> list[dict]:
+def profile(case_name: str, backward: bool, ncu: str, out_dir: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
                                                         os.environ.get("PYTHONPATH", "")])}
     command = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--metrics",
-               ",".join(METRICS), sys.executable, os.path.abspath(__file__), "--child", case_name]
+               ",".join(METRICS), sys.executable, os.path.abspath(__file__), "--child", case_name,
+               *(["--backward"] if backward else [])]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
-    with open(os.path.join(out_dir, f"ncu-attention-{case_name}.log"), "w") as f:
+    what = f"{case_name}-fwd-bwd" if backward else case_name
+    with open(os.path.join(out_dir, f"ncu-attention-{what}.log"), "w") as f:
         f.write(result.stdout + result.stderr)
     lines = [line for line in result.stdout.splitlines() if line.startswith('"')]
     by_kernel: dict[tuple[str, str], dict] = {}
     for record in csv.DictReader(io.StringIO("\n".join(lines))):
         key = (record["ID"], record["Kernel Name"])
-        row = by_kernel.setdefault(key, {"case": case_name, "kernel": record["Kernel Name"][:40]})
+        row = by_kernel.setdefault(key, {"case": what, "kernel": record["Kernel Name"][:40]})
         name = record["Metric Name"]
         if name in METRICS and record["Metric Value"] != "n/a":  # not every metric exists on every GPU
             value = float(record["Metric Value"].replace(",", ""))
@@ -95,14 +108,15 @@ def profile(case_name: str, ncu: str, out_dir: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="causal,alibi")
+    parser.add_argument("--backward", action="store_true")
     parser.add_argument("--ncu", default="ncu")
     parser.add_argument("--out", default=RESULTS, help="where ncu's raw output goes")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.backward)
         return
-    rows = [row for case in args.cases.split(",") for row in profile(case, args.ncu, args.out)]
+    rows = [row for case in args.cases.split(",") for row in profile(case, args.backward, args.ncu, args.out)]
     print(keep("profile-attention", ["case", "kernel", *METRICS.values()], rows))
 
 
