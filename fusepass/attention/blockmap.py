@@ -190,12 +190,25 @@ def _tile_lists(kind: torch.Tensor) -> TileLists:
     return TileLists(count, index)
 
 
+def _map_extent(mod: ScoreMod, batch: int, heads: int) -> tuple[int, int]:
+    """The batch and head extents of `mod`'s map: 1 where KEEP does not read that index."""
+    return (batch if mod.keep_uses_batch else 1), (heads if mod.keep_uses_head else 1)
+
+
+def placeholder_block_map(mod: ScoreMod, batch: int, heads: int, q_len: int, kv_len: int, block_m: int,
+                          block_n: int) -> BlockMap:
+    """`mod`'s map at this shape as meta tensors: what a kernel launch reads of a map for its signature
+    (dtypes and strides), without evaluating the mask (for `compile_ahead`)."""
+    shapes = map_shapes(*_map_extent(mod, batch, heads), triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n))
+    return BlockMap.from_tensors(block_m, block_n, [torch.empty(shape, dtype=dtype, device="meta")
+                                                    for shape, dtype in zip(shapes, MAP_DTYPES)])
+
+
 def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
                     block_m: int, block_n: int, device: torch.device) -> BlockMap:
     """Evaluate `mod.keep` over every tile (no cache). `heads` counts query heads."""
     assert mod.has_mask, "an attention without a mask has no block map: every tile is full"
-    map_batch = batch if mod.keep_uses_batch else 1
-    map_heads = heads if mod.keep_uses_head else 1
+    map_batch, map_heads = _map_extent(mod, batch, heads)
     n_q_blocks, n_kv_blocks = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
     kind = torch.empty(map_batch, map_heads, n_q_blocks, n_kv_blocks, dtype=torch.int8, device=device)
     grid = (n_q_blocks, n_kv_blocks, map_batch * map_heads)

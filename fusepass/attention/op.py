@@ -21,6 +21,7 @@ from fusepass.attention.layout import OperandLayout
 from fusepass.attention.lift import Lifted
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.codegen.modules import load_module
+from fusepass.kernels.flash_ahead import compile_attention_ahead
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_config import FlashConfig, forward_config, narrow_kv_tiles
 from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward
@@ -107,6 +108,7 @@ class AttentionSpec:
     dropout_p: float
     aux_strides: list[tuple[int, ...]]
     unfused: Unfused | None = None  # set by the rewrite, with the graph values it reads (after the aux)
+    compiled_ahead: bool = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
     _mod: ScoreMod | None = field(default=None, repr=False)
 
     @property
@@ -204,6 +206,9 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
     q4, k4, v4 = _views(s, q, k, v, aux)
 
     def forward():
+        if not s.compiled_ahead:
+            s.compiled_ahead = True
+            _compile_ahead(s, (q, k, v), (q4, k4, v4), aux)
         return flash_attention_forward(q4, k4, v4, s.mod, tuple(aux[:len(s.aux_strides)]), dropout_p=s.dropout_p,
                                        seed=_seed(seed), out_dtype=s.out_dtype)
 
@@ -218,6 +223,21 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
                         lambda: s.unfused.forward((q, k, v, *aux), _seed(seed)))
     fallback = extra.fallback_rows if extra.fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
     return out, lse, extra.log_sum, fallback, _map_tensors(s, extra.block_map, q)
+
+
+def _compile_ahead(s: AttentionSpec, sources: tuple[torch.Tensor, ...], qkv: tuple[torch.Tensor, ...],
+                   aux: list[torch.Tensor]) -> None:
+    """Start compiling the kernels of the forward and, where a gradient flows, of the backward, the gradients
+    laid out as `run_attention_backward` writes them (their sources' strides, seen through the op's views)."""
+    read = tuple(aux[:len(s.aux_strides)])
+    grads = aux_grad = None
+    if any(s.unfused.requires_grad):
+        grads = tuple(layout.view(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"))
+                      for layout, x in zip((s.q, s.k, s.v), sources))
+        aux_grad = tuple(torch.empty(a.shape if n else (0,), dtype=torch.float32 if n else a.dtype, device="meta")
+                         for a, n in zip(read, _aux_needs_grad(s, len(read))))
+    compile_attention_ahead(*qkv, s.mod, read, dropout_p=s.dropout_p, out_dtype=s.out_dtype, grads=grads,
+                            aux_grad=aux_grad)
 
 
 def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: int):

@@ -67,6 +67,11 @@ def distance_tables(mod: ScoreMod, aux: tuple, device: torch.device) -> tuple[to
     return tuple(tables)
 
 
+def meta_distance_tables(mod: ScoreMod) -> tuple[torch.Tensor, ...]:
+    """`distance_tables` as meta tensors: their shapes and dtype, nothing computed (for `compile_ahead`)."""
+    return tuple(torch.empty(_shape(table), dtype=torch.float32, device="meta") for _, _, table in mod.tables)
+
+
 def distance_gradients(mod: ScoreMod, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Per table, in order: a zeroed fp32 buffer of its shape where a gradient flows to its values (the score
     functions add into it after the caller's aux gradients), else an empty stand-in."""

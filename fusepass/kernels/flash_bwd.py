@@ -23,6 +23,9 @@ holding such rows whose tile with its kv block is EMPTY (the others are in its l
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -296,13 +299,66 @@ def _flash_backward_dq_kernel(
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
 
 
-def _backward_block_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int,
-                        block_m: int, block_n: int) -> BlockMap:
+def backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int,
+                 config: FlashConfig) -> BlockMap:
+    """The block map at a backward kernel's tiles: the forward's where the tiles are the forward's, else the
+    cached map."""
     forward_map = extra.block_map
-    if forward_map is not None and (forward_map.block_m, forward_map.block_n) == (block_m, block_n):
+    if forward_map is not None and (forward_map.block_m, forward_map.block_n) == (config.block_m, config.block_n):
         return forward_map
     batch, q_heads, q_len, _ = q.shape
-    return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, block_m, block_n, q.device)
+    return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
+
+
+def fallback_lists(fallback_rows: torch.Tensor, config: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per (b, h): the q blocks of the dK/dV kernel holding a row the forward recomputed over all tiles."""
+    return compact_lists(fallback_rows[..., None, :], (1,), group=config.block_m)
+
+
+def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                      lse: torch.Tensor, log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, mod: ScoreMod,
+                      aux: tuple, aux_grad: tuple | None, delta: torch.Tensor, grads: tuple, dropout_p: float,
+                      seed: int, map_at: Callable[[FlashConfig], BlockMap],
+                      fallback_at: Callable[[FlashConfig], tuple]) -> Iterator[tuple[Any, tuple, tuple, dict]]:
+    """(kernel, grid, arguments, keywords) of the dQ kernel's launch, then of the dK/dV kernel's: in that order,
+    each map (`map_at` a kernel's config, masks only) asked for just before its launch. `aux` includes the
+    distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum` contiguous."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    configs = backward_configs(head_dim, q.dtype, q.device)
+    block_d = head_block(head_dim)
+    dq, dk, dv = grads
+
+    def constants(config: FlashConfig) -> dict:
+        return dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
+                    FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+                    num_warps=config.num_warps, num_stages=config.num_stages)
+
+    config = configs.dq
+    kv_lists = None
+    if mod.has_mask:
+        block_map = map_at(config)
+        kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides)
+    (k_operand, v_operand), descriptors = tile_operands((k, v), config.block_n, block_d, config.descriptors)
+    yield (_flash_backward_dq_kernel, (triton.cdiv(q_len, config.block_m), q_heads, batch),
+           (q, k_operand, v_operand, out, do, lse, log_sum, delta, dq,
+            q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
+            q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, aux, seed, dropout_p),
+           dict(DESCRIPTORS=descriptors, **constants(config)))
+
+    config = configs.dkdv
+    q_lists = fallbacks = None
+    if mod.has_mask:
+        block_map = map_at(config)
+        q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
+        fallbacks = fallback_at(config)
+    (q_operand, do_operand), descriptors = tile_operands((q, do), config.block_m, block_d, config.descriptors)
+    yield (_flash_backward_dkdv_kernel, (triton.cdiv(kv_len, config.block_n), kv_heads, batch),
+           (q_operand, k, v, do_operand, lse, log_sum, delta, dk, dv,
+            q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
+            q_len, kv_len, q_heads // kv_heads, q_lists, fallbacks, aux, aux_grad, seed, dropout_p),
+           dict(DESCRIPTORS=descriptors, **constants(config)))
 
 
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -319,55 +375,19 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """
     check_attention_inputs(q, k, v)
     assert do.shape == out.shape == q.shape, f"do {tuple(do.shape)}, out {tuple(out.shape)}, q {tuple(q.shape)}"
-    batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    assert lse.shape == extra.log_sum.shape == (batch, q_heads, q_len)
-    configs = backward_configs(head_dim, q.dtype, q.device)
-    block_d = head_block(head_dim)
+    kv_len = k.shape[2]
+    assert lse.shape == extra.log_sum.shape == q.shape[:3]
     aux = aux + distance_tables(mod, aux, q.device)
     by_distance = distance_gradients(mod, q.device) if mod.has_aux_grad else ()
-    lse, log_sum = lse.contiguous(), extra.log_sum.contiguous()
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # written by the dQ kernel
     dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-
-    def kernel_arguments(config: FlashConfig) -> tuple[BlockMap | None, dict]:
-        """The block map at the kernel's tiles, and its constants."""
-        block_map = None
-        if mod.has_mask:
-            block_map = _backward_block_map(mod, aux, extra, q, kv_len, config.block_m, config.block_n)
-        constants = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
-                         FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
-                         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-                         num_warps=config.num_warps, num_stages=config.num_stages)
-        return block_map, constants
-
-    dq_config = configs.dq
-    block_map, constants = kernel_arguments(dq_config)
-    kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) if mod.has_mask \
-        else None
-    (k_operand, v_operand), descriptors = tile_operands((k, v), dq_config.block_n, block_d, dq_config.descriptors)
-    launch_fitting(
-        _flash_backward_dq_kernel, (triton.cdiv(q_len, dq_config.block_m), q_heads, batch),
-        q, k_operand, v_operand, out, do, lse, log_sum, delta, dq,
-        q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
-        q_len, kv_len, q_heads // kv_heads, kv_lists, extra.fallback_rows, aux, seed, dropout_p,
-        DESCRIPTORS=descriptors, **constants)
-
-    block_map, constants = kernel_arguments(configs.dkdv)
-    q_lists = fallback_lists = None
-    if mod.has_mask:
-        q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
-        # Per (b, h): the q blocks holding a row the forward recomputed over all tiles.
-        fallback_lists = compact_lists(extra.fallback_rows[..., None, :], (1,), group=configs.dkdv.block_m)
-    (q_operand, do_operand), descriptors = tile_operands((q, do), configs.dkdv.block_m, block_d,
-                                                         configs.dkdv.descriptors)
-    launch_fitting(
-        _flash_backward_dkdv_kernel, (triton.cdiv(kv_len, configs.dkdv.block_n), kv_heads, batch),
-        q_operand, k, v, do_operand, lse, log_sum, delta, dk, dv,
-        q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
-        q_len, kv_len, q_heads // kv_heads, q_lists, fallback_lists, aux,
-        aux_grad + by_distance if mod.has_aux_grad else None, seed, dropout_p, DESCRIPTORS=descriptors, **constants)
+    for kernel, grid, args, keywords in backward_launches(
+            do, q, k, v, out, lse.contiguous(), extra.log_sum.contiguous(), extra.fallback_rows, mod, aux,
+            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed,
+            lambda config: backward_map(mod, aux, extra, q, kv_len, config),
+            lambda config: fallback_lists(extra.fallback_rows, config)):
+        launch_fitting(kernel, grid, *args, **keywords)
     if by_distance:
         add_distance_gradients(mod, aux, aux_grad, by_distance)
     return dq, dk, dv

@@ -19,7 +19,7 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from fusepass.attention.blockmap import BlockMap
-from fusepass.kernels.launch import launch
+from fusepass.kernels.launch import compile_ahead, launch
 
 
 @dataclass(frozen=True)
@@ -133,17 +133,27 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardConfigs:
 _fitting_stages: dict[tuple, int] = {}
 
 
+def _fitting_key(kernel: Any, args: tuple, num_warps: int, num_stages: int, constants: dict) -> tuple:
+    return (kernel, num_warps, num_stages, tuple(constants.items()),
+            tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+
+
+def _first_stages(kernel: Any, args: tuple, num_warps: int, num_stages: int, constants: dict) -> int:
+    # The key is built only once some launch did not fit: hashing the constants (the score functions) costs
+    # host time on every call.
+    if not _fitting_stages:
+        return num_stages
+    return _fitting_stages.get(_fitting_key(kernel, args, num_warps, num_stages, constants), num_stages)
+
+
 def launch_fitting(kernel: Any, grid: tuple, *args: Any, num_warps: int, num_stages: int, **constants: Any) -> None:
     """``kernel[grid](*args, **constants)`` with ``num_stages`` pipeline stages, or as many as fit in shared
     memory: a score function that loads tiles of its own (a gathered bias table) adds buffers the config did
     not count. The stages that fit are remembered, so a call pays for a failed launch only once."""
     def key() -> tuple:
-        # Built only once some launch did not fit: hashing the constants (the score functions) costs host
-        # time on every call.
-        return (kernel, num_warps, num_stages, tuple(constants.items()),
-                tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+        return _fitting_key(kernel, args, num_warps, num_stages, constants)
 
-    stages = _fitting_stages.get(key(), num_stages) if _fitting_stages else num_stages
+    stages = _first_stages(kernel, args, num_warps, num_stages, constants)
     while True:
         try:
             launch(kernel, grid, *args, num_warps=num_warps, num_stages=stages, **constants)
@@ -152,3 +162,9 @@ def launch_fitting(kernel: Any, grid: tuple, *args: Any, num_warps: int, num_sta
             if stages == 1:
                 raise
             stages = _fitting_stages[key()] = stages - 1
+
+
+def compile_fitting_ahead(kernel: Any, *args: Any, num_warps: int, num_stages: int, **constants: Any) -> None:
+    """`compile_ahead` of the first launch `launch_fitting` would try with these arguments."""
+    compile_ahead(kernel, *args, num_warps=num_warps,
+                  num_stages=_first_stages(kernel, args, num_warps, num_stages, constants), **constants)

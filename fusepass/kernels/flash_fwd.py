@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -31,7 +32,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, row_lists
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import distance_tables
-from fusepass.kernels.flash_config import forward_config, head_block, launch_fitting, narrow_kv_tiles
+from fusepass.kernels.flash_config import FlashConfig, forward_config, head_block, launch_fitting, narrow_kv_tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -311,6 +312,50 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     assert q.shape[2] > 0 and k.shape[2] > 0, "empty sequence"
 
 
+def forward_tile_configs(mod: ScoreMod, head_dim: int, dtype: torch.dtype, device: torch.device
+                         ) -> tuple[FlashConfig, ...]:
+    """The tiles `flash_attention_forward` may take for `mod` before it has seen the mask's rows: the config,
+    and half-width kv tiles where short rows would take them (see `narrow_kv_tiles`)."""
+    config = forward_config(head_dim, dtype, mod.has_mask, device)
+    if not mod.has_mask:
+        return (config,)
+    narrow = narrow_kv_tiles(config, None)
+    return (narrow,) if mod.keep_reads_aux or narrow == config else (config, narrow)
+
+
+def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, config: FlashConfig,
+                   block_map: BlockMap | None, out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor,
+                   fallback_rows: torch.Tensor | None, seed: int, dropout_p: float
+                   ) -> tuple[Any, tuple, tuple, dict]:
+    """(kernel, grid, arguments, keywords) of the forward kernel's launch at `config`'s warps and stages and the map's
+    tiles (`config`'s where no mask). `aux` includes the distance tables."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
+                                                                                     config.block_n)
+    kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) \
+        if mod.has_mask else None
+    grid = (triton.cdiv(q_len, block_m), q_heads, batch)
+    (k_operand, v_operand), descriptors = tile_operands((k, v), block_n, head_block(head_dim), config.descriptors)
+    args = (q, k_operand, v_operand, out, lse, log_sum, fallback_rows,
+            q.stride(), k.stride(), v.stride(), out.stride(),
+            q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p)
+    keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
+                    HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
+                    DESCRIPTORS=descriptors, num_warps=config.num_warps, num_stages=config.num_stages)
+    return _flash_forward_kernel, grid, args, keywords
+
+
+def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | None, device: torch.device | str
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The forward kernel's outputs for `q`, on `device`: out, lse, log_sum and the fallback rows (masks only)."""
+    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
+    log_sum = torch.empty_like(lse)
+    fallback_rows = torch.empty(q.shape[:3], dtype=torch.int8, device=device) if mod.has_mask else None
+    return out, lse, log_sum, fallback_rows
+
+
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, *,
                             block_map: BlockMap | None = None, dropout_p: float = 0.0, seed: int = 0,
                             out_dtype: torch.dtype | None = None
@@ -324,7 +369,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     assert 0.0 <= dropout_p < 1.0
     aux = aux + distance_tables(mod, aux, q.device)
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    kv_len = k.shape[2]
     config = forward_config(head_dim, q.dtype, mod.has_mask, q.device)
     if mod.has_mask and block_map is None:
         # A cached map (KEEP reads no tensors) says once how many tiles the rows list; another would cost a
@@ -334,24 +379,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         config = narrow_kv_tiles(config, wide_map)
         block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
                                   q.device)
-    block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
-                                                                                     config.block_n)
-
-    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    log_sum = torch.empty_like(lse)
-    fallback_rows = torch.empty(q.shape[:3], dtype=torch.int8, device=q.device) if mod.has_mask else None
-    kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) \
-        if mod.has_mask else None
-    grid = (triton.cdiv(q_len, block_m), q_heads, batch)
-    (k_operand, v_operand), descriptors = tile_operands((k, v), block_n, head_block(head_dim), config.descriptors)
-    launch_fitting(
-        _flash_forward_kernel, grid,
-        q, k_operand, v_operand, out, lse, log_sum, fallback_rows,
-        q.stride(), k.stride(), v.stride(), out.stride(),
-        q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p,
-        SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
-        DESCRIPTORS=descriptors, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    out, lse, log_sum, fallback_rows = forward_outputs(q, mod, out_dtype, q.device)
+    kernel, grid, args, keywords = forward_launch(q, k, v, mod, aux, config, block_map, out, lse, log_sum,
+                                                  fallback_rows, seed, dropout_p)
+    launch_fitting(kernel, grid, *args, **keywords)
     return out, lse, FlashForwardExtra(log_sum, fallback_rows, block_map)

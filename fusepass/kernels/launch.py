@@ -13,11 +13,17 @@ so that the identity is not reused); tensors by dtype and 16-byte alignment of t
 for parameters Triton does not specialize (``do_not_specialize``: a dropout seed, a scalar read by value), by
 the width classes Triton picks their type from; floats by type (Triton specializes none on value); tuples and
 dataclasses (tensor descriptors) element by element.
+
+`compile_ahead` starts compiling what a launch will need on a background thread, so that a caller can go on
+(building a block map, compiling another kernel) meanwhile: Triton's compiler passes and ptxas leave Python's
+lock to other threads, so compiles on threads overlap (bench/results/compile-time-*). The launch then waits
+for that compile instead of starting its own.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import repeat
 from typing import Any
 
@@ -71,6 +77,7 @@ class BoundLaunch:
             # The values of the other parameters, in order (the launcher skips the constexprs among them).
             self.keyword_values = [keywords.get(p.name, p.default) for p in params[n_args:]]
         self._compiled: dict[tuple, Any] = {}  # signature -> (compiled kernel, what it holds alive)
+        self._ahead: dict[tuple, Future] = {}  # signature -> its compile on a background thread
 
     def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
         if not self.direct:
@@ -82,9 +89,44 @@ class BoundLaunch:
         if entry is not None:
             entry[0][(*grid, 1, 1)[:3]](*args, *self.keyword_values)
             return
+        compiled = self._compiled_ahead(key)
+        if compiled is not None:
+            self._compiled[key] = compiled, held
+            compiled[(*grid, 1, 1)[:3]](*args, *self.keyword_values)
+            return
         compiled = self.kernel[grid](*args, **self.keywords)
         if compiled is not None:  # None: not compiled on this thread yet (Triton's asynchronous compile mode)
             self._compiled[key] = compiled, held
+
+    def compile_ahead(self, *args: Any) -> None:
+        """Compile, on a background thread, the kernel a call with these positional arguments will launch (only
+        their signature matters: tensors may be meta tensors)."""
+        if not self.direct:
+            return
+        key = (torch.cuda.current_device(), _signature(args, self.modes, []))
+        if key in self._compiled or key in self._ahead:
+            return
+
+        def compile() -> Any:
+            torch.cuda.set_device(key[0])  # a thread starts on the first device
+            return self.kernel.run(*args, grid=(1,), warmup=True, **self.keywords)
+
+        self._ahead[key] = _compiling.submit(compile)
+
+    def _compiled_ahead(self, key: tuple) -> Any:
+        """The kernel compiled ahead for this signature, once compiled, or None where none was or it failed (the
+        launch then compiles it again, and raises what Triton raises)."""
+        ahead = self._ahead.pop(key, None)
+        if ahead is None:
+            return None
+        try:
+            return ahead.result()
+        except Exception:
+            return None
+
+
+# Threads for `compile_ahead`: a first call compiles up to three flash kernels besides its block map's.
+_compiling = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fusepass-compile")
 
 
 # Bound launches keep their kernels and constexpr functions alive (generated kernels come and go with
@@ -93,16 +135,27 @@ _CACHE_SIZE = 512
 _bound: OrderedDict[tuple, BoundLaunch] = OrderedDict()
 
 
-def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **keywords: Any) -> None:
-    """``kernel[grid](*args, **keywords)`` (``num_warps`` and ``num_stages`` among the keywords), through the
-    `BoundLaunch` of the kernel with these keywords."""
-    if type(kernel) is not JITFunction:
-        kernel[grid](*args, **keywords)
-        return
+def _bound_launch(kernel: Any, args: tuple, keywords: dict) -> BoundLaunch:
     key = (id(kernel), len(args), tuple(keywords), _signature(keywords.values(), repeat(_CONSTANT), []))
     bound = _bound.get(key)
     if bound is None:
         bound = _bound[key] = BoundLaunch(kernel, len(args), **keywords)
         if len(_bound) > _CACHE_SIZE:
             _bound.popitem(last=False)
-    bound(grid, *args)
+    return bound
+
+
+def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **keywords: Any) -> None:
+    """``kernel[grid](*args, **keywords)`` (``num_warps`` and ``num_stages`` among the keywords), through the
+    `BoundLaunch` of the kernel with these keywords."""
+    if type(kernel) is not JITFunction:
+        kernel[grid](*args, **keywords)
+        return
+    _bound_launch(kernel, args, keywords)(grid, *args)
+
+
+def compile_ahead(kernel: Any, *args: Any, **keywords: Any) -> None:
+    """Start compiling, on a background thread, what ``launch(kernel, grid, *args, **keywords)`` will launch
+    (interpreted kernels compile nothing)."""
+    if type(kernel) is JITFunction:
+        _bound_launch(kernel, args, keywords).compile_ahead(*args)

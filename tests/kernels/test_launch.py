@@ -7,7 +7,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from fusepass.kernels import launch as launch_module
-from fusepass.kernels.launch import BoundLaunch, launch
+from fusepass.kernels.launch import BoundLaunch, compile_ahead, launch
 
 
 def _kernel_source(X, n, seed, scale, pair, SCALE_FN: tl.constexpr, BLOCK: tl.constexpr = 64):
@@ -113,3 +113,50 @@ def test_a_bound_launch_looks_at_its_positional_arguments_only(recorder, kernel)
     bound((5, 2), x[1:], 100, 8, 0.25, (3, 16))
     assert [call[2] for call in recorder.bound] == [{"SCALE_FN": _identity, "num_warps": 4}] * 2
     assert recorder.direct == [((5, 2, 1), (x, 100, 8, 0.25, (3, 16), _identity, 64))]
+
+
+@pytest.fixture
+def ahead(recorder, monkeypatch):
+    """`compile_ahead` on this thread (the pool's thread runs the same function), on the recorder's device."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    class Now:
+        def submit(self, fn):
+            future = launch_module.Future()
+            try:
+                future.set_result(fn())
+            except Exception as error:
+                future.set_exception(error)
+            return future
+
+    monkeypatch.setattr(launch_module, "_compiling", Now())
+    return recorder
+
+
+def test_a_launch_compiled_ahead_goes_straight_to_the_compiled_kernel(ahead, kernel):
+    x = torch.randn(40)
+    compile_ahead(kernel, torch.empty(0, device="meta"), 100, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
+    compile_ahead(kernel, x, 100, 8, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)  # the same signature
+    (grid, args, keywords), = ahead.bound
+    assert grid == (1,) and keywords == {"SCALE_FN": _identity, "num_warps": 4}
+    _call(kernel, x)
+    assert len(ahead.bound) == 1 and ahead.direct == [((4, 1, 1), (x, 100, 7, 0.5, (3, 16), _identity, 64))]
+
+
+def test_a_launch_of_another_signature_than_compiled_ahead_goes_through_triton(ahead, kernel):
+    compile_ahead(kernel, torch.empty(0, device="meta", dtype=torch.float64), 100, 7, 0.5, (3, 16),
+                  SCALE_FN=_identity, num_warps=4)
+    _call(kernel, torch.randn(40))
+    assert len(ahead.bound) == 2 and not ahead.direct
+
+
+def test_a_compile_ahead_that_failed_leaves_the_launch_to_triton(ahead, kernel, monkeypatch):
+    def failing(*args, warmup, **keywords):
+        if warmup:
+            raise RuntimeError("compile failed")
+        return ahead.run(kernel, *args, warmup=warmup, **keywords)
+
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: failing(*a, **k))
+    compile_ahead(kernel, torch.empty(0, device="meta"), 100, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
+    _call(kernel, torch.randn(40))
+    assert len(ahead.bound) == 1 and not ahead.direct  # the launch's own compile, through Triton
