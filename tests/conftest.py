@@ -22,6 +22,9 @@ def device():
 def _fresh_dynamo():
     import torch._dynamo
 
+    from fusepass.kernels.launch import finish_compiles_ahead
+
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+    finish_compiles_ahead()  # none running on into the next test, whose warnings they could swallow

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from itertools import repeat
 from typing import Any
 
@@ -111,7 +111,9 @@ class BoundLaunch:
             torch.cuda.set_device(key[0])  # a thread starts on the first device
             return self.kernel.run(*args, grid=(1,), warmup=True, **self.keywords)
 
-        self._ahead[key] = _compiling.submit(compile)
+        self._ahead[key] = future = _compiling.submit(compile)
+        _pending.add(future)
+        future.add_done_callback(_pending.discard)
 
     def _compiled_ahead(self, key: tuple) -> Any:
         """The kernel compiled ahead for this signature, once compiled, or None where none was or it failed (the
@@ -127,6 +129,14 @@ class BoundLaunch:
 
 # Threads for `compile_ahead`: a first call compiles up to three flash kernels besides its block map's.
 _compiling = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fusepass-compile")
+_pending: set[Future] = set()
+
+
+def finish_compiles_ahead() -> None:
+    """Wait for every compile `compile_ahead` started. Python's warning filters are the process's, and Triton
+    may change them while it compiles: a warning the caller's thread gives meanwhile can be lost to a
+    ``warnings.catch_warnings`` (a test of warnings waits first)."""
+    wait(list(_pending))
 
 
 # Bound launches keep their kernels and constexpr functions alive (generated kernels come and go with
