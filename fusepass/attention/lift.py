@@ -823,6 +823,11 @@ def _accumulate(leaf: GradLeaf, grad: str) -> list[str]:
             return (f"tl.atomic_add(aux_grad[{target}] + ({leaf.offset}), "
                     f"tl.expand_dims(tl.sum({full}, {summed}), {summed}), mask={leaf.mask})")
         return ["if q_idx.shape[0] == 1:  # [kv, q] tiles", "    " + add(transposed_axis), "else:", "    " + add(axis)]
+    if leaf.slot is not None:  # a distance table's gradient: summed per distance first
+        return ["if q_idx.shape[0] == 1:  # [kv, q] tiles",
+                f"    fd.add_by_distance(aux_grad[{target}], {leaf.offset}, {full})",
+                "else:",
+                f"    fd.add_by_distance(aux_grad[{target}], tl.trans({leaf.offset}), tl.trans({full}))"]
     return [f"tl.atomic_add(aux_grad[{target}] + ({leaf.offset}), {full}, mask={leaf.mask})"]
 
 

@@ -13,7 +13,8 @@ from types import ModuleType
 
 _loaded: dict[str, ModuleType] = {}
 
-HEADER = "import triton\nimport triton.language as tl\n\nfrom fusepass.codegen import mathlib as fm\n\n\n"
+HEADER = ("import triton\nimport triton.language as tl\n\nfrom fusepass.codegen import mathlib as fm\n"
+          "from fusepass.kernels import distance_table as fd\n\n\n")
 
 
 def cache_dir() -> str:

@@ -7,7 +7,8 @@ instead of Nq · Nk; the lifted score functions read it from this table (`fusepa
 scores are the very values the score functions would compute.
 
 Where the value is an element of a tensor a gradient flows to (a learnable relative-position table), the
-backward's score functions sum its gradient per distance into a buffer of the table's shape, and
+backward's score functions sum its gradient per distance into a buffer of the table's shape
+(`add_by_distance`: a tile's diagonals summed first, one atomic add per distance the tile holds), and
 `add_distance_gradients` adds each distance's sum to the element that distance read.
 """
 from __future__ import annotations
@@ -45,6 +46,32 @@ def _add_distance_gradients_kernel(Grad, Target, q_len, n_distances, heads, aux,
     offset = OFFSET(r, batch_head // heads, batch_head % heads, aux)
     grad = tl.load(Grad + batch_head.to(tl.int64) * n_distances + i, mask=i < n_distances, other=0.0)
     tl.atomic_add(Target + offset, grad, mask=i < n_distances)
+
+
+@triton.jit
+def add_by_distance(Grad, offset, values):
+    """``Grad[offset] += values`` for a [kv, q] tile whose offsets are k - q plus a constant: the values of each
+    distance (a diagonal of the tile) summed first, then one atomic add per distance instead of one per score.
+
+    The tile is sheared (column j rotated up by j rows), so that row i holds diagonal i, and diagonal i - R past
+    the wrap. Each diagonal adds at the offset of its first element, which lies inside the tile's key and
+    query ranges wherever the diagonal holds any value (positions past them carry clamped offsets and zero
+    values). Tiles wider than tall add per score."""
+    R: tl.constexpr = values.shape[0]
+    C: tl.constexpr = values.shape[1]
+    if C > R:
+        tl.atomic_add(Grad + offset, values)
+    else:
+        i = tl.arange(0, R)[:, None]
+        j = tl.arange(0, C)[None, :]
+        source = (i + j) % R
+        wrapped = i + j >= R
+        values = tl.gather(values, source, 0)
+        offset = tl.gather(offset, source, 0)
+        diagonal = tl.arange(0, R)
+        tl.atomic_add(Grad + tl.sum(tl.where(j == 0, offset, 0), 1), tl.sum(tl.where(wrapped, 0.0, values), 1))
+        tl.atomic_add(Grad + tl.sum(tl.where(j == R - i, offset, 0), 1), tl.sum(tl.where(wrapped, values, 0.0), 1),
+                      mask=diagonal > R - C)
 
 
 def _grid(table) -> tuple[int, int]:
