@@ -109,6 +109,7 @@ class AttentionSpec:
     aux_strides: list[tuple[int, ...]]
     unfused: Unfused | None = None  # set by the rewrite, with the graph values it reads (after the aux)
     compiled_ahead: bool = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
+    forward_tiles: FlashConfig | None = None  # set by the rewrite where the density model knows the mask's rows
     _mod: ScoreMod | None = field(default=None, repr=False)
 
     @property
@@ -236,7 +237,8 @@ def _compile_ahead(s: AttentionSpec, sources: tuple[torch.Tensor, ...], qkv: tup
                       for layout, x in zip((s.q, s.k, s.v), sources))
         aux_grad = tuple(torch.empty(a.shape if n else (0,), dtype=torch.float32 if n else a.dtype, device="meta")
                          for a, n in zip(read, _aux_needs_grad(s, len(read))))
-    compile_attention_ahead(*qkv, s.mod, read, dropout_p=s.dropout_p, out_dtype=s.out_dtype, grads=grads,
+    compile_attention_ahead(*qkv, s.mod, read, dropout_p=s.dropout_p, out_dtype=s.out_dtype,
+                            forward_tiles=s.forward_tiles if qkv[0].is_cuda else None, grads=grads,
                             aux_grad=aux_grad)
 
 

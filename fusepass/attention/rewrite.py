@@ -97,8 +97,9 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
 
 
 def _records(replaced: list[torch.fx.Node], spec: AttentionSpec, sources: list[torch.fx.Node],
-             features: list[str], where: str, sms: int) -> list[Rewrite]:
-    """The ledger's records of this rewrite: forward, and backward when a gradient flows to an input."""
+             features: list[str], where: str, sms: int) -> tuple[list[Rewrite], FlashConfig | None]:
+    """The ledger's records of this rewrite (forward, and backward when a gradient flows to an input), and the
+    forward's tiles on the GPU where the density model knows the mask's rows (None where it does not)."""
     kept = sources + spec.lifted.aux
     batch, heads, q_len, head_dim = spec.out_shape
     dtype = val(sources[0]).dtype
@@ -119,14 +120,16 @@ def _records(replaced: list[torch.fx.Node], spec: AttentionSpec, sources: list[t
                    needs_grad=bool(a.meta.get("requires_grad"))) for a in spec.lifted.aux]
     gradient_flows = any(n.meta.get("requires_grad") for n in kept)
     forward = forward_config(head_dim, dtype, masked, cuda)
+    known = True
     if masked:  # the width the kernel takes for the mask's rows, as far as the density model knows them
         wide = tiles(forward)
         known = wide.known and not spec.lifted.keep_reads_aux
         forward = narrow_kv_tiles(forward, ModeledRows(wide.density * wide.kv_blocks(shape)) if known else None)
-    return attention_rewrites(where, replaced, kept, shape, tiles(forward),
-                              (tiles(backward.dkdv), tiles(backward.dq)), aux,
-                              tuple(features), {"shape": [batch, heads, q_len, shape.kv_len, head_dim],
-                                                "kv_heads": shape.kv_heads}, gradient_flows)
+    records = attention_rewrites(where, replaced, kept, shape, tiles(forward),
+                                 (tiles(backward.dkdv), tiles(backward.dq)), aux,
+                                 tuple(features), {"shape": [batch, heads, q_len, shape.kv_len, head_dim],
+                                                   "kv_heads": shape.kv_heads}, gradient_flows)
+    return records, forward if known else None
 
 
 _names = itertools.count()  # each rewrite's op spec by a name of its own, for the process's life
@@ -150,7 +153,8 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
                 continue
             spec, sources, features = plan(m, name)
             replaced = replaced_subgraph(graph, removed_nodes(m), sources + spec.lifted.aux)
-            records = _records(replaced, spec, sources, features, where, ctx.report.ceilings.sms)
+            records, spec.forward_tiles = _records(replaced, spec, sources, features, where,
+                                                   ctx.report.ceilings.sms)
         except Unsupported as reason:
             # What it keeps moving: the scores written and read, the probabilities written and read.
             ctx.report.hotspots.append(Hotspot(kind="attention", phase="forward", location=where,

@@ -2,13 +2,13 @@
 
 The first call of a masked attention compiles the kernels of its block map (the mask evaluated per tile, its
 lists compacted), runs them, and only then compiles the forward kernel; its first backward compiles the dQ
-and dK/dV kernels, one after the other (bench/results/compile-time-*: ~1.2–1.5 s each on the GPU machine).
+and dK/dV kernels, one after the other (~1.2–2.3 s each on the GPU machine, bench/results/compile-time-*).
 On that first call `compile_attention_ahead` starts compiling, on background threads (`launch.compile_ahead`),
-the forward kernel at each tile width it may take and, where a gradient will flow, both backward kernels,
-from meta stand-ins of everything their launches will read but the inputs: the call builds its map
-meanwhile, and each launch waits for its kernel's compile instead of starting its own. A stand-in that
-differs from what a launch reads in its signature (a gradient of the output in another layout) only costs a
-compile that is not used.
+the forward kernel (at the tiles the rewrite's density model expects, else at each tile width it may take)
+and, where a gradient will flow, both backward kernels, from meta stand-ins of everything their launches will
+read but the inputs: the call builds its map meanwhile, and each launch waits for its kernel's compile
+instead of starting its own. A stand-in that differs from what a launch reads in its signature (a gradient
+of the output in another layout) only costs a compile that is not used.
 """
 from __future__ import annotations
 
@@ -24,11 +24,13 @@ from fusepass.kernels.flash_fwd import forward_launch, forward_outputs, forward_
 
 def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, *,
                             dropout_p: float, out_dtype: torch.dtype | None,
+                            forward_tiles: FlashConfig | None = None,
                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             aux_grad: tuple | None = None) -> None:
-    """Start compiling what `flash_attention_forward(q, k, v, mod, aux, ...)` will launch and, given `grads`
-    (meta tensors laid out as the backward will write dq, dk, dv), what its backward will launch; `aux_grad`:
-    stand-ins of the backward's aux gradients where `mod.has_aux_grad`."""
+    """Start compiling what `flash_attention_forward(q, k, v, mod, aux, ...)` will launch (at `forward_tiles`
+    where the caller knows them, else at each tile width it may take) and, given `grads` (meta tensors laid
+    out as the backward will write dq, dk, dv), what its backward will launch; `aux_grad`: stand-ins of the
+    backward's aux gradients where `mod.has_aux_grad`."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
     aux = aux + meta_distance_tables(mod)
@@ -37,7 +39,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     def map_at(config: FlashConfig) -> BlockMap:
         return placeholder_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n)
 
-    for config in forward_tile_configs(mod, head_dim, q.dtype, q.device):
+    for config in (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, q.device):
         kernel, _, args, keywords = forward_launch(q, k, v, mod, aux, config,
                                                    map_at(config) if mod.has_mask else None, out, lse, log_sum,
                                                    fallback_rows, 0, dropout_p)
