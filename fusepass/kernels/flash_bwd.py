@@ -299,7 +299,7 @@ def _flash_backward_dq_kernel(
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
 
 
-def backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int,
+def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int,
                  config: FlashConfig) -> BlockMap:
     """The block map at a backward kernel's tiles: the forward's where the tiles are the forward's, else the
     cached map."""
@@ -310,7 +310,7 @@ def backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.T
     return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
 
 
-def fallback_lists(fallback_rows: torch.Tensor, config: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _fallback_lists(fallback_rows: torch.Tensor, config: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (b, h): the q blocks of the dK/dV kernel holding a row the forward recomputed over all tiles."""
     return compact_lists(fallback_rows[..., None, :], (1,), group=config.block_m)
 
@@ -385,8 +385,8 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     for kernel, grid, args, keywords in backward_launches(
             do, q, k, v, out, lse.contiguous(), extra.log_sum.contiguous(), extra.fallback_rows, mod, aux,
             aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed,
-            lambda config: backward_map(mod, aux, extra, q, kv_len, config),
-            lambda config: fallback_lists(extra.fallback_rows, config)):
+            lambda config: _backward_map(mod, aux, extra, q, kv_len, config),
+            lambda config: _fallback_lists(extra.fallback_rows, config)):
         launch_fitting(kernel, grid, *args, **keywords)
     if by_distance:
         add_distance_gradients(mod, aux, aux_grad, by_distance)
