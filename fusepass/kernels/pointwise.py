@@ -71,6 +71,16 @@ def _offset(prefix: str, dims: tuple[bool, ...], base: bool) -> str:
     return " + ".join(terms) if terms else "0"
 
 
+def _load_mask(dims: tuple[bool, ...]) -> str:
+    """The mask of a load moving along `dims`: only the bounds of the tile axes it moves along. A load broadcast
+    along the tile's rows (or columns) is then a row (column) of the tile, broadcast in registers, not a tile
+    of repeated addresses: fewer load instructions, and vectorized along the columns."""
+    along_columns, along_rows = dims[-1], any(dims[:-1])
+    if len(dims) == 1 or (along_columns and along_rows):
+        return ", mask=mask" if along_columns or along_rows else ""
+    return ", mask=col_mask" if along_columns else ", mask=row_mask" if along_rows else ""
+
+
 def kernel_source(name: str, program: Program, variant: Variant) -> str:
     q = variant.rank
     params = [f"l{k}_value" if load.by_value else f"l{k}_ptr" for k, load in enumerate(program.loads)]
@@ -95,7 +105,9 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
         body += [f"y_blocks = tl.cdiv(n{last}, YBLOCK)",
                  f"c{last} = (pid % y_blocks) * YBLOCK + tl.arange(0, YBLOCK)[None, :]",
                  "x = (pid // y_blocks) * XBLOCK + tl.arange(0, XBLOCK)[:, None]",
-                 f"mask = (x < {outer}) & (c{last} < n{last})"]
+                 f"row_mask = x < {outer}",
+                 f"col_mask = c{last} < n{last}",
+                 "mask = row_mask & col_mask"]
         rest = "x"
         for d in range(last - 1, 0, -1):
             body += [f"c{d} = {rest} % n{d}", f"x{d} = {rest} // n{d}"]
@@ -108,7 +120,7 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
             body.append(f"l{k} = l{k}_value")
         else:
             offset = _offset(f"l{k}", variant.load_dims[k], variant.load_base[k])
-            value = f"tl.load(l{k}_ptr + {offset}, mask=mask)" if offset != "0" else f"tl.load(l{k}_ptr)"
+            value = f"tl.load(l{k}_ptr + {offset}{_load_mask(variant.load_dims[k])})"
             if held_dtype(load.dtype) != load.dtype:
                 value += f".to({TRITON_DTYPE[held_dtype(load.dtype)]})"
             body.append(f"l{k} = {value}")
