@@ -1,14 +1,61 @@
-"""On the GPU: the first call of a compiled attention launches the flash kernels it started compiling ahead
-(`fusepass.kernels.flash_ahead`): the forward's and, where a gradient flows, the backward's two, each launch
-finding its kernel compiled instead of compiling it."""
+"""The first call of a compiled attention launches the flash kernels it started compiling ahead
+(`fusepass.kernels.flash_ahead`): the forward's and, where a gradient flows, the backward's two. On any machine:
+what it compiles ahead has the argument signatures of the launches that follow; on the GPU: each launch finds
+its kernel compiled instead of compiling it."""
+from itertools import repeat
+
 import pytest
 import torch
+import torch.nn.functional as F
+from support import assert_close, check, random_tensor
 
 import fusepass
-from fusepass.kernels.launch import BoundLaunch
-from tests.support import assert_close
+from fusepass.kernels import flash_ahead, flash_bwd, flash_config, flash_fwd
+from fusepass.kernels.launch import _CONSTANT, _SPECIALIZED, BoundLaunch, _signature
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernels compile on the GPU machine only")
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernels compile on the GPU machine only")
+
+
+def _launch_signature(kernel, args, keywords):
+    return kernel, _signature(args, repeat(_SPECIALIZED), []), tuple(keywords), \
+        _signature(keywords.values(), repeat(_CONSTANT), [])
+
+
+def _alibi_learnable(q, k, v, slopes):
+    i = torch.arange(q.shape[-2], device=q.device)
+    s = q @ k.transpose(-1, -2) * 0.25 + slopes[:, None, None] * (i[None, None, :] - i[None, :, None])
+    return torch.softmax(s.masked_fill(i[None, :, None] < i[None, None, :], float("-inf")), dim=-1) @ v
+
+
+def _t5_learnable(q, k, v, table):
+    i = torch.arange(q.shape[-2], device=q.device)
+    relative = i[None, :] - i[:, None]
+    distance = relative.abs()
+    large = 4 + (torch.log(distance.float().clamp(min=1) / 4) / 2.0794 * 4).to(torch.long)
+    buckets = (relative > 0).to(torch.long) * 8 + torch.where(distance < 4, distance, large.clamp(max=7))
+    return torch.softmax(q @ k.transpose(-1, -2) + F.embedding(buckets, table).permute(2, 0, 1), dim=-1) @ v
+
+
+@pytest.mark.parametrize("case", ["alibi", "t5"])
+def test_what_is_compiled_ahead_has_the_signatures_of_the_launches(monkeypatch, case):
+    ahead, launched = set(), []
+    monkeypatch.setattr(flash_ahead, "compile_fitting_ahead",
+                        lambda kernel, *args, **keywords: ahead.add(_launch_signature(kernel, args, keywords)))
+
+    def recording(kernel, grid, *args, **keywords):
+        launched.append(_launch_signature(kernel, args, keywords))
+        flash_config.launch_fitting(kernel, grid, *args, **keywords)
+
+    monkeypatch.setattr(flash_fwd, "launch_fitting", recording)
+    monkeypatch.setattr(flash_bwd, "launch_fitting", recording)
+    q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
+    if case == "alibi":
+        check(_alibi_learnable, q, k, v, random_tensor((3,), torch.float32), backward=True, rtol=1e-4, atol=1e-4)
+    else:
+        check(_t5_learnable, q, k, v, random_tensor((16, 3), torch.float32), backward=True, rtol=1e-4, atol=1e-4)
+    names = [signature[0].__name__ for signature in launched]
+    assert names == ["_flash_forward_kernel", "_flash_backward_dq_kernel", "_flash_backward_dkdv_kernel"]
+    assert all(signature in ahead for signature in launched)
 
 
 def _attention(q, k, v):
@@ -18,6 +65,7 @@ def _attention(q, k, v):
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
 
 
+@cuda_only
 @pytest.mark.parametrize("backward", [False, True])
 def test_the_first_call_launches_the_flash_kernels_compiled_ahead(monkeypatch, backward):
     compiled_ahead = {}
