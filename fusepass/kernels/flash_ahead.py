@@ -7,18 +7,19 @@ On that first call `compile_attention_ahead` starts compiling, on background thr
 the forward kernel (at the tiles the rewrite's density model expects, else at each tile width it may take)
 and, where a gradient will flow, both backward kernels, from meta stand-ins of everything their launches will
 read but the inputs: the call builds its map meanwhile, and each launch waits for its kernel's compile
-instead of starting its own. A stand-in that differs from what a launch reads in its signature (a gradient
-of the output in another layout) only costs a compile that is not used.
+instead of starting its own. Where the mask's maps are cached per shape, the backward's are built then too.
+A stand-in that differs from what a launch reads in its signature (a gradient of the output in another
+layout) only costs a compile that is not used.
 """
 from __future__ import annotations
 
 import torch
 
-from fusepass.attention.blockmap import BlockMap, placeholder_block_map
+from fusepass.attention.blockmap import BlockMap, block_map_for, placeholder_block_map
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import distance_gradients, meta_distance_tables
 from fusepass.kernels.flash_bwd import backward_launches
-from fusepass.kernels.flash_config import FlashConfig, compile_fitting_ahead
+from fusepass.kernels.flash_config import FlashConfig, backward_configs, compile_fitting_ahead
 from fusepass.kernels.flash_fwd import forward_launch, forward_outputs, forward_tile_configs
 
 
@@ -33,6 +34,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     backward's aux gradients where `mod.has_aux_grad`."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
+    read = aux
     aux = aux + meta_distance_tables(mod)
     out, lse, log_sum, fallback_rows = forward_outputs(q, mod, out_dtype, "meta")
 
@@ -53,3 +55,9 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
             do, q, k, v, out, lse, log_sum, fallback_rows, mod, aux, aux_grad, torch.empty_like(lse), grads,
             dropout_p, 0, map_at, lambda config: fallbacks):
         compile_fitting_ahead(kernel, *args, **keywords)
+    if mod.has_mask and not mod.keep_reads_aux:
+        # The backward's maps (cached per shape) built now, while the flash kernels compile: the first backward
+        # would otherwise compile and run their kernels before its own launches.
+        configs = backward_configs(head_dim, q.dtype, q.device)
+        for config in (configs.dq, configs.dkdv):
+            block_map_for(mod, read, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)

@@ -93,3 +93,19 @@ def test_the_first_call_launches_the_flash_kernels_compiled_ahead(monkeypatch, b
         kernels += ["_flash_backward_dq_kernel", "_flash_backward_dkdv_kernel"]
     flash = {name: hit for name, hit in compiled_ahead.items() if name.startswith("_flash")}
     assert flash == dict.fromkeys(kernels, True)
+
+
+def test_the_first_backward_builds_no_block_map(monkeypatch):
+    """A mask whose maps are cached per shape gets the backward's maps built on the first forward, while the
+    flash kernels compile (on the GPU their tiles differ from the forward's)."""
+    from fusepass.attention import blockmap
+
+    built = []
+    build = blockmap.build_block_map
+    monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
+    monkeypatch.setattr(blockmap, "build_block_map", lambda *args: built.append(args[-3:-1]) or build(*args))
+    q, k, v = (random_tensor((2, 3, 37, 16), torch.float32).requires_grad_() for _ in range(3))
+    out = torch.compile(_alibi_learnable, backend=fusepass.backend(strict=True))(q, k, v, torch.rand(3))
+    after_forward = list(built)
+    out.backward(torch.randn_like(out))
+    assert after_forward and built == after_forward
