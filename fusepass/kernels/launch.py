@@ -63,25 +63,28 @@ def _signature(values: Any, modes: Any, held: list) -> tuple:
 
 
 class BoundLaunch:
-    """`kernel` with its keywords (constexprs, launch options) and the number of its positional arguments
-    fixed: a call looks up the signature of its positional arguments alone. Kernels other than plain
-    ``triton.jit`` functions (the interpreter's) are launched by Triton on every call."""
+    """`kernel` with its keywords (constexprs, launch options), the number of the positional arguments a call
+    passes and the values of the positional parameters after them (`bound_args`: sizes and strides a launch
+    plan fixes) fixed: a call looks up the signature of the arguments it passes alone. Kernels other than
+    plain ``triton.jit`` functions (the interpreter's) are launched by Triton on every call."""
 
-    def __init__(self, kernel: Any, n_args: int, **keywords: Any) -> None:
+    def __init__(self, kernel: Any, n_args: int, *, bound_args: tuple = (), **keywords: Any) -> None:
         self.kernel = kernel
+        self.bound_args = bound_args
         self.keywords = keywords  # held: constexpr functions keep their identity
         self.direct = type(kernel) is JITFunction
         if self.direct:
             params = kernel.params
             self.modes = tuple(_UNSPECIALIZED if p.do_not_specialize else _SPECIALIZED for p in params[:n_args])
             # The values of the other parameters, in order (the launcher skips the constexprs among them).
-            self.keyword_values = [keywords.get(p.name, p.default) for p in params[n_args:]]
+            self.keyword_values = [*bound_args, *(keywords.get(p.name, p.default)
+                                                  for p in params[n_args + len(bound_args):])]
         self._compiled: dict[tuple, Any] = {}  # signature -> (compiled kernel, what it holds alive)
         self._ahead: dict[tuple, Future] = {}  # signature -> its compile on a background thread
 
     def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
         if not self.direct:
-            self.kernel[grid](*args, **self.keywords)
+            self.kernel[grid](*args, *self.bound_args, **self.keywords)
             return
         held: list = []
         key = (torch.cuda.current_device(), _signature(args, self.modes, held))
@@ -94,7 +97,7 @@ class BoundLaunch:
             self._compiled[key] = compiled, held
             compiled[(*grid, 1, 1)[:3]](*args, *self.keyword_values)
             return
-        compiled = self.kernel[grid](*args, **self.keywords)
+        compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
         if compiled is not None:  # None: not compiled on this thread yet (Triton's asynchronous compile mode)
             self._compiled[key] = compiled, held
 
@@ -109,7 +112,7 @@ class BoundLaunch:
 
         def compile() -> Any:
             torch.cuda.set_device(key[0])  # a thread starts on the first device
-            return self.kernel.run(*args, grid=(1,), warmup=True, **self.keywords)
+            return self.kernel.run(*args, *self.bound_args, grid=(1,), warmup=True, **self.keywords)
 
         self._ahead[key] = future = _compiling.submit(compile)
         _pending.add(future)

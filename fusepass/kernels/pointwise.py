@@ -172,10 +172,9 @@ def compiled_kernel(name: str, program: Program, variant: Variant) -> Any:
 class LaunchPlan:
     """Everything about a launch that depends only on input shapes and strides."""
 
-    launch: BoundLaunch  # the kernel with its block sizes and warps
+    launch: BoundLaunch  # the kernel with its block sizes, warps, and the sizes and strides it indexes with
     root: tuple[int, ...]
     out_strides: tuple[tuple[int, ...], ...]
-    int_args: tuple[int, ...]
     grid: tuple[int]
 
 
@@ -258,7 +257,7 @@ class PointwiseLauncher:
         if plan.grid[0] == 0:
             return outputs
         pointers = [inputs[a.input].item() if a.by_value else inputs[a.input] for a in self.lowered.accesses]
-        plan.launch(plan.grid, *pointers, *outputs, *plan.int_args)
+        plan.launch(plan.grid, *pointers, *outputs)
         return outputs
 
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
@@ -298,9 +297,9 @@ class PointwiseLauncher:
         kernel = compiled_kernel(self.__name__, lowered.program, variant)
         xblock, yblock, num_warps = choose_blocks(sizes)
         grid = (triton.cdiv(sizes[-1], yblock) * triton.cdiv(numel // sizes[-1], xblock),) if numel else (0,)
-        n_args = len(accesses) + len(out_strides) + len(int_args)
-        return LaunchPlan(BoundLaunch(kernel, n_args, XBLOCK=xblock, YBLOCK=yblock, num_warps=num_warps), root,
-                          out_strides, tuple(int_args), grid)
+        launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,
+                             YBLOCK=yblock, num_warps=num_warps)
+        return LaunchPlan(launch, root, out_strides, grid)
 
 
 def warn_fallback(name: str, error: Exception) -> None:

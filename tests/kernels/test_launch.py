@@ -160,3 +160,13 @@ def test_a_compile_ahead_that_failed_leaves_the_launch_to_triton(ahead, kernel, 
     compile_ahead(kernel, torch.empty(0, device="meta"), 100, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
     _call(kernel, torch.randn(40))
     assert len(ahead.bound) == 1 and not ahead.direct  # the launch's own compile, through Triton
+
+
+def test_bound_arguments_follow_the_passed_ones_and_stay_out_of_the_signature(recorder, kernel):
+    bound = BoundLaunch(kernel, 3, bound_args=(0.5, (3, 16)), SCALE_FN=_identity, num_warps=4)
+    x = torch.randn(40)
+    bound((3,), x, 100, 7)
+    bound((3,), x, 100, 8)
+    (grid, args, keywords), = recorder.bound
+    assert args == (x, 100, 7, 0.5, (3, 16)) and keywords == {"SCALE_FN": _identity, "num_warps": 4}
+    assert recorder.direct == [((3, 1, 1), (x, 100, 8, 0.5, (3, 16), _identity, 64))]
