@@ -30,6 +30,7 @@ import triton.language as tl
 
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.launch import launch
+from fusepass.kernels.sizes import cdiv, next_power_of_2
 
 # Warps of a `_tile_kind_kernel` program: the document mask mapped in 40 µs at 2, 120 at 4 and 123 at 1
 # (bench/results/tile-kind-sweep-2026-11-30-0521; a padding mask 14–16 µs at any).
@@ -174,14 +175,14 @@ def compact_lists(values: torch.Tensor, targets: tuple[int, ...], group: int = 1
     [..., len(targets)], index [..., len(targets), n_groups]), int32, contiguous; the first `count` entries of
     `index` are the groups equal to the target, ascending (the rest is not written)."""
     *outer_shape, rows, n = values.shape
-    n_groups = triton.cdiv(n, group)
+    n_groups = cdiv(n, group)
     outer = values.flatten(0, -3) if outer_shape else values[None]
     count = torch.empty(*outer_shape, rows, len(targets), dtype=torch.int32, device=values.device)
     index = torch.empty(*outer_shape, rows, len(targets), n_groups, dtype=torch.int32, device=values.device)
     if count.numel():
         launch(_compact_kernel, (rows, outer.shape[0]), outer, count, index, n, n_groups, outer.stride(0),
                outer.stride(1), outer.stride(2), TARGETS=tuple(targets), GROUP=group,
-               BLOCK=triton.next_power_of_2(n_groups))
+               BLOCK=next_power_of_2(n_groups))
     return count, index
 
 
@@ -199,7 +200,7 @@ def placeholder_block_map(mod: ScoreMod, batch: int, heads: int, q_len: int, kv_
                           block_n: int) -> BlockMap:
     """`mod`'s map at this shape as meta tensors: what a kernel launch reads of a map for its signature
     (dtypes and strides), without evaluating the mask (for `compile_ahead`)."""
-    shapes = map_shapes(*_map_extent(mod, batch, heads), triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n))
+    shapes = map_shapes(*_map_extent(mod, batch, heads), cdiv(q_len, block_m), cdiv(kv_len, block_n))
     return BlockMap.from_tensors(block_m, block_n, [torch.empty(shape, dtype=dtype, device="meta")
                                                     for shape, dtype in zip(shapes, MAP_DTYPES)])
 
@@ -209,7 +210,7 @@ def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: in
     """Evaluate `mod.keep` over every tile (no cache). `heads` counts query heads."""
     assert mod.has_mask, "an attention without a mask has no block map: every tile is full"
     map_batch, map_heads = _map_extent(mod, batch, heads)
-    n_q_blocks, n_kv_blocks = triton.cdiv(q_len, block_m), triton.cdiv(kv_len, block_n)
+    n_q_blocks, n_kv_blocks = cdiv(q_len, block_m), cdiv(kv_len, block_n)
     kind = torch.empty(map_batch, map_heads, n_q_blocks, n_kv_blocks, dtype=torch.int8, device=device)
     grid = (n_q_blocks, n_kv_blocks, map_batch * map_heads)
     launch(_tile_kind_kernel, grid, kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep, BLOCK_M=block_m,

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import triton
 
 from fusepass.attention.blockmap import MAP_DTYPES, BlockMap, map_shapes
 from fusepass.attention.layout import OperandLayout
@@ -25,6 +24,7 @@ from fusepass.kernels.flash_ahead import compile_attention_ahead
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_config import FlashConfig, forward_config, narrow_kv_tiles
 from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward
+from fusepass.kernels.sizes import cdiv
 from fusepass.report import profile
 from fusepass.report.records import Rewrite
 
@@ -142,7 +142,7 @@ class AttentionSpec:
             return [(0,)] * len(MAP_DTYPES)
         batch, heads, q_len, _ = self.out_shape
         return map_shapes(batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1,
-                          triton.cdiv(q_len, tiles.block_m), triton.cdiv(self.k.size[2], tiles.block_n))
+                          cdiv(q_len, tiles.block_m), cdiv(self.k.size[2], tiles.block_n))
 
     @property
     def mod(self) -> ScoreMod:

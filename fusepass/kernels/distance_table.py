@@ -19,6 +19,7 @@ import triton.language as tl
 
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.launch import launch
+from fusepass.kernels.sizes import cdiv
 
 BLOCK = 1024
 
@@ -75,7 +76,7 @@ def add_by_distance(Grad, offset, values):
 
 
 def _grid(table) -> tuple[int, int]:
-    return triton.cdiv(table.q_len + table.kv_len - 1, BLOCK), table.batch * table.heads
+    return cdiv(table.q_len + table.kv_len - 1, BLOCK), table.batch * table.heads
 
 
 def _shape(table) -> tuple[int, int, int]:

@@ -38,6 +38,7 @@ from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_bl
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, load_tile, masked_scores,
     store_rows, tile_operands)
+from fusepass.kernels.sizes import cdiv
 
 
 @triton.jit
@@ -341,7 +342,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         block_map = map_at(config)
         kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides)
     (k_operand, v_operand), descriptors = tile_operands((k, v), config.block_n, block_d, config.descriptors)
-    yield (_flash_backward_dq_kernel, (triton.cdiv(q_len, config.block_m), q_heads, batch),
+    yield (_flash_backward_dq_kernel, (cdiv(q_len, config.block_m), q_heads, batch),
            (q, k_operand, v_operand, out, do, lse, log_sum, delta, dq,
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, aux, seed, dropout_p),
@@ -354,7 +355,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
         fallbacks = fallback_at(config)
     (q_operand, do_operand), descriptors = tile_operands((q, do), config.block_m, block_d, config.descriptors)
-    yield (_flash_backward_dkdv_kernel, (triton.cdiv(kv_len, config.block_n), kv_heads, batch),
+    yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
            (q_operand, k, v, do_operand, lse, log_sum, delta, dk, dv,
             q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
             q_len, kv_len, q_heads // kv_heads, q_lists, fallbacks, aux, aux_grad, seed, dropout_p),

@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import triton
 from triton.runtime.errors import OutOfResources
 
 from fusepass.attention.blockmap import BlockMap
 from fusepass.kernels.launch import compile_ahead, launch
+from fusepass.kernels.sizes import next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def has_tma(device: torch.device) -> bool:
 
 def head_block(head_dim: int) -> int:
     """The head dim padded to a power of two (loads and stores past `head_dim` are masked)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 @functools.cache  # asked on every call of the kernels

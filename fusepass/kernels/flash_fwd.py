@@ -33,6 +33,7 @@ from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, row
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import distance_tables
 from fusepass.kernels.flash_config import FlashConfig, forward_config, head_block, launch_fitting, narrow_kv_tiles
+from fusepass.kernels.sizes import cdiv
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -335,7 +336,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
                                                                                      config.block_n)
     kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) \
         if mod.has_mask else None
-    grid = (triton.cdiv(q_len, block_m), q_heads, batch)
+    grid = (cdiv(q_len, block_m), q_heads, batch)
     (k_operand, v_operand), descriptors = tile_operands((k, v), block_n, head_block(head_dim), config.descriptors)
     args = (q, k_operand, v_operand, out, lse, log_sum, fallback_rows,
             q.stride(), k.stride(), v.stride(), out.stride(),

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import triton
 
 from fusepass.codegen.modules import load_module
 from fusepass.codegen.pointwise import TRITON_DTYPE, Operand, held_dtype, to_stored, translate
@@ -24,6 +23,7 @@ from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.lower import Lowered
 from fusepass.elementwise.program import Program, Ref
 from fusepass.kernels.launch import BoundLaunch
+from fusepass.kernels.sizes import cdiv, next_power_of_2
 
 INT32_MAX = 2**31 - 1
 
@@ -43,8 +43,8 @@ def choose_blocks(sizes: Sequence[int]) -> tuple[int, int, int]:
     outer = 1
     for s in sizes[:-1]:
         outer *= s
-    yblock = min(triton.next_power_of_2(inner), tile)
-    xblock = 1 if len(sizes) == 1 else min(triton.next_power_of_2(outer), max(1, tile // yblock))
+    yblock = min(next_power_of_2(inner), tile)
+    xblock = 1 if len(sizes) == 1 else min(next_power_of_2(outer), max(1, tile // yblock))
     num_warps = 8 if xblock * yblock >= 2048 else 4
     return xblock, yblock, num_warps
 
@@ -296,7 +296,7 @@ class PointwiseLauncher:
         variant = Variant(len(sizes), tuple(load_dims), tuple(load_base), tuple(output_dims), wide)
         kernel = compiled_kernel(self.__name__, lowered.program, variant)
         xblock, yblock, num_warps = choose_blocks(sizes)
-        grid = (triton.cdiv(sizes[-1], yblock) * triton.cdiv(numel // sizes[-1], xblock),) if numel else (0,)
+        grid = (cdiv(sizes[-1], yblock) * cdiv(numel // sizes[-1], xblock),) if numel else (0,)
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,
                              YBLOCK=yblock, num_warps=num_warps)
         return LaunchPlan(launch, root, out_strides, grid)
