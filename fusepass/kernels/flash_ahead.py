@@ -34,7 +34,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     backward's aux gradients where `mod.has_aux_grad`."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
-    read = aux
+    read = aux  # the tensors the score functions read, before the distance tables join them
     aux = aux + meta_distance_tables(mod)
     out, lse, log_sum, fallback_rows = forward_outputs(q, mod, out_dtype, "meta")
 
