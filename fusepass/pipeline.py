@@ -31,7 +31,7 @@ from fusepass.report import hooks, profile, roofline
 from fusepass.report.intermediates import largest_intermediates
 from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, new_report
-from fusepass.runnable import copy_graph, runnable
+from fusepass.runnable import copy_graph, on_device, runnable
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
 CPU_NOTICE = ("kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU): rewrites are planned and "
@@ -139,7 +139,7 @@ class Backend:
                     if run_kernels:  # otherwise the graph still holds what the rewrites would remove
                         self._list_intermediates(module, context(phase))
                     compiling.forward_compiled(backward_follows)
-                return make_boxed_func(runnable(module).forward)
+                return make_boxed_func(on_device(runnable(module).forward, device))
 
             return compile_graph
 

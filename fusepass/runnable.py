@@ -6,8 +6,13 @@
   AOTAutograd has already placed the backward;
 - ``aten.detach`` nodes, which AOTAutograd adds to the values the forward saves for the backward, are
   dropped: the graphs run without autograd, where a detached tensor is the tensor.
+
+`on_device` runs a compiled graph with its tensors' device current: Triton launches on the current device.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -40,3 +45,19 @@ def runnable(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
         elif node.target in _DIRECT_CALLS:
             node.target = _DIRECT_CALLS[node.target]
     return torch.fx.GraphModule(module, graph)
+
+
+def on_device(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:
+    """`fn` run with `device` the current CUDA device, where the graph's tensors live: Triton launches its
+    kernels on the current device, and a model may live on another (cuda:1 while cuda:0 is current)."""
+    if device.type != "cuda" or device.index is None:
+        return fn
+    index = device.index
+
+    def run(*args: Any) -> Any:
+        if torch.cuda.current_device() == index:
+            return fn(*args)
+        with torch.cuda.device(index):
+            return fn(*args)
+
+    return run
