@@ -53,6 +53,12 @@ def tanh(x):
     # ops (exp2 and a reciprocal) where an expm1-based form takes five: tanh runs on every score of a
     # softcapped attention, beside the softmax's own exp2 on the same unit.
     a = tl.abs(x)
+    if x.dtype == tl.float64:
+        # The series' 2^-28 would show in float64: expm1 (Kahan's, accurate in any precision) instead, the
+        # cost of its three special-function ops no concern there. Past |x| = 20, tanh is 1 in float64.
+        e = expm1(2.0 * tl.where(a > 20.0, 20.0, a))
+        t = e / (e + 2.0)
+        return tl.where(x < 0, -t, tl.where(x > 0, t, x))  # ±0 and NaN as they came
     z = x * x
     series = x + x * z * (-0.3333333333333333 + z * (0.13333333333333333 + z * (-0.05396825396825397 + z * (
         0.021869488536155203 + z * (-0.008863235529902197 + z * 0.003592128036572481)))))
