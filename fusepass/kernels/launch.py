@@ -89,17 +89,15 @@ class BoundLaunch:
         held: list = []
         key = (torch.cuda.current_device(), _signature(args, self.modes, held))
         entry = self._compiled.get(key)
-        if entry is not None:
-            entry[0][(*grid, 1, 1)[:3]](*args, *self.keyword_values)
-            return
-        compiled = self._compiled_ahead(key)
-        if compiled is not None:
-            self._compiled[key] = compiled, held
-            compiled[(*grid, 1, 1)[:3]](*args, *self.keyword_values)
-            return
-        compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
-        if compiled is not None:  # None: not compiled on this thread yet (Triton's asynchronous compile mode)
-            self._compiled[key] = compiled, held
+        if entry is None:
+            compiled = self._compiled_ahead(key)
+            if compiled is None:  # Triton compiles and launches it
+                compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
+                if compiled is not None:  # None: not compiled on this thread yet (Triton's asynchronous mode)
+                    self._compiled[key] = compiled, held
+                return
+            entry = self._compiled[key] = compiled, held
+        entry[0][(*grid, 1, 1)[:3]](*args, *self.keyword_values)
 
     def compile_ahead(self, *args: Any) -> None:
         """Compile, on a background thread, the kernel a call with these positional arguments will launch (only

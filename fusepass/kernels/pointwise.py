@@ -76,9 +76,11 @@ def _load_mask(dims: tuple[bool, ...]) -> str:
     along the tile's rows (or columns) is then a row (column) of the tile, broadcast in registers, not a tile
     of repeated addresses: fewer load instructions, and vectorized along the columns."""
     along_columns, along_rows = dims[-1], any(dims[:-1])
-    if len(dims) == 1 or (along_columns and along_rows):
-        return ", mask=mask" if along_columns or along_rows else ""
-    return ", mask=col_mask" if along_columns else ", mask=row_mask" if along_rows else ""
+    if not (along_columns or along_rows):
+        return ""
+    if along_columns and along_rows or len(dims) == 1:
+        return ", mask=mask"
+    return ", mask=col_mask" if along_columns else ", mask=row_mask"
 
 
 def kernel_source(name: str, program: Program, variant: Variant) -> str:
