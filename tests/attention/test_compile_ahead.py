@@ -105,7 +105,8 @@ def test_the_first_backward_builds_no_block_map(monkeypatch):
     monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
     monkeypatch.setattr(blockmap, "build_block_map", lambda *args: built.append(args[-3:-1]) or build(*args))
     q, k, v = (random_tensor((2, 3, 37, 16), torch.float32).requires_grad_() for _ in range(3))
-    out = torch.compile(_alibi_learnable, backend=fusepass.backend(strict=True))(q, k, v, torch.rand(3))
+    slopes = torch.rand(3, device=q.device)
+    out = torch.compile(_alibi_learnable, backend=fusepass.backend(strict=True))(q, k, v, slopes)
     after_forward = list(built)
     out.backward(torch.randn_like(out))
     assert after_forward and built == after_forward

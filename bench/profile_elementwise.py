@@ -1,0 +1,52 @@
+"""Which kernels one step of an elementwise case runs, and for how long, under Inductor and fusepass.
+
+    PYTHONPATH=. python bench/profile_elementwise.py [--cases "gelu-bias fwd+bwd"] [--log2 26]
+
+Runs each named case of ``bench/elementwise.py`` warm under both backends, profiles five steps with
+torch.profiler and prints each backend's kernels by device time, then the wall time per step: a row of the
+elementwise suite that trails Inductor is explained by a kernel it runs that Inductor's does not, or by a
+kernel slower than its bytes say.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from elementwise import CASES
+from harness import median_ms
+
+import fusepass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="gelu-bias fwd+bwd")
+    parser.add_argument("--log2", type=int, default=26, help="log2 of the element count")
+    args = parser.parse_args()
+    by_name = {case.name: case for case in CASES}
+    for name in args.cases.split(","):
+        case = by_name[name]
+        inputs = case.make(1 << args.log2)
+        grad = torch.randn_like(case.fn(*inputs))
+        for backend in ("inductor", fusepass.backend(strict=True)):
+            torch._dynamo.reset()
+            compiled = torch.compile(case.fn, backend=backend)
+
+            def step():
+                out = compiled(*inputs)
+                return torch.autograd.grad(out, inputs, grad) if case.backward else out
+
+            step()
+            ms = median_ms(step)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            label = backend if isinstance(backend, str) else "fusepass"
+            print(f"== {name} under {label}: {ms:.3f} ms per step (median)")
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=10,
+                                            max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
