@@ -1,6 +1,7 @@
 """Tile configs of the flash kernels, timed on causal attention: what ``flash_config`` should choose.
 
     PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--forward-only] [--chosen]
+        [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
 
 Calls the kernels directly (no compile step), with a causal score function written here by hand.
 """
@@ -76,8 +77,13 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--chosen", action="store_true", help="only the configs flash_config chooses")
+    parser.add_argument("--dkdv", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dK/dV")
     args = parser.parse_args()
     forward, backward = (FORWARD[1:2], BACKWARD[1:2]) if args.chosen else (FORWARD, BACKWARD)
+    if args.dkdv is not None:
+        chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, torch.device("cuda"))
+        forward, backward = [], [replace(chosen, dkdv=FlashConfig(*map(int, c.split(",")), descriptors=True))
+                                 for c in args.dkdv]
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
@@ -87,7 +93,8 @@ def main() -> None:
     sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
-    for mod, config in [(CAUSAL, c) for c in forward] + [(CAUSAL_LINEAR, c) for c in FORWARD[1:2] + FORWARD[4:5]]:
+    folded = FORWARD[1:2] + FORWARD[4:5] if forward else []
+    for mod, config in [(CAUSAL, c) for c in forward] + [(CAUSAL_LINEAR, c) for c in folded]:
         flash_fwd.forward_config = lambda *a, c=config: c
         kernel = "forward" if mod is CAUSAL else "forward, scale folded"
         try:

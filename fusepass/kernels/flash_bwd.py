@@ -67,52 +67,60 @@ def _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCOR
 
 
 @triton.jit
-def _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux, aux_grad,
-                    seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
-                    SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
-                    DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The (dropped) weights and the score-side gradient of one tile: (p_dropped, d s).
+def _tile_weights(s, shift, log2_sum, visit, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p,
+                  SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, PARTIAL: tl.constexpr,
+                  DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The weights of one tile from its products s: (p, p_dropped, kept, dropped), and the index tiles the
+    score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held) stands in as kv_in on tiles that
+    are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
 
     The tiles are [q, kv], or [kv, q] when TRANSPOSED (the dK/dV kernel: its dots then take pᵀ and d sᵀ as
     they are, where transposing a tile in registers goes through shared memory); the score functions see
-    the index tiles transposed alike. `visit` (a scalar) zeroes both for a tile that must not count (see the
-    dK/dV fallback loop)."""
+    the index tiles transposed alike. `visit` (a scalar) zeroes the weights of a tile that must not count
+    (see the dK/dV fallback loop)."""
     if TRANSPOSED:
         q_idx = tl.minimum(rows, Nq - 1)[None, :]
         kv_idx = tl.minimum(cols, Nk - 1)[:, None]
         kv_in = (cols < Nk)[:, None]
-        row_offsets = ((bh * Nq + rows) * Nk)[None, :]
-        col_offsets = cols[:, None]
-        shift, log2_sum, delta = shift[None, :], log2_sum[None, :], delta[None, :]
-        s = dot(k, tl.trans(q))
-        dp = dot(v, tl.trans(do))
+        shift, log2_sum = shift[None, :], log2_sum[None, :]
     else:
         q_idx = tl.minimum(rows, Nq - 1)[:, None]
         kv_idx = tl.minimum(cols, Nk - 1)[None, :]
         kv_in = (cols < Nk)[None, :]
-        row_offsets = ((bh * Nq + rows) * Nk)[:, None]
-        col_offsets = cols[None, :]
-        shift, log2_sum, delta = shift[:, None], log2_sum[:, None], delta[:, None]
-        s = dot(q, tl.trans(k))
-        dp = dot(do, tl.trans(v))
+        shift, log2_sum = shift[:, None], log2_sum[:, None]
     if PARTIAL:
         x, kept = masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE, KEEP, FILL)
     else:
-        kept = None
+        kept = kv_in
         x = SCORE(s, b, h, q_idx, kv_idx, aux)
     p = tl.math.exp2((x - shift) * LOG2E - log2_sum)
     p = tl.where(visit, p, 0.0)
     if DROPOUT:
-        kept_weights = dropout_kept(seed, dropout_p, row_offsets, col_offsets)
-        keep_scale = 1.0 / (1.0 - dropout_p)
-        p_dropped = tl.where(kept_weights, p * keep_scale, 0.0)
-        dp = tl.where(kept_weights, dp * keep_scale, 0.0)
+        if TRANSPOSED:
+            dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[None, :], cols[:, None])
+        else:
+            dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[:, None], cols[None, :])
+        p_dropped = tl.where(dropped, p * (1.0 / (1.0 - dropout_p)), 0.0)
     else:
+        dropped = kv_in
         p_dropped = p
+    return p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in
+
+
+@triton.jit
+def _weights_gradient(s, p, dp, kept, dropped, delta, visit, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, dropout_p,
+                      SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
+                      DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The score-side gradient d s of a tile, from its weights (see `_tile_weights`) and dp = dO · Vᵀ."""
+    if TRANSPOSED:
+        delta = delta[None, :]
+    else:
+        delta = delta[:, None]
+    if DROPOUT:
+        dp = tl.where(dropped, dp * (1.0 / (1.0 - dropout_p)), 0.0)
     ds = tl.where(visit, p * (dp - delta), 0.0)
-    grad = _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCORE_GRAD, FILL_GRAD,
+    return _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCORE_GRAD, FILL_GRAD,
                            PARTIAL)
-    return p_dropped, grad
 
 
 @triton.jit
@@ -126,11 +134,16 @@ def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, 
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
                    DESCRIPTORS).to(q.dtype)
     shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
+    # dV's product takes the weights before dp = dO · Vᵀ is computed: fewer tiles live at once.
+    s = dot(k, tl.trans(q))
+    p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
+        s, shift, log2_sum, visit, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
+        DROPOUT, True)
+    dv = dot(p_dropped.to(do.dtype), do, dv)
+    dp = dot(v, tl.trans(do))
     delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
-    p, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, visit, b, h, bh, rows, cols, Nq, Nk, aux,
-                              aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL,
-                              DROPOUT, True)
-    dv = dot(p.to(do.dtype), do, dv)
+    grad = _weights_gradient(s, p, dp, kept, dropped, delta, visit, b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
+                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True)
     dk = dot(grad.to(q.dtype), q, dk)
     return dk, dv
 
@@ -221,8 +234,13 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
                   DESCRIPTORS)
     v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
                   DESCRIPTORS)
-    _, grad = _tile_gradients(q, k, v, do, shift, log2_sum, delta, True, b, h, bh, rows, cols, Nq, Nk, aux, None,
-                              seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
+    s = dot(q, tl.trans(k))
+    dp = dot(do, tl.trans(v))
+    p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
+        s, shift, log2_sum, True, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
+        DROPOUT, False)
+    grad = _weights_gradient(s, p, dp, kept, dropped, delta, True, b, h, q_idx, kv_idx, kv_in, aux, None,
+                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
     return dot(grad.to(k.dtype), k, dq)
 
 

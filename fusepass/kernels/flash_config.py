@@ -118,14 +118,15 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardConfigs:
     block_d = head_block(head_dim)
     if dtype == torch.float32:  # fp32 tiles take twice the registers and shared memory
         return BackwardConfigs(FlashConfig(32, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
-    # dK/dV keeps dK and dV (block_n × block_d, fp32) in registers for its whole loop: 242 registers and
-    # 174 at D = 128 and 64 (ptxas, sm_90), no spills; larger kv blocks or q chunks spill.
+    # dK/dV keeps dK and dV (block_n × block_d, fp32) in registers for its whole loop; q chunks of 64 give
+    # its sᵀ and dpᵀ products N = 64 (a wgmma of N = 32 waits on shared memory for its K or V operand).
     if block_d <= 64:
         return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=2), FlashConfig(64, 64, 4, 3))
     if block_d <= 128:
-        # bench/results/flash-sweep-d128-n8192-2026-11-30-0225, causal B2 H16 N8192, with descriptors: 3.91 ms
-        # (4.21 with dK/dV at 32 × 128 and 8 warps; 4.20 and 4.33 with pointer loads)
-        return BackwardConfigs(FlashConfig(32, 64, num_warps=4, num_stages=3), FlashConfig(128, 64, 8, 3))
+        # bench/results/flash-sweep-d128-n8192-2026-11-30-0859, causal B2 H16 N8192, with descriptors: 3.68 ms
+        # (3.96 at 32 × 64 and 3 stages before dV's product took the weights ahead of dp; 4.10 after; 64 × 64
+        # at 3 stages 4.43: it spills 42 bytes under triton 3.6 where 2 stages spill 22)
+        return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(128, 64, 8, 3))
     return BackwardConfigs(FlashConfig(16, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
 
 
