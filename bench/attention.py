@@ -4,6 +4,10 @@
     PYTHONPATH=. python bench/attention.py [--quick] [--cases causal,alibi] [--shapes small,large]
 
 TFLOP/s count only the unmasked work (4·B·H·Nq·Nk·D per forward, × 2.5 for forward+backward).
+
+Shapes are B, H, N, D and the kv heads: with fewer kv heads than query heads (GQA) the hand-written code
+repeats k and v for each query head (``repeat_interleave``), SDPA is given the repeated k and v as well, and
+FlexAttention reads the kv heads as they are (``enable_gqa``).
 """
 from __future__ import annotations
 
@@ -20,7 +24,16 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import fusepass
 
 WINDOW = 1024
-SHAPES = {"small": (8, 16, 2048, 64), "large": (2, 16, 8192, 128)}
+SHAPES = {"small": (8, 16, 2048, 64, 16), "large": (2, 16, 8192, 128, 16), "d96": (2, 16, 8192, 96, 16),
+          "gqa": (2, 16, 8192, 128, 4)}
+
+
+def kv_repeated(fn: Callable | None, group: int) -> Callable | None:
+    """`fn` of (q, k, v, *extra) given k and v with one head per `group` query heads, as GQA code writes it."""
+    if fn is None or group == 1:
+        return fn
+    return lambda q, k, v, *extra: fn(q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                                      *extra)
 
 
 def slopes(heads: int, device: str) -> torch.Tensor:
@@ -170,15 +183,21 @@ def _alibi_dense(m, n):
     return bias.masked_fill(i[:, None] < i[None, :], float("-inf")).to(torch.bfloat16)
 
 
-def fusepass_call(case: Case, backward: bool, shape: tuple[int, int, int, int] = SHAPES["large"]
+def inputs(shape: tuple[int, ...], backward: bool) -> tuple[torch.Tensor, ...]:
+    """Fresh bf16 q, k, v of `shape` (k and v with its kv heads)."""
+    b, h, n, d, kv_heads = shape
+    return tuple(torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+                 for heads in (h, kv_heads, kv_heads))
+
+
+def fusepass_call(case: Case, backward: bool, shape: tuple[int, ...] = SHAPES["large"]
                   ) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
     """One call of `case` compiled by fusepass on fresh bf16 inputs of `shape` (forward, or forward and
     backward), warmed up; and its (q, k, v)."""
-    b, h, n, d = shape
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
-               for _ in range(3))
+    b, h, n, d, kv_heads = shape
+    q, k, v = inputs(shape, backward)
     extra = case.extra(b, h, n, "cuda")
-    compiled = torch.compile(case.fn, backend=fusepass.backend(strict=True))
+    compiled = torch.compile(kv_repeated(case.fn, h // kv_heads), backend=fusepass.backend(strict=True))
     grad_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
 
     def call() -> None:
@@ -191,27 +210,28 @@ def fusepass_call(case: Case, backward: bool, shape: tuple[int, int, int, int] =
     return call, (q, k, v)
 
 
-def run(case: Case, shape: tuple[int, int, int, int], peers: set[str], backward: bool) -> dict:
-    b, h, n, d = shape
+def run(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool) -> dict:
+    b, h, n, d, kv_heads = shape
     device = "cuda"
-    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, requires_grad=backward)
-               for _ in range(3))
+    q, k, v = inputs(shape, backward)
+    written, sdpa = kv_repeated(case.fn, h // kv_heads), kv_repeated(case.sdpa, h // kv_heads)
     extra = case.extra(b, h, n, device)
     grad = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16)
     variants: dict[str, Callable] = {}
     if "eager" in peers:
-        variants["eager"] = lambda: case.fn(q, k, v, *extra)
+        variants["eager"] = lambda: written(q, k, v, *extra)
     if "inductor" in peers:
-        inductor = torch.compile(case.fn, backend="inductor")
+        inductor = torch.compile(written, backend="inductor")
         variants["inductor"] = lambda: inductor(q, k, v, *extra)
-    fused = torch.compile(case.fn, backend=fusepass.backend(strict=True))  # no silent fallback
+    fused = torch.compile(written, backend=fusepass.backend(strict=True))  # no silent fallback
     variants["fusepass"] = lambda: fused(q, k, v, *extra)
-    if case.sdpa is not None:
-        variants["sdpa"] = lambda: case.sdpa(q, k, v, *extra)
+    if sdpa is not None:
+        variants["sdpa"] = lambda: sdpa(q, k, v, *extra)
     score_mod, mask_mod = case.flex(b, h, n, *extra)
     block_mask = create_block_mask(mask_mod, b, h, n, n, device=device) if mask_mod else None
     flex = torch.compile(flex_attention)
-    variants["flex"] = lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.flex_scale)
+    variants["flex"] = lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.flex_scale,
+                                    enable_gqa=kv_heads != h)
 
     reference = variants["sdpa" if "sdpa" in variants else "flex"]().float()
     out = variants["fusepass"]().float()
@@ -228,7 +248,8 @@ def run(case: Case, shape: tuple[int, int, int, int], peers: set[str], backward:
         return lambda: torch.autograd.grad(fn(), wrt, grad)
 
     flops = 4 * b * h * n * n * d * case.density(n) * (2.5 if backward else 1.0)
-    row = {"case": case.name, "shape": f"B{b} H{h} N{n} D{d}", "pass": "fwd+bwd" if backward else "fwd",
+    shape_name = f"B{b} H{h} N{n} D{d}" + (f" KV{kv_heads}" if kv_heads != h else "")
+    row = {"case": case.name, "shape": shape_name, "pass": "fwd+bwd" if backward else "fwd",
            "rewritten": rewritten, "error vs peer": error}
     for name, fn in variants.items():
         ms = median_ms(step(fn))

@@ -1,12 +1,12 @@
 """Where one call of a compiled attention spends its time, host and device (torch.profiler).
 
-    PYTHONPATH=. python bench/host_trace.py [--cases document,causal] [--backward]
+    PYTHONPATH=. python bench/host_trace.py [--cases document,causal] [--backward] [--shape large]
 
-Runs each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, warm, then profiles five
-calls (forward; with --backward, forward and backward) and prints the ops with the most host time and the
-kernels with the most device time, the ops that synchronize with the device, and the Python functions with the
-most host time. Wall time per call beside the device time of its kernels says how much of a call is launch
-overhead.
+Runs each case of ``bench/attention.py`` (at one of its shapes, B2 H16 N8192 D128 bf16 unless told) under
+fusepass, warm, then profiles five calls (forward; with --backward, forward and backward) and prints the ops
+with the most host time and the kernels with the most device time, the ops that synchronize with the device,
+and the Python functions with the most host time. Wall time per call beside the device time of its kernels
+says how much of a call is launch overhead.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import time
 import warnings
 
 import torch
-from attention import CASES, fusepass_call
+from attention import CASES, SHAPES, fusepass_call
 
 
 
@@ -25,9 +25,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="document,causal")
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--shape", default="large", choices=SHAPES)
     args = parser.parse_args()
     for name in args.cases.split(","):
-        fused, _ = fusepass_call(CASES[name], args.backward)
+        fused, _ = fusepass_call(CASES[name], args.backward, SHAPES[args.shape])
         start = time.perf_counter()
         for _ in range(20):
             fused()

@@ -23,7 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="document,padding")
     args = parser.parse_args()
-    b, h, n, d = SHAPES["large"]
+    b, h, n, d, _ = SHAPES["large"]
     rows = []
     chosen = blockmap.TILE_KIND_WARPS
     for name in args.cases.split(","):

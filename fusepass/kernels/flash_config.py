@@ -121,7 +121,9 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardConfigs:
     # dK/dV keeps dK and dV (block_n × block_d, fp32) in registers for its whole loop; q chunks of 64 give
     # its sᵀ and dpᵀ products N = 64 (a wgmma of N = 32 waits on shared memory for its K or V operand).
     if block_d <= 64:
-        return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=2), FlashConfig(64, 64, 4, 3))
+        # bench/results/flash-sweep-d64-n2048-2026-11-30-0909, causal B8 H16 N2048: 0.683 ms (0.918 at 32 × 128
+        # and 8 warps, 0.680 at 32 × 64)
+        return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(64, 64, 4, 3))
     if block_d <= 128:
         # bench/results/flash-sweep-d128-n8192-2026-11-30-0859, causal B2 H16 N8192, with descriptors: 3.68 ms
         # (3.96 at 32 × 64 and 3 stages before dV's product took the weights ahead of dp; 4.10 after; 64 × 64
