@@ -21,6 +21,11 @@ from fusepass.kernels import flash_bwd, flash_fwd
 from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
 
 
+# 1/sqrt(128) at every head dim (the score functions spell it out: Triton reads no plain globals); the SDPA
+# references are given the same scale.
+SCALE = 0.08838834764831845
+
+
 @triton.jit
 def scaled(s, b, h, q_idx, kv_idx, aux):
     return s * 0.08838834764831845
@@ -49,7 +54,7 @@ def no_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
 CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf,
                   fill_grad=no_grad)
 # The same, its scale declared (ScoreMod.linear_scale): full tiles fold it into the exponent.
-CAUSAL_LINEAR = replace(CAUSAL, name="sweep_causal_linear", linear_scale=0.08838834764831845)
+CAUSAL_LINEAR = replace(CAUSAL, name="sweep_causal_linear", linear_scale=SCALE)
 
 # Per-tile operands through TMA descriptors; the first config of each list also with pointer loads.
 FORWARD = [FlashConfig(128, 128, 8, 3, descriptors=False)] + [
@@ -87,10 +92,11 @@ def main() -> None:
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
-    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
     flops = 4 * b * h * n * n * d * (n + 1) / (2 * n)
     rows = []
-    sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                 scale=SCALE))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
     folded = FORWARD[1:2] + FORWARD[4:5] if forward else []
@@ -109,7 +115,7 @@ def main() -> None:
     flash_fwd.forward_config = lambda *a: FlashConfig(128, 128, 8, 3, descriptors=True)
     out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ())
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True)
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=SCALE)
     sdpa_bwd = median_ms(lambda: torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True))
     rows.append({"kernel": "sdpa backward", "config": "-", "ms": sdpa_bwd, "TFLOP/s": 2.5 * flops / sdpa_bwd / 1e9})
     expected = torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True)

@@ -401,10 +401,19 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # written by the dQ kernel
     dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    # Where the two kernels tile alike (dK/dV and dQ at 64 × 64 for D ≤ 64) they read one map: a mask that
+    # reads tensors is mapped on every call, three launches each.
+    maps: dict[tuple[int, int], BlockMap] = {}
+
+    def map_at(config: FlashConfig) -> BlockMap:
+        tiles = (config.block_m, config.block_n)
+        if tiles not in maps:
+            maps[tiles] = _backward_map(mod, aux, extra, q, kv_len, config)
+        return maps[tiles]
+
     for kernel, grid, args, keywords in backward_launches(
             do, q, k, v, out, lse.contiguous(), extra.log_sum.contiguous(), extra.fallback_rows, mod, aux,
-            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed,
-            lambda config: _backward_map(mod, aux, extra, q, kv_len, config),
+            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed, map_at,
             lambda config: _fallback_lists(extra.fallback_rows, config)):
         launch_fitting(kernel, grid, *args, **keywords)
     if by_distance:

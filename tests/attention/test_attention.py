@@ -303,6 +303,24 @@ def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypa
     assert all((block_m, block_n) != (tiles.block_m, tiles.block_n) for block_m, block_n in built)
 
 
+def test_backward_kernels_tiling_alike_read_one_map(monkeypatch):
+    """Where the dQ and dK/dV kernels tile alike (both 64 × 64 at D ≤ 64 on a GPU) and unlike the forward, a
+    mask that reads tensors is mapped once per backward, and the gradients are eager's."""
+    from fusepass.attention import blockmap
+    from fusepass.kernels import flash_bwd
+    from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
+
+    alike = FlashConfig(16, 32, num_warps=1, num_stages=1)
+    monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: BackwardConfigs(alike, alike))
+    built = []
+    build = blockmap.build_block_map
+    monkeypatch.setattr(blockmap, "build_block_map", lambda *args: built.append(args[6:8]) or build(*args))
+    segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
+    check(document_mask, *qkv(nk=NQ), segments, backward=True)
+    forward_tiles = built[0]
+    assert forward_tiles != (16, 32) and built.count((16, 32)) == 1
+
+
 def scaled_by_a_tensor(q, k, v, temperature):
     return torch.softmax((q @ k.transpose(-1, -2)) * temperature, dim=-1) @ v
 
