@@ -1,13 +1,14 @@
 """Host time of one compiled attention call, split into Triton launches (per kernel) and everything else.
 
     PYTHONPATH=. python bench/launch_cost.py [--cases window,document,causal] [--backward] [--profile] [--layers]
+        [--shape large]
 
-Runs each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, warm, and times 20 calls on
-the host without waiting for the device (the launch queue is deep enough not to block): per call, the host
-time to return, the time inside each kernel's launch (``fusepass.kernels.launch.launch``: the signature
-lookup and the driver call, or Triton's binding and specialization on a new signature) and the rest (the op's
-Python, torch's custom-op and autograd wrappers). A call whose host time is above its device time leaves the
-GPU waiting. With --profile, the Python functions
+Runs each case of ``bench/attention.py`` (at one of its shapes, B2 H16 N8192 D128 bf16 unless told) under
+fusepass, warm, and times 20 calls on the host without waiting for the device (the launch queue is deep enough
+not to block): per call, the host time to return, the time inside each kernel's launch
+(``fusepass.kernels.launch.launch``: the signature lookup and the driver call, or Triton's binding and
+specialization on a new signature) and the rest (the op's Python, torch's custom-op and autograd wrappers). A
+call whose host time is above its device time leaves the GPU waiting. With --profile, the Python functions
 with the most host time over those calls, by own time and by cumulative time. With --layers, the host time of
 the attention op's forward and backward called through torch's dispatcher and as plain Python functions (what
 the layers between them cost).
@@ -21,7 +22,7 @@ import pstats
 import time
 
 import torch
-from attention import CASES, fusepass_call
+from attention import CASES, SHAPES, fusepass_call
 from harness import keep
 
 from fusepass.attention import blockmap, op
@@ -77,12 +78,13 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--layers", action="store_true")
+    parser.add_argument("--shape", default="large", choices=SHAPES)
     args = parser.parse_args()
     spent = timed_launches()
     rows = []
     for name in args.cases.split(","):
         case = CASES[name]
-        call, (q, k, v) = fusepass_call(case, args.backward)
+        call, (q, k, v) = fusepass_call(case, args.backward, SHAPES[args.shape])
         spent.clear()
         start = time.perf_counter()
         for _ in range(CALLS):
@@ -91,7 +93,8 @@ def main() -> None:
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) / CALLS * 1e6
         launches_us = sum(spent.values()) / CALLS * 1e6
-        row = {"case": case.name, "pass": "fwd+bwd" if args.backward else "fwd", "host µs": host_us,
+        row = {"case": case.name, "shape": args.shape, "pass": "fwd+bwd" if args.backward else "fwd",
+               "host µs": host_us,
                "wall µs": wall_us, "launches µs": launches_us, "other µs": host_us - launches_us,
                "by kernel µs": ", ".join(f"{kernel} {seconds / CALLS * 1e6:.0f}"
                                          for kernel, seconds in spent.most_common())}
