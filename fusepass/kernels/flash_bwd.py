@@ -8,7 +8,8 @@ Two kernels, no atomics for dQ / dK / dV, launched in this order:
 2. dK/dV: one program per (batch, kv head, kv block) walks, for each query head sharing the kv head, the
    q blocks the block map lists for its kv block, accumulating dK and dV in registers. Its tiles are laid
    out [kv, q] (pᵀ and d sᵀ are then the dots' operands as they are; transposing a tile in registers goes
-   through shared memory) and its q blocks are short, since per-q statistics broadcast along the short axis.
+   through shared memory). dV's product takes a tile's weights before dp is computed, so that fewer tiles
+   are live at once (the kernel's registers are what bound its q chunks).
 
 dO may come in `out`'s dtype; the dots read it in the inputs' dtype.
 

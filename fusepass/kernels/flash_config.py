@@ -98,9 +98,9 @@ def narrow_kv_tiles(config: FlashConfig, wide_map: BlockMap | ModeledRows | None
 
 @dataclass(frozen=True)
 class BackwardConfigs:
-    """The backward's two kernels tile differently: dK/dV walks small q chunks past a tall kv block (its
-    tiles are laid out [kv, q]; per-q statistics then broadcast along the short axis), dQ tall q blocks
-    past kv chunks. `block_m` is always the q extent of a tile, `block_n` the kv extent."""
+    """The backward's two kernels may tile differently: dK/dV walks q chunks past its kv block (its tiles are
+    laid out [kv, q]), dQ q blocks past kv chunks. `block_m` is always the q extent of a tile, `block_n` the kv
+    extent."""
 
     dkdv: FlashConfig
     dq: FlashConfig
@@ -119,7 +119,8 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardConfigs:
     if dtype == torch.float32:  # fp32 tiles take twice the registers and shared memory
         return BackwardConfigs(FlashConfig(32, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
     # dK/dV keeps dK and dV (block_n × block_d, fp32) in registers for its whole loop; q chunks of 64 give
-    # its sᵀ and dpᵀ products N = 64 (a wgmma of N = 32 waits on shared memory for its K or V operand).
+    # its sᵀ = K·Qᵀ and dpᵀ = V·dOᵀ products N = 64, where N = 32 reads K or V from shared memory twice as
+    # often per FLOP.
     if block_d <= 64:
         # bench/results/flash-sweep-d64-n2048-2026-11-30-0909, causal B8 H16 N2048: 0.683 ms (0.918 at 32 × 128
         # and 8 warps, 0.680 at 32 × 64)
