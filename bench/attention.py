@@ -190,33 +190,35 @@ def inputs(shape: tuple[int, ...], backward: bool) -> tuple[torch.Tensor, ...]:
                  for heads in (h, kv_heads, kv_heads))
 
 
-def fusepass_call(case: Case, backward: bool, shape: tuple[int, ...] = SHAPES["large"]
-                  ) -> tuple[Callable[[], None], tuple[torch.Tensor, ...]]:
-    """One call of `case` compiled by fusepass on fresh bf16 inputs of `shape` (forward, or forward and
-    backward), warmed up; and its (q, k, v)."""
-    b, h, n, d, kv_heads = shape
-    q, k, v = inputs(shape, backward)
-    extra = case.extra(b, h, n, "cuda")
-    compiled = torch.compile(kv_repeated(case.fn, h // kv_heads), backend=fusepass.backend(strict=True))
-    grad_out = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+@dataclass
+class Setup:
+    """One case at one shape: each variant's forward call on the same fresh inputs, and what the backward
+    differentiates."""
 
-    def call() -> None:
-        out = compiled(q, k, v, *extra)
-        if backward:
-            torch.autograd.grad(out, (q, k, v), grad_out)
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    return call, (q, k, v)
+    variants: dict[str, Callable[[], torch.Tensor]]
+    wrt: tuple[torch.Tensor, ...]  # q, k, v and every input that needs a gradient (a learnable bias table)
+    grad: torch.Tensor
+
+    def step(self, name: str, backward: bool) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """A variant's call, its output (and with `backward` the gradients of `wrt`) returned."""
+        forward = self.variants[name]
+        if not backward:
+            return lambda: (forward(),)
+
+        def forward_backward() -> tuple[torch.Tensor, ...]:
+            out = forward()
+            return (out, *torch.autograd.grad(out, self.wrt, self.grad))
+        return forward_backward
 
 
-def run(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool) -> dict:
+def setup(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool, flex: bool = True) -> Setup:
+    """fusepass on `case`, FlexAttention unless told, and those of eager, inductor and sdpa `peers` names (SDPA
+    where it can say the case)."""
     b, h, n, d, kv_heads = shape
     device = "cuda"
     q, k, v = inputs(shape, backward)
     written, sdpa = kv_repeated(case.fn, h // kv_heads), kv_repeated(case.sdpa, h // kv_heads)
     extra = case.extra(b, h, n, device)
-    grad = torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16)
     variants: dict[str, Callable] = {}
     if "eager" in peers:
         variants["eager"] = lambda: written(q, k, v, *extra)
@@ -225,38 +227,51 @@ def run(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool) -> 
         variants["inductor"] = lambda: inductor(q, k, v, *extra)
     fused = torch.compile(written, backend=fusepass.backend(strict=True))  # no silent fallback
     variants["fusepass"] = lambda: fused(q, k, v, *extra)
-    if sdpa is not None:
+    if sdpa is not None and "sdpa" in peers:
         variants["sdpa"] = lambda: sdpa(q, k, v, *extra)
-    score_mod, mask_mod = case.flex(b, h, n, *extra)
-    block_mask = create_block_mask(mask_mod, b, h, n, n, device=device) if mask_mod else None
-    flex = torch.compile(flex_attention)
-    variants["flex"] = lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.flex_scale,
-                                    enable_gqa=kv_heads != h)
+    if flex:
+        score_mod, mask_mod = case.flex(b, h, n, *extra)
+        block_mask = create_block_mask(mask_mod, b, h, n, n, device=device) if mask_mod else None
+        compiled_flex = torch.compile(flex_attention)
+        variants["flex"] = lambda: compiled_flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                                                 scale=case.flex_scale, enable_gqa=kv_heads != h)
+    wrt = (q, k, v, *[x for x in extra if isinstance(x, torch.Tensor) and x.requires_grad])
+    return Setup(variants, wrt, torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16))
 
-    reference = variants["sdpa" if "sdpa" in variants else "flex"]().float()
-    out = variants["fusepass"]().float()
-    error = ((out - reference).norm() / reference.norm()).item()
+
+def fusepass_call(case: Case, backward: bool, shape: tuple[int, ...] = SHAPES["large"]
+                  ) -> tuple[Callable[[], tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """One call of `case` compiled by fusepass on fresh bf16 inputs of `shape` (forward, or forward and
+    backward), warmed up; and its (q, k, v)."""
+    call = (cased := setup(case, shape, set(), backward, flex=False)).step("fusepass", backward)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    return call, cased.wrt[:3]
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
+def run(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool) -> dict:
+    b, h, n, d, kv_heads = shape
+    cased = setup(case, shape, peers, backward)
+    variants = cased.variants
+    error = relative_error(variants["fusepass"](), variants["sdpa" if "sdpa" in variants else "flex"]())
     report = fusepass.last_report()
     rewritten = any(r.kind == "attention" for r in report.rewrites) if report else False
-
-    # The gradients of q, k, v and of every input that needs one (a learnable bias table).
-    wrt = (q, k, v, *[x for x in extra if isinstance(x, torch.Tensor) and x.requires_grad])
-
-    def step(fn):
-        if not backward:
-            return fn
-        return lambda: torch.autograd.grad(fn(), wrt, grad)
 
     flops = 4 * b * h * n * n * d * case.density(n) * (2.5 if backward else 1.0)
     shape_name = f"B{b} H{h} N{n} D{d}" + (f" KV{kv_heads}" if kv_heads != h else "")
     row = {"case": case.name, "shape": shape_name, "pass": "fwd+bwd" if backward else "fwd",
            "rewritten": rewritten, "error vs peer": error}
-    for name, fn in variants.items():
-        ms = median_ms(step(fn))
+    for name in variants:
+        ms = median_ms(cased.step(name, backward))
         row[f"{name} ms"] = ms
         row[f"{name} TFLOP/s"] = flops / ms / 1e9
         if backward:
-            row[f"{name} GiB"] = peak_memory_gib(step(fn))
+            row[f"{name} GiB"] = peak_memory_gib(cased.step(name, backward))
     row["vs flex"] = row["flex ms"] / row["fusepass ms"]
     if "sdpa ms" in row:
         row["vs sdpa"] = row["sdpa ms"] / row["fusepass ms"]
