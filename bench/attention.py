@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from harness import keep, median_ms, peak_memory_gib
+from harness import keep, median_ms, peak_memory_gib, relative_error
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import fusepass
@@ -248,10 +248,6 @@ def fusepass_call(case: Case, backward: bool, shape: tuple[int, ...] = SHAPES["l
         call()
     torch.cuda.synchronize()
     return call, cased.wrt[:3]
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
 def run(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from harness import keep, median_ms
+from harness import keep, median_ms, relative_error
 
 import fusepass
 
@@ -67,7 +67,7 @@ def run_case(case: Case, n: int) -> dict:
     expected = case.fn(*inputs)
     for name in ("inductor", "fusepass"):
         out = compiled[name](*inputs)
-        error = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+        error = relative_error(out, expected)
         assert error < 1e-2, f"{case.name}: {name} differs from eager by {error:.2e}"
     grad = torch.randn_like(expected)
 

@@ -15,8 +15,8 @@ import argparse
 from collections.abc import Callable
 
 import torch
-from attention import CASES, SHAPES, relative_error, setup
-from harness import keep, median_ms
+from attention import CASES, SHAPES, setup
+from harness import keep, median_ms, relative_error
 
 
 def captured(step: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:

@@ -40,6 +40,11 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 200) -> 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """‖got − expected‖ / ‖expected‖, in float32."""
+    return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
+
+
 def peak_memory_gib(fn: Callable[[], Any]) -> float:
     """Peak device memory allocated while ``fn`` runs, above what was allocated before it."""
     torch.cuda.synchronize()
