@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import check, random_tensor
+from support import SUMMED_GRADIENT_FP32, check, random_tensor
 
 from fusepass.attention import op
 
@@ -80,7 +80,7 @@ def alibi(q, k, v, slopes):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_a_learnable_table_is_read_per_distance_and_its_gradient_summed_per_distance(dtype):
     table = random_tensor((16, H), dtype)
-    check(t5_bias, *inputs(dtype), table, backward=True, **(FP32 if dtype == torch.float32 else {}))
+    check(t5_bias, *inputs(dtype), table, backward=True, **(SUMMED_GRADIENT_FP32 if dtype == torch.float32 else {}))
     (distance_table,) = spec().lifted.tables
     assert distance_table.grad_of == 0 and distance_table.offset_function
     source = score_source()

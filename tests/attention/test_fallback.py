@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import DEVICE, check, random_tensor, rewrites
+from support import DEVICE, SUMMED_GRADIENT_FP32, check, random_tensor, rewrites
 
 import fusepass
 from fusepass.attention import op
@@ -44,7 +44,7 @@ def _inputs():
 def test_a_failing_kernel_runs_the_replaced_ops(monkeypatch, kernel):
     monkeypatch.setattr(op, kernel, _explode)
     with pytest.warns(RuntimeWarning, match="planted kernel failure"):
-        report = check(alibi_causal, *_inputs(), backward=True, **FP32)  # the slopes learn too
+        report = check(alibi_causal, *_inputs(), backward=True, **SUMMED_GRADIENT_FP32)  # the slopes learn too
     assert rewrites(report, kind="attention")
     (hotspot,) = [h for h in report.hotspots if h.kind == "attention"]
     phase = "forward" if kernel == "flash_attention_forward" else "backward"

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import check, random_tensor
+from support import SUMMED_GRADIENT_FP32, check, random_tensor
 
 from fusepass.attention import op
 from fusepass.attention.spans import fits, float_rounding, result_span, truncated
@@ -78,7 +78,7 @@ def test_positions_run_in_int32_unless_they_may_overflow(fn, int64):
     q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
     slopes = random_tensor((3,), torch.float32)
     # The slopes' gradients sum ~10^4 products with cancellation: fp32 summation order moves them by ~1e-3.
-    check(fn, q, k, v, slopes, backward=True, rtol=1e-3, atol=1e-3)
+    check(fn, q, k, v, slopes, backward=True, **SUMMED_GRADIENT_FP32)
     source = _score_source()
     assert ("tl.int64" in source) == int64, source
     assert "/" not in source  # the division by sqrt(d) is a product with its reciprocal
@@ -96,7 +96,7 @@ def alibi_far_from_zero(q, k, v, slopes):
 def test_distances_convert_to_float_per_position_vector_where_exact(fn, per_vector):
     q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
     slopes = random_tensor((3,), torch.float32) * 4  # large enough that a distance off by one shows
-    check(fn, q, k, v, slopes, backward=True, rtol=1e-3, atol=1e-3)
+    check(fn, q, k, v, slopes, backward=True, **SUMMED_GRADIENT_FP32)
     source = _score_source()
     assert ("(kv_idx).to(tl.float32)" in source) == per_vector, source
 
