@@ -183,10 +183,10 @@ def _alibi_dense(m, n):
     return bias.masked_fill(i[:, None] < i[None, :], float("-inf")).to(torch.bfloat16)
 
 
-def inputs(shape: tuple[int, ...], backward: bool) -> tuple[torch.Tensor, ...]:
+def inputs(shape: tuple[int, ...], backward: bool, device: str = "cuda") -> tuple[torch.Tensor, ...]:
     """Fresh bf16 q, k, v of `shape` (k and v with its kv heads)."""
     b, h, n, d, kv_heads = shape
-    return tuple(torch.randn(b, heads, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+    return tuple(torch.randn(b, heads, n, d, device=device, dtype=torch.bfloat16, requires_grad=backward)
                  for heads in (h, kv_heads, kv_heads))
 
 
@@ -211,12 +211,12 @@ class Setup:
         return forward_backward
 
 
-def setup(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool, flex: bool = True) -> Setup:
+def setup(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool, flex: bool = True,
+          device: str = "cuda") -> Setup:
     """fusepass on `case`, FlexAttention unless told, and those of eager, inductor and sdpa `peers` names (SDPA
     where it can say the case)."""
     b, h, n, d, kv_heads = shape
-    device = "cuda"
-    q, k, v = inputs(shape, backward)
+    q, k, v = inputs(shape, backward, device)
     written, sdpa = kv_repeated(case.fn, h // kv_heads), kv_repeated(case.sdpa, h // kv_heads)
     extra = case.extra(b, h, n, device)
     variants: dict[str, Callable] = {}
@@ -239,14 +239,15 @@ def setup(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool, f
     return Setup(variants, wrt, torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16))
 
 
-def fusepass_call(case: Case, backward: bool, shape: tuple[int, ...] = SHAPES["large"]
+def fusepass_call(case: Case, backward: bool, shape: tuple[int, ...] = SHAPES["large"], device: str = "cuda"
                   ) -> tuple[Callable[[], tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
     """One call of `case` compiled by fusepass on fresh bf16 inputs of `shape` (forward, or forward and
     backward), warmed up; and its (q, k, v)."""
-    call = (cased := setup(case, shape, set(), backward, flex=False)).step("fusepass", backward)
+    call = (cased := setup(case, shape, set(), backward, flex=False, device=device)).step("fusepass", backward)
     for _ in range(3):
         call()
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return call, cased.wrt[:3]
 
 

@@ -7,12 +7,9 @@ once per signature of its positional arguments and then launches the compiled ke
 (``CompiledKernel[grid](*values)``, every parameter's value in order). `launch` keeps a `BoundLaunch` per
 kernel and keywords.
 
-The signature is finer than Triton's specialization, so a compiled kernel is never reused where Triton would
-have compiled another. Per parameter: constexprs by value (functions by identity, held alive by the bound launch
-so that the identity is not reused); tensors by dtype and 16-byte alignment of their data; ints by value, or,
-for parameters Triton does not specialize (``do_not_specialize``: a dropout seed, a scalar read by value), by
-the width classes Triton picks their type from; floats by type (Triton specializes none on value); tuples and
-dataclasses (tensor descriptors) element by element.
+The signature (`fusepass.kernels.signature`) is finer than Triton's specialization, so a compiled kernel is
+never reused where Triton would have compiled another; keywords enter it by value, positional arguments as
+their parameters are specialized.
 
 `compile_ahead` starts compiling what a launch will need on a background thread, so that a caller can go on
 (building a block map, compiling another kernel) meanwhile: Triton's compiler passes and ptxas leave Python's
@@ -21,45 +18,14 @@ for that compile instead of starting its own.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from itertools import repeat
 from typing import Any
 
 import torch
 from triton.runtime.jit import JITFunction
 
-# How a parameter's value enters the signature.
-_CONSTANT, _SPECIALIZED, _UNSPECIALIZED = 0, 1, 2
-
-
-def _signature(values: Any, modes: Any, held: list) -> tuple:
-    """The signature of `values`, each entering by its mode. One loop with the common types inline: this runs
-    on every launch, over ~90 values for a flash kernel."""
-    signature = []
-    append = signature.append
-    for value, mode in zip(values, modes):
-        # Exact types first: isinstance against torch.Tensor runs a Python-level metaclass check.
-        kind = type(value)
-        if kind is int:
-            append((value < -2**31, value < 0, value < 2**31, value < 2**63) if mode == _UNSPECIALIZED else value)
-        elif kind is torch.Tensor:
-            append((value.dtype, value.data_ptr() % 16 == 0))
-        elif kind is tuple or kind is list:
-            append((kind, _signature(value, repeat(mode), held)))
-        elif kind is float:
-            append((kind, value) if mode == _CONSTANT else kind)
-        elif kind is bool or kind is str or value is None:
-            append((kind, value))
-        elif isinstance(value, torch.Tensor):
-            append((value.dtype, value.data_ptr() % 16 == 0))
-        elif dataclasses.is_dataclass(value):
-            append((kind, _signature(vars(value).values(), repeat(mode), held)))
-        else:
-            held.append(value)
-            append((kind, id(value)))
-    return tuple(signature)
+from fusepass.kernels.signature import CONSTANT, SPECIALIZED, UNSPECIALIZED, SignatureOf
 
 
 class BoundLaunch:
@@ -75,7 +41,8 @@ class BoundLaunch:
         self.direct = type(kernel) is JITFunction
         if self.direct:
             params = kernel.params
-            self.modes = tuple(_UNSPECIALIZED if p.do_not_specialize else _SPECIALIZED for p in params[:n_args])
+            self.signature_of = SignatureOf([UNSPECIALIZED if p.do_not_specialize else SPECIALIZED
+                                             for p in params[:n_args]])
             # The values of the other parameters, in order (the launcher skips the constexprs among them).
             self.keyword_values = [*bound_args, *(keywords.get(p.name, p.default)
                                                   for p in params[n_args + len(bound_args):])]
@@ -86,17 +53,16 @@ class BoundLaunch:
         if not self.direct:
             self.kernel[grid](*args, *self.bound_args, **self.keywords)
             return
-        held: list = []
-        key = (torch.cuda.current_device(), _signature(args, self.modes, held))
+        key = (torch.cuda.current_device(), self.signature_of.key(args))
         entry = self._compiled.get(key)
         if entry is None:
             compiled = self._compiled_ahead(key)
             if compiled is None:  # Triton compiles and launches it
                 compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
                 if compiled is not None:  # None: not compiled on this thread yet (Triton's asynchronous mode)
-                    self._compiled[key] = compiled, held
+                    self._compiled[key] = compiled, self.signature_of.held(args)
                 return
-            entry = self._compiled[key] = compiled, held
+            entry = self._compiled[key] = compiled, self.signature_of.held(args)
         entry[0][(*grid, 1, 1)[:3]](*args, *self.keyword_values)
 
     def compile_ahead(self, *args: Any) -> None:
@@ -104,7 +70,7 @@ class BoundLaunch:
         their signature matters: tensors may be meta tensors)."""
         if not self.direct:
             return
-        key = (torch.cuda.current_device(), _signature(args, self.modes, []))
+        key = (torch.cuda.current_device(), self.signature_of.key(args))
         if key in self._compiled or key in self._ahead:
             return
 
@@ -146,8 +112,16 @@ _CACHE_SIZE = 512
 _bound: OrderedDict[tuple, BoundLaunch] = OrderedDict()
 
 
+# The signatures of keyword values, by the keywords' names (the values' structures are few per name set).
+_keyword_signatures: dict[tuple[str, ...], SignatureOf] = {}
+
+
 def _bound_launch(kernel: Any, args: tuple, keywords: dict) -> BoundLaunch:
-    key = (id(kernel), len(args), tuple(keywords), _signature(keywords.values(), repeat(_CONSTANT), []))
+    names = tuple(keywords)
+    signature_of = _keyword_signatures.get(names)
+    if signature_of is None:
+        signature_of = _keyword_signatures[names] = SignatureOf([CONSTANT] * len(names))
+    key = (id(kernel), len(args), names, signature_of.key(tuple(keywords.values())))
     bound = _bound.get(key)
     if bound is None:
         bound = _bound[key] = BoundLaunch(kernel, len(args), **keywords)

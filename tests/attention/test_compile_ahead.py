@@ -11,14 +11,15 @@ from support import SUMMED_GRADIENT_FP32, assert_close, check, random_tensor
 
 import fusepass
 from fusepass.kernels import flash_ahead, flash_bwd, flash_config, flash_fwd
-from fusepass.kernels.launch import _CONSTANT, _SPECIALIZED, BoundLaunch, _signature
+from fusepass.kernels.launch import BoundLaunch
+from fusepass.kernels.signature import CONSTANT, SPECIALIZED, signature
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernels compile on the GPU machine only")
 
 
 def _launch_signature(kernel, args, keywords):
-    return kernel, _signature(args, repeat(_SPECIALIZED), []), tuple(keywords), \
-        _signature(keywords.values(), repeat(_CONSTANT), [])
+    return kernel, signature(args, repeat(SPECIALIZED), []), tuple(keywords), \
+        signature(keywords.values(), repeat(CONSTANT), [])
 
 
 def _alibi_learnable(q, k, v, slopes):

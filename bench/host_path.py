@@ -1,0 +1,89 @@
+"""Host time of one compiled attention call with every Triton launch stubbed out: on any machine, the CPU too.
+
+    PYTHONPATH=. python bench/host_path.py [--cases window,causal,document] [--backward] [--profile]
+        [--device cpu] [--seq 256]
+
+Runs each case of ``bench/attention.py`` under fusepass at the small shape's batch, heads and head dim (B8 H16
+D64; `--seq` keys, 256 unless told: the host path does not depend on it, the allocations do) with each launch
+replaced by what fusepass does before Triton's launcher (`BoundLaunch` lookup and the argument signature), and
+times 9 batches of 100 calls (the fastest batch): what the op's Python, torch's custom-op, AOTAutograd and autograd layers and Dynamo's guards
+cost per call, without Triton's launcher or the driver (``launch_cost.py`` on the GPU has those). The kernels'
+outputs are left unwritten, so the figures are of the host path alone, not of its results. With --profile, the
+Python functions with the most host time, by own and by cumulative time.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import collections
+import os
+import pstats
+import time
+
+assert "TRITON_INTERPRET" not in os.environ, "the stubs replace compiled launches, not the interpreter's"
+
+import torch  # noqa: E402
+from attention import CASES, SHAPES, fusepass_call  # noqa: E402
+from harness import keep  # noqa: E402
+
+from fusepass import pipeline  # noqa: E402
+from fusepass.attention import blockmap  # noqa: E402
+from fusepass.kernels import distance_table, flash_config, launch  # noqa: E402
+
+# The fastest batch (torch on one thread): a virtual machine's neighbours only ever add, by up to 2x on this
+# one from run to run.
+CALLS, BATCHES = 100, 9
+
+
+def stub_launches() -> collections.Counter:
+    """Replace every attention kernel's launch by fusepass's part of it; count the launches by kernel."""
+    launched: collections.Counter = collections.Counter()
+
+    def stubbed(kernel, grid, *args, **keywords):
+        launch._bound_launch(kernel, args, keywords).signature_of.key(args)
+        launched[kernel.fn.__name__] += 1
+
+    for module in (flash_config, blockmap, distance_table):  # where attention kernels are launched
+        module.launch = stubbed
+    flash_config.compile_ahead = lambda *args, **keywords: None
+    pipeline.kernels_can_run = lambda device: True  # the rewrites happen on any device
+    return launched
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="window,causal,document")
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seq", type=int, default=256)
+    args = parser.parse_args()
+    launched = stub_launches()
+    torch.set_num_threads(1)
+    b, h, _, d, kv_heads = SHAPES["small"]
+    rows = []
+    for name in args.cases.split(","):
+        case = CASES[name]
+        call, _ = fusepass_call(case, args.backward, (b, h, args.seq, d, kv_heads), args.device)
+        launched.clear()
+        batches = []
+        for _ in range(BATCHES):
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                call()
+            batches.append((time.perf_counter() - start) / CALLS * 1e6)
+        host_us = min(batches)
+        rows.append({"case": case.name, "pass": "fwd+bwd" if args.backward else "fwd", "device": args.device,
+                     "host µs": host_us, "launches per call": ", ".join(
+                         f"{kernel} {count / CALLS / BATCHES:g}" for kernel, count in launched.most_common())})
+        print(rows[-1], flush=True)
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [call() for _ in range(CALLS)])
+            for order in ("tottime", "cumulative"):
+                pstats.Stats(profiler).sort_stats(order).print_stats(30)
+    print(keep("host-path-" + ("fwd-bwd" if args.backward else "fwd"), list(rows[0]), rows))
+
+
+if __name__ == "__main__":
+    main()
