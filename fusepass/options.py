@@ -19,3 +19,7 @@ class Options:
             raise TypeError(f"fusepass.backend() got unknown option {unknown[0]!r}; "
                             f"the options are: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+    def with_changes(self, **kwargs: object) -> "Options":
+        """These options with those named changed (unknown names raise as in `from_kwargs`)."""
+        return Options.from_kwargs(**{**dataclasses.asdict(self), **kwargs})

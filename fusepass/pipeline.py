@@ -94,7 +94,15 @@ class Backend:
     def __repr__(self) -> str:
         return f"fusepass.backend({self.options})"
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                 options: dict[str, Any] | None = None) -> Callable[..., Any]:
+        """Compile one Dynamo graph. ``torch.compile(..., options={...})`` passes `options` (fusepass's, over this
+        backend's) and ``mode=...`` `mode`, which names Inductor's modes: fusepass has one."""
+        if mode not in (None, "default"):
+            raise ValueError(f"fusepass has no mode {mode!r}: its kernels are chosen when they compile, and it "
+                             "does not replay CUDA graphs (\"reduce-overhead\"); leave mode out")
+        if options:
+            return Backend(self.options.with_changes(**options))(gm, example_inputs)
         compiling = _Compiling(new_report())
         if has_higher_order_ops(gm):
             try:

@@ -10,7 +10,7 @@ import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
-from support import check, random_tensor, rewrites
+from support import assert_close, check, random_tensor, rewrites
 
 import fusepass
 from fusepass.kernels import pointwise
@@ -33,6 +33,23 @@ def test_elementwise_can_be_switched_off():
     x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
     report = check(chain, x, b, backend=fusepass.backend(elementwise=False))
     assert not report.rewrites
+
+
+def test_torch_compile_passes_options_over_the_backends():
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    fusepass.reset()
+    compiled = torch.compile(chain, backend=fusepass.backend(strict=True), options={"elementwise": False})
+    assert_close(compiled(x, b), chain(x, b))
+    assert not fusepass.last_report().rewrites
+    with pytest.raises(Exception, match="unknown option 'elementwsie'"):
+        torch.compile(chain, backend="fusepass", options={"elementwsie": False})(x, b)
+
+
+def test_a_mode_is_refused_by_name():
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    with pytest.raises(Exception, match="fusepass has no mode 'reduce-overhead'"):
+        torch.compile(chain, backend="fusepass", mode="reduce-overhead")(x, b)
+    assert_close(torch.compile(chain, backend="fusepass", mode="default")(x, b), chain(x, b))
 
 
 def test_reports_in_compile_order_and_reset():
