@@ -507,7 +507,7 @@ class Lifter:
             compares += 1
         self._note_op(target, args)
         result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()},
-                           torch.int32 if narrow_result else dtype, round_casts=False)
+                           torch.int32 if narrow_result else dtype, round_halves=False)
         # Integers only have an fp32 form (a float result is its own).
         as_float = None if dtype.is_floating_point else self._float_form(target, args, kwargs, span)
         affine = None if dtype.is_floating_point or span is None else _affine_result(target, args, kwargs)
@@ -888,7 +888,7 @@ def _emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: li
                 values[node] = Operand(literal(value, held_dtype(node.meta["val"].dtype)), node.meta["val"].dtype)
                 continue
             result = translate(target, resolve(node.args), {k: resolve(v) for k, v in node.kwargs.items()},
-                               node.meta["val"].dtype, round_casts=False)
+                               node.meta["val"].dtype, round_halves=False)
             name = f"{prefix}{count}"
             count += 1
             lines.append(f"{name} = {result.expr}")

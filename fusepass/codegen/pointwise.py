@@ -578,6 +578,9 @@ def _elu_backward(c, grad_output, alpha, scale, input_scale, is_result, self_or_
 # ----------------------------------------------------------------------------------------------------
 # Casts, copies and constants: the result dtype comes from the graph, not from promotion.
 
+# Arithmetic whose result moves continuously with its operands (a division without a rounding mode).
+CONTINUOUS_ARITHMETIC = {aten.add, aten.sub, aten.rsub, aten.mul, aten.div}
+
 CASTS = {aten._to_copy, aten.to, prims.convert_element_type, aten.clone, aten.alias, aten.copy,
          aten.lift_fresh_copy, aten.detach, aten.type_as}
 CONSTANTS = {aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.zeros_like, aten.ones_like,
@@ -640,17 +643,19 @@ def bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
 
 
 def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result_dtype: torch.dtype,
-              round_casts: bool = True) -> Operand:
+              round_halves: bool = True) -> Operand:
     """One op as an operand. Tensor arguments are ``Operand``s, the rest Python values.
 
     ``result_dtype`` is what eager produces (the node's fake value), the authority on the output dtype.
-    ``round_casts=False`` keeps float values in float32 across casts between float dtypes (the attention
-    kernel's scores: eager's own fused attention does not round them either).
+    ``round_halves=False`` keeps half values in float32 where only the result's precision depends on their
+    rounding: across casts between float dtypes and into arithmetic with float32 values (the attention
+    kernel's scores, closer to the exact function than eager's; eager's own fused attention does not round
+    them either). Comparisons and other discontinuous uses still see eager's rounded values.
     """
     packet = packet_of(target)
     if packet in CASTS:
         value = args[1] if packet == aten.copy else args[0]
-        if not round_casts and isinstance(value, Operand) and value.dtype.is_floating_point and \
+        if not round_halves and isinstance(value, Operand) and value.dtype.is_floating_point and \
                 held_dtype(result_dtype) == torch.float32:
             return Operand(convert(value, torch.float32), result_dtype)
         return cast(value, result_dtype)
@@ -667,9 +672,10 @@ def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
                   for v in (bound[name] for name in operand_names)]
         compute, _ = elementwise_dtypes(*probes, type_promotion_kind=kind)
     raw = {name: bound[name] for name in operand_names}
+    continuous = not round_halves and packet in CONTINUOUS_ARITHMETIC and not bound.get("rounding_mode")
     for name in operand_names:
         value = bound[name]
-        if isinstance(value, Operand) and value.dtype != result_dtype:
+        if isinstance(value, Operand) and value.dtype != result_dtype and not continuous:
             # Where a half value meets another dtype (a comparison, a promotion), eager had already
             # rounded it: do the same, so that results that depend on it discontinuously agree.
             value = Operand(round_to(value.expr, value.dtype), value.dtype, value.zero_dim)
