@@ -6,10 +6,10 @@
 Runs each case of ``bench/attention.py`` under fusepass at the small shape's batch, heads and head dim (B8 H16
 D64; `--seq` keys, 256 unless told: the host path does not depend on it, the allocations do) with each launch
 replaced by what fusepass does before Triton's launcher (`BoundLaunch` lookup and the argument signature), and
-times 9 batches of 100 calls (the fastest batch): what the op's Python, torch's custom-op, AOTAutograd and autograd layers and Dynamo's guards
-cost per call, without Triton's launcher or the driver (``launch_cost.py`` on the GPU has those). The kernels'
-outputs are left unwritten, so the figures are of the host path alone, not of its results. With --profile, the
-Python functions with the most host time, by own and by cumulative time.
+times 9 batches of 100 calls (the fastest batch): what the op's Python, torch's custom-op, AOTAutograd and
+autograd layers and Dynamo's guards cost per call, without Triton's launcher or the driver (``launch_cost.py``
+on the GPU has those). The kernels' outputs are left unwritten, so the figures are of the host path alone, not
+of its results. With --profile, the Python functions with the most host time, by own and by cumulative time.
 """
 from __future__ import annotations
 

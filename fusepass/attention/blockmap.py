@@ -3,9 +3,9 @@
 The flash kernels walk the score matrix in BLOCK_M × BLOCK_N tiles. A tile is FULL when KEEP holds on every
 element (the kernel evaluates SCORE only), PARTIAL when it holds on some (KEEP, SCORE and FILL), EMPTY when
 on none (skipped: see the fallback rule in docs/flash-kernel-interface.md). A Triton kernel evaluates KEEP
-over every tile on the device; a second kernel turns the tile kinds into compact, ascending lists (two
-launches in all: a mask that reads tensors is mapped again on every call, and torch's sort and friends
-took ~20 launches, which left the GPU waiting on the host):
+over every tile on the device; a second kernel turns the tile kinds into compact, ascending lists, both
+kinds of lists in one launch (two launches in all: a mask that reads tensors is mapped again on every call,
+and torch's sort and friends took ~20 launches, which left the GPU waiting on the host):
 
 - `rows`: per (b, h, q block) the FULL and the PARTIAL kv blocks (forward and dQ kernels);
 - `cols`: per (b, h, kv block) the FULL and the PARTIAL q blocks (dK/dV kernel).
@@ -149,23 +149,29 @@ def map_shapes(map_batch: int, map_heads: int, n_q_blocks: int, n_kv_blocks: int
 
 
 @triton.jit
-def _compact_kernel(Values, Count, Index, n, n_groups, outer_stride, row_stride, col_stride,
-                    TARGETS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """For one row of Values (program (row, outer)), taken in groups of GROUP consecutive entries whose max
+def _compact_row(Values, Count, Index, row, outer, rows, n, n_groups, outer_stride, row_stride, col_stride,
+                 TARGETS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """For one row of Values (of `rows` per outer index), taken in groups of GROUP consecutive entries whose max
     stands for the group: for each target t, the ascending group positions equal to it, and how many."""
-    row = tl.program_id(0)
-    outer = tl.program_id(1)
     groups = tl.arange(0, BLOCK)
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     values = tl.load(Values + outer.to(tl.int64) * outer_stride + row * row_stride + cols * col_stride,
                      mask=cols < n, other=-1)
     values = tl.max(values, 1)
-    slot = (outer * tl.num_programs(0) + row) * len(TARGETS)
+    slot = (outer * rows + row) * len(TARGETS)
     for t in tl.static_range(len(TARGETS)):
         selected = (values == TARGETS[t]) & (groups < n_groups)
         position = tl.cumsum(selected.to(tl.int32), 0) - 1
         tl.store(Index + (slot + t).to(tl.int64) * n_groups + position, groups, mask=selected)
         tl.store(Count + slot + t, tl.sum(selected.to(tl.int32), 0))
+
+
+@triton.jit
+def _compact_kernel(Values, Count, Index, n, n_groups, outer_stride, row_stride, col_stride,
+                    TARGETS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """`_compact_row` of program (row, outer)."""
+    _compact_row(Values, Count, Index, tl.program_id(0), tl.program_id(1), tl.num_programs(0), n, n_groups,
+                 outer_stride, row_stride, col_stride, TARGETS, GROUP, BLOCK)
 
 
 def compact_lists(values: torch.Tensor, targets: tuple[int, ...], group: int = 1
@@ -186,9 +192,33 @@ def compact_lists(values: torch.Tensor, targets: tuple[int, ...], group: int = 1
     return count, index
 
 
-def _tile_lists(kind: torch.Tensor) -> TileLists:
-    count, index = compact_lists(kind, (FULL.value, PARTIAL.value))
-    return TileLists(count, index)
+@triton.jit
+def _tile_lists_kernel(Kind, RowsCount, RowsIndex, ColsCount, ColsIndex, n_q_blocks, n_kv_blocks,
+                       BLOCK: tl.constexpr):
+    """Program (block, bh, 0): the FULL and the PARTIAL kv blocks of q block `block`; (block, bh, 1): the q
+    blocks of kv block `block`. Kind is [bh, n_q_blocks, n_kv_blocks], contiguous."""
+    block = tl.program_id(0)
+    bh = tl.program_id(1)
+    if tl.program_id(2) == 0:
+        if block < n_q_blocks:
+            _compact_row(Kind, RowsCount, RowsIndex, block, bh, n_q_blocks, n_kv_blocks, n_kv_blocks,
+                         n_q_blocks * n_kv_blocks, n_kv_blocks, 1, (FULL, PARTIAL), 1, BLOCK)
+    elif block < n_kv_blocks:
+        _compact_row(Kind, ColsCount, ColsIndex, block, bh, n_kv_blocks, n_q_blocks, n_q_blocks,
+                     n_q_blocks * n_kv_blocks, 1, n_kv_blocks, (FULL, PARTIAL), 1, BLOCK)
+
+
+def _tile_lists(kind: torch.Tensor) -> tuple[TileLists, TileLists]:
+    """The rows and the cols lists of a contiguous tile-kind map, in one launch (a map that reads tensors is
+    built on every call, where each launch costs host time)."""
+    *outer_shape, n_q_blocks, n_kv_blocks = kind.shape
+    shapes = map_shapes(*outer_shape, n_q_blocks, n_kv_blocks)[1:]
+    rows_count, rows_index, cols_count, cols_index = (torch.empty(shape, dtype=torch.int32, device=kind.device)
+                                                      for shape in shapes)
+    launch(_tile_lists_kernel, (max(n_q_blocks, n_kv_blocks), kind[..., 0, 0].numel(), 2), kind, rows_count,
+           rows_index, cols_count, cols_index, n_q_blocks, n_kv_blocks,
+           BLOCK=next_power_of_2(max(n_q_blocks, n_kv_blocks)))
+    return TileLists(rows_count, rows_index), TileLists(cols_count, cols_index)
 
 
 def _map_extent(mod: ScoreMod, batch: int, heads: int) -> tuple[int, int]:
@@ -215,7 +245,8 @@ def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: in
     grid = (n_q_blocks, n_kv_blocks, map_batch * map_heads)
     launch(_tile_kind_kernel, grid, kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep, BLOCK_M=block_m,
            BLOCK_N=block_n, num_warps=TILE_KIND_WARPS)
-    return BlockMap(block_m, block_n, kind, rows=_tile_lists(kind), cols=_tile_lists(kind.transpose(-1, -2)))
+    rows, cols = _tile_lists(kind)
+    return BlockMap(block_m, block_n, kind, rows=rows, cols=cols)
 
 
 _CACHE_SIZE = 64
