@@ -149,47 +149,24 @@ def map_shapes(map_batch: int, map_heads: int, n_q_blocks: int, n_kv_blocks: int
 
 
 @triton.jit
-def _compact_row(Values, Count, Index, row, outer, rows, n, n_groups, outer_stride, row_stride, col_stride,
-                 TARGETS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """For one row of Values (of `rows` per outer index), taken in groups of GROUP consecutive entries whose max
-    stands for the group: for each target t, the ascending group positions equal to it, and how many."""
-    groups = tl.arange(0, BLOCK)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    values = tl.load(Values + outer.to(tl.int64) * outer_stride + row * row_stride + cols * col_stride,
-                     mask=cols < n, other=-1)
-    values = tl.max(values, 1)
-    slot = (outer * rows + row) * len(TARGETS)
-    for t in tl.static_range(len(TARGETS)):
-        selected = (values == TARGETS[t]) & (groups < n_groups)
-        position = tl.cumsum(selected.to(tl.int32), 0) - 1
-        tl.store(Index + (slot + t).to(tl.int64) * n_groups + position, groups, mask=selected)
-        tl.store(Count + slot + t, tl.sum(selected.to(tl.int32), 0))
+def _compact_row(Kind, Count, Index, row, bh, rows, n, row_stride, col_stride, BLOCK: tl.constexpr):
+    """For one row of a tile-kind map (`rows` rows of `n` tiles per (b, h), strides in tiles): the ascending
+    positions of its FULL tiles, then of its PARTIAL tiles, and how many of each."""
+    tiles = tl.arange(0, BLOCK)
+    kinds = tl.load(Kind + bh.to(tl.int64) * rows * n + row * row_stride + tiles * col_stride, mask=tiles < n,
+                    other=EMPTY)
+    slot = (bh * rows + row) * 2
+    _list_of(kinds == FULL, tiles, n, Count + slot + FULL_LIST, Index + (slot + FULL_LIST).to(tl.int64) * n)
+    _list_of(kinds == PARTIAL, tiles, n, Count + slot + PARTIAL_LIST,
+             Index + (slot + PARTIAL_LIST).to(tl.int64) * n)
 
 
 @triton.jit
-def _compact_kernel(Values, Count, Index, n, n_groups, outer_stride, row_stride, col_stride,
-                    TARGETS: tl.constexpr, GROUP: tl.constexpr, BLOCK: tl.constexpr):
-    """`_compact_row` of program (row, outer)."""
-    _compact_row(Values, Count, Index, tl.program_id(0), tl.program_id(1), tl.num_programs(0), n, n_groups,
-                 outer_stride, row_stride, col_stride, TARGETS, GROUP, BLOCK)
-
-
-def compact_lists(values: torch.Tensor, targets: tuple[int, ...], group: int = 1
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """For an integer tensor [outer..., rows, n] (any strides), its last axis taken in groups of `group`
-    (the max of each group standing for it; the last group may be shorter): per row and target, (count
-    [..., len(targets)], index [..., len(targets), n_groups]), int32, contiguous; the first `count` entries of
-    `index` are the groups equal to the target, ascending (the rest is not written)."""
-    *outer_shape, rows, n = values.shape
-    n_groups = cdiv(n, group)
-    outer = values.flatten(0, -3) if outer_shape else values[None]
-    count = torch.empty(*outer_shape, rows, len(targets), dtype=torch.int32, device=values.device)
-    index = torch.empty(*outer_shape, rows, len(targets), n_groups, dtype=torch.int32, device=values.device)
-    if count.numel():
-        launch(_compact_kernel, (rows, outer.shape[0]), outer, count, index, n, n_groups, outer.stride(0),
-               outer.stride(1), outer.stride(2), TARGETS=tuple(targets), GROUP=group,
-               BLOCK=next_power_of_2(n_groups))
-    return count, index
+def _list_of(selected, tiles, n, count, index):
+    """Store the selected tiles' positions at `index`, ascending, and how many at `count`."""
+    selected = selected & (tiles < n)
+    tl.store(index + tl.cumsum(selected.to(tl.int32), 0) - 1, tiles, mask=selected)
+    tl.store(count, tl.sum(selected.to(tl.int32), 0))
 
 
 @triton.jit
@@ -201,11 +178,9 @@ def _tile_lists_kernel(Kind, RowsCount, RowsIndex, ColsCount, ColsIndex, n_q_blo
     bh = tl.program_id(1)
     if tl.program_id(2) == 0:
         if block < n_q_blocks:
-            _compact_row(Kind, RowsCount, RowsIndex, block, bh, n_q_blocks, n_kv_blocks, n_kv_blocks,
-                         n_q_blocks * n_kv_blocks, n_kv_blocks, 1, (FULL, PARTIAL), 1, BLOCK)
+            _compact_row(Kind, RowsCount, RowsIndex, block, bh, n_q_blocks, n_kv_blocks, n_kv_blocks, 1, BLOCK)
     elif block < n_kv_blocks:
-        _compact_row(Kind, ColsCount, ColsIndex, block, bh, n_kv_blocks, n_q_blocks, n_q_blocks,
-                     n_q_blocks * n_kv_blocks, 1, n_kv_blocks, (FULL, PARTIAL), 1, BLOCK)
+        _compact_row(Kind, ColsCount, ColsIndex, block, bh, n_kv_blocks, n_q_blocks, 1, n_kv_blocks, BLOCK)
 
 
 def _tile_lists(kind: torch.Tensor) -> tuple[TileLists, TileLists]:

@@ -50,10 +50,9 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         return
     aux_grad = aux_grad + distance_gradients(mod, torch.device("meta")) if mod.has_aux_grad else None
     do = torch.empty(out.shape, dtype=out.dtype, device="meta")
-    fallbacks = (torch.empty(0, dtype=torch.int32, device="meta"),) * 2  # compact_lists' outputs
     for kernel, _, args, keywords in backward_launches(
             do, q, k, v, out, lse, log_sum, fallback_rows, mod, aux, aux_grad, torch.empty_like(lse), grads,
-            dropout_p, 0, map_at, lambda config: fallbacks):
+            dropout_p, 0, map_at):
         compile_fitting_ahead(kernel, *args, **keywords)
     if mod.has_mask and not mod.keep_reads_aux:
         # The backward's maps (cached per shape) built now, while the flash kernels compile: the first backward

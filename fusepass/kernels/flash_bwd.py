@@ -19,8 +19,9 @@ with `score_grad` (and `fill_grad` on PARTIAL tiles). Aux-tensor gradients accum
 only; the dQ kernel calls the gradient functions with `aux_grad=None`.
 
 Rows the forward recomputed over all tiles (FlashForwardExtra.fallback_rows) see all tiles here too: the dQ
-kernel walks every kv block for a q block holding such a row, and the dK/dV kernel adds the q blocks
-holding such rows whose tile with its kv block is EMPTY (the others are in its lists already).
+kernel walks every kv block for a q block holding such a row, and flags the dK/dV kernel's q blocks that hold
+one (its q blocks divide its own); the dK/dV kernel adds the flagged q blocks whose tile with its kv block is
+EMPTY (the others are in its lists already). The flags come with the dQ kernel's launch, not one of their own.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fusepass.attention.blockmap import (
-    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, compact_lists, list_entry, row_lists)
+    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, list_entry, row_lists)
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
@@ -149,11 +150,16 @@ def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, 
     return dk, dv
 
 
+# dK/dV q blocks whose fallback flags the dK/dV kernel reads at once: every block up to N = 8192 at 64-row
+# blocks, in one load.
+FALLBACK_CHUNK = tl.constexpr(128)
+
+
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_backward_dkdv_kernel(
     Q, K, V, DO, Lse, LogSum, Delta, DK, DV,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
-    Nq, Nk, group, q_lists, fallback_lists, aux, aux_grad, seed, dropout_p,
+    Nq, Nk, group, q_lists, fallback_blocks, aux, aux_grad, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
@@ -209,15 +215,21 @@ def _flash_backward_dkdv_kernel(
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
         if KEEP is not None:
-            # q blocks holding rows the forward recomputed over all tiles: add their EMPTY tiles.
-            fallback_count, fallback_index = fallback_lists
-            for i in range(0, tl.load(fallback_count + bh)):
-                q_block = tl.load(fallback_index + bh * n_q_blocks + i)
-                tile_kind = tl.load(kind + (map_bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block)
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_block, tile_kind == EMPTY, Q, DO, q_strides, do_strides,
-                                    Lse, LogSum, Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p,
-                                    SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M,
-                                    BLOCK_D, DESCRIPTORS)
+            # q blocks holding rows the forward recomputed over all tiles (flagged by the dQ kernel): add their
+            # EMPTY tiles. A chunk of flags is read at once, and walked flag by flag only where one is set (rare):
+            # nothing but a block index stays live across the tiles, as in the loops above.
+            for chunk in range(0, n_q_blocks, FALLBACK_CHUNK):
+                blocks = chunk + tl.arange(0, FALLBACK_CHUNK)
+                flags = tl.load(fallback_blocks + bh * n_q_blocks + blocks, mask=blocks < n_q_blocks, other=0)
+                n_walked = tl.where(tl.max(flags, 0) != 0, tl.minimum(FALLBACK_CHUNK, n_q_blocks - chunk), 0)
+                for q_block in range(chunk, chunk + n_walked):
+                    if tl.load(fallback_blocks + bh * n_q_blocks + q_block) != 0:
+                        tile_kind = tl.load(kind + (map_bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks
+                                            + kv_block)
+                        dk, dv = _dkdv_tile(dk, dv, k, v, q_block, tile_kind == EMPTY, Q, DO, q_strides,
+                                            do_strides, Lse, LogSum, Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad,
+                                            seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
+                                            DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
                dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
@@ -249,10 +261,10 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
 def _flash_backward_dq_kernel(
     Q, K, V, Out, DO, Lse, LogSum, Delta, DQ,
     q_strides, k_strides, v_strides, out_strides, do_strides, dq_strides,
-    Nq, Nk, group, kv_lists, fallback_rows, aux, seed, dropout_p,
+    Nq, Nk, group, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     h = tl.program_id(1)
@@ -285,6 +297,12 @@ def _flash_backward_dq_kernel(
         n_all = tl.max(recomputed.to(tl.int32), 0) * n_kv_blocks
         n_full = tl.where(n_all > 0, 0, n_full)
         n_partial = tl.where(n_all > 0, 0, n_partial)
+        # The dK/dV kernel's q blocks within this one: which hold such a row.
+        sub_blocks = q_block * (BLOCK_M // DKDV_BLOCK_M) + tl.arange(0, BLOCK_M // DKDV_BLOCK_M)
+        sub_rows = sub_blocks[:, None] * DKDV_BLOCK_M + tl.arange(0, DKDV_BLOCK_M)[None, :]
+        sub_flags = tl.max(tl.load(fallback_rows + bh * Nq + sub_rows, mask=sub_rows < Nq, other=0), 1)
+        n_sub_blocks = tl.cdiv(Nq, DKDV_BLOCK_M)
+        tl.store(fallback_blocks + bh * n_sub_blocks + sub_blocks, sub_flags, mask=sub_blocks < n_sub_blocks)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if KEEP is not None:
@@ -330,24 +348,23 @@ def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.
     return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
 
 
-def _fallback_lists(fallback_rows: torch.Tensor, config: FlashConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (b, h): the q blocks of the dK/dV kernel holding a row the forward recomputed over all tiles."""
-    return compact_lists(fallback_rows[..., None, :], (1,), group=config.block_m)
-
-
 def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, mod: ScoreMod,
                       aux: tuple, aux_grad: tuple | None, delta: torch.Tensor, grads: tuple, dropout_p: float,
-                      seed: int, map_at: Callable[[FlashConfig], BlockMap],
-                      fallback_at: Callable[[FlashConfig], tuple]) -> Iterator[tuple[Any, tuple, tuple, dict]]:
+                      seed: int, map_at: Callable[[FlashConfig], BlockMap]
+                      ) -> Iterator[tuple[Any, tuple, tuple, dict]]:
     """(kernel, grid, arguments, keywords) of the dQ kernel's launch, then of the dK/dV kernel's: in that order,
     each map (`map_at` a kernel's config, masks only) asked for just before its launch. `aux` includes the
     distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum` contiguous."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     configs = backward_configs(head_dim, q.dtype, q.device)
+    assert configs.dq.block_m % configs.dkdv.block_m == 0, "a dQ q block flags whole dK/dV q blocks"
     block_d = head_block(head_dim)
     dq, dk, dv = grads
+    # Per (b, h) and dK/dV q block: whether it holds a row the forward recomputed (written by the dQ kernel).
+    fallback_blocks = None if fallback_rows is None else torch.empty(
+        batch * q_heads, cdiv(q_len, configs.dkdv.block_m), dtype=torch.int8, device=q.device)
 
     def constants(config: FlashConfig) -> dict:
         return dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
@@ -364,20 +381,19 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     yield (_flash_backward_dq_kernel, (cdiv(q_len, config.block_m), q_heads, batch),
            (q, k_operand, v_operand, out, do, lse, log_sum, delta, dq,
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
-            q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, aux, seed, dropout_p),
-           dict(DESCRIPTORS=descriptors, **constants(config)))
+            q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p),
+           dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m, **constants(config)))
 
     config = configs.dkdv
-    q_lists = fallbacks = None
+    q_lists = None
     if mod.has_mask:
         block_map = map_at(config)
         q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
-        fallbacks = fallback_at(config)
     (q_operand, do_operand), descriptors = tile_operands((q, do), config.block_m, block_d, config.descriptors)
     yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
            (q_operand, k, v, do_operand, lse, log_sum, delta, dk, dv,
             q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
-            q_len, kv_len, q_heads // kv_heads, q_lists, fallbacks, aux, aux_grad, seed, dropout_p),
+            q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux, aux_grad, seed, dropout_p),
            dict(DESCRIPTORS=descriptors, **constants(config)))
 
 
@@ -403,7 +419,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     # Where the two kernels tile alike (dK/dV and dQ at 64 × 64 for D ≤ 64) they read one map: a mask that
-    # reads tensors is mapped on every call, three launches each.
+    # reads tensors is mapped on every call, two launches each.
     maps: dict[tuple[int, int], BlockMap] = {}
 
     def map_at(config: FlashConfig) -> BlockMap:
@@ -414,8 +430,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     for kernel, grid, args, keywords in backward_launches(
             do, q, k, v, out, lse.contiguous(), extra.log_sum.contiguous(), extra.fallback_rows, mod, aux,
-            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed, map_at,
-            lambda config: _fallback_lists(extra.fallback_rows, config)):
+            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed, map_at):
         launch_fitting(kernel, grid, *args, **keywords)
     if by_distance:
         add_distance_gradients(mod, aux, aux_grad, by_distance)

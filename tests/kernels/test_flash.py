@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Callable
 
@@ -20,10 +20,12 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusepass.attention.blockmap import EMPTY, FULL, PARTIAL, block_map_for, build_block_map, compact_lists
+from fusepass.attention.blockmap import EMPTY, FULL, PARTIAL, block_map_for, build_block_map
 from fusepass.attention.score_mod import ScoreMod
+from fusepass.kernels import flash_bwd
 from fusepass.kernels.flash_bwd import flash_attention_backward
-from fusepass.kernels.flash_config import SHORT_ROWS, FlashConfig, narrow_kv_tiles
+from fusepass.kernels.flash_config import (
+    INTERPRETER_CONFIG, SHORT_ROWS, BackwardConfigs, FlashConfig, narrow_kv_tiles)
 from fusepass.kernels.flash_fwd import flash_attention_forward, tile_operands
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -366,13 +368,18 @@ def test_matches_reference(name, dtype, shape, layout):
         torch.testing.assert_close(inputs.aux_grad[0].double(), inputs.ref["bias"].grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, forward_block_m", [("left_pad_min", None), ("left_pad_inf", None),
-                                                   ("left_pad_min", 32)])
-def test_fully_masked_rows(name, forward_block_m):
+@pytest.mark.parametrize("name, forward_block_m, dq_block_m", [
+    ("left_pad_min", None, None), ("left_pad_inf", None, None), ("left_pad_min", 32, None),
+    ("left_pad_min", None, 32)])
+def test_fully_masked_rows(monkeypatch, name, forward_block_m, dq_block_m):
     """Rows keeping no key (left padding under a causal mask) are recomputed over all tiles, forward and
     backward: finfo.min fills average V uniformly, -inf fills give NaN, both exactly as eager. With
     `forward_block_m` the forward runs on taller tiles than the backward, which then maps the forward's
-    fallback rows onto its own q blocks."""
+    fallback rows onto its own q blocks; with `dq_block_m` the dQ kernel's q blocks are taller than the dK/dV
+    kernel's, each flagging two of them."""
+    if dq_block_m is not None:
+        tiles = BackwardConfigs(INTERPRETER_CONFIG, replace(INTERPRETER_CONFIG, block_m=dq_block_m))
+        monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: tiles)
     torch.manual_seed(0)
     shape = Shape(2, 2, 1, 37, 37, 24)
     case = CASES[name]
@@ -484,17 +491,6 @@ def test_block_map_cache():
     aux = left_padding(shape).aux
     first, second = (block_map_for(CASES["left_pad_min"].mod, aux, 2, 2, 37, 37, 16, 16, DEVICE) for _ in range(2))
     assert first is not second and torch.equal(first.kind, second.kind)
-
-
-@pytest.mark.parametrize("group", [1, 4, 16])
-def test_compact_lists_of_groups(group):
-    # Row flags of 2 × 3 heads over 37 rows (not a multiple of the group): per (b, h), the groups with a flag.
-    flags = (torch.rand(2, 3, 1, 37, device=DEVICE) < 0.1).to(torch.int8)
-    count, index = compact_lists(flags, (1,), group=group)
-    groups = F.pad(flags, (0, -37 % group)).unflatten(-1, (-1, group)).amax(-1)
-    for b, h in itertools.product(range(2), range(3)):
-        expected = (groups[b, h, 0] == 1).nonzero().flatten().to(torch.int32)
-        assert torch.equal(index[b, h, 0, 0, :count[b, h, 0, 0]], expected)
 
 
 def test_tensor_descriptors_only_where_the_layout_allows():
