@@ -1,0 +1,30 @@
+"""`choose_blocks`: tiles of a pointwise kernel's coalesced sizes, their rows padded by at most
+`MAX_ROW_PADDING` (a program computes its masked lanes too)."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fusepass.kernels.pointwise import MAX_ROW_PADDING, MIN_ROW_TILE, choose_blocks, interpreting
+from fusepass.kernels.sizes import cdiv
+
+
+def _is_power_of_two(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=3))
+def test_tiles_fit_and_pad_rows_little(sizes):
+    xblock, yblock, num_warps = choose_blocks(sizes)
+    tile = 1 << 14 if interpreting() else 2048
+    assert _is_power_of_two(xblock) and _is_power_of_two(yblock) and xblock * yblock <= tile
+    assert num_warps in (4, 8)
+    if len(sizes) == 1:
+        assert xblock == 1
+    elif yblock > MIN_ROW_TILE:
+        assert cdiv(sizes[-1], yblock) * yblock <= sizes[-1] * (1 + MAX_ROW_PADDING)
+
+
+def test_a_row_of_11585_takes_tiles_512_wide():
+    # 6 tiles of 2048 or 12 of 1024 pad it by 6 %, 23 of 512 by 1.6 %.
+    xblock, yblock, _ = choose_blocks([11585, 11585])
+    assert yblock == 512 and xblock * yblock == (1 << 14 if interpreting() else 2048)
