@@ -136,10 +136,11 @@ class AttentionSpec:
         return narrow_kv_tiles(forward_config(self.q.size[3], q.dtype, True, q.device), None)
 
     def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
-        """Of the forward's block map as the op returns it (`BlockMap.tensors`), or empty. `q`: the op's input."""
+        """Of the forward's block map as the op returns it (`BlockMap.tensors`), or none: a call allocates,
+        returns and saves for the backward each of them. `q`: the op's input."""
         tiles = self.passed_map_tiles(q)
         if tiles is None:
-            return [(0,)] * len(MAP_DTYPES)
+            return []
         batch, heads, q_len, _ = self.out_shape
         return map_shapes(batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1,
                           cdiv(q_len, tiles.block_m), cdiv(self.k.size[2], tiles.block_n))
@@ -164,14 +165,16 @@ class AttentionSpec:
 
 
 def _map_tensors(spec: AttentionSpec, block_map: BlockMap | None, q: torch.Tensor) -> list[torch.Tensor]:
-    if block_map is None or not spec.passes_map:
+    if not spec.passes_map:
+        return []
+    if block_map is None:
         return [q.new_empty(0, dtype=dtype) for dtype in MAP_DTYPES]
     return block_map.tensors
 
 
 def _block_map(spec: AttentionSpec, tensors: list[torch.Tensor], q: torch.Tensor) -> BlockMap | None:
     """The forward's block map from the op's outputs, or None where the op returned none."""
-    if not tensors[0].numel():
+    if not tensors or not tensors[0].numel():
         return None
     tiles = spec.passed_map_tiles(q)
     return BlockMap.from_tensors(tiles.block_m, tiles.block_n, tensors)
@@ -351,7 +354,8 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_out: torch.Tensor, *unused: Any):
     q, k, v, out, lse, log_sum, fallback, seed, *rest = ctx.saved_tensors
-    block_map, aux = rest[:len(MAP_DTYPES)], rest[len(MAP_DTYPES):]
+    n_map = len(MAP_DTYPES) if _specs[ctx.spec].passes_map else 0
+    block_map, aux = rest[:n_map], rest[n_map:]
     dq, dk, dv, daux = attention_backward(grad_out.contiguous(), q, k, v, out, lse, log_sum, fallback,
                                           list(block_map), list(aux), seed, ctx.spec)
     return dq, dk, dv, [g if g.numel() else None for g in daux], None, None
