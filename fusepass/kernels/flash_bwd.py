@@ -299,8 +299,7 @@ def _flash_backward_dq_kernel(
         n_partial = tl.where(n_all > 0, 0, n_partial)
         # The dK/dV kernel's q blocks within this one: which hold such a row.
         sub_blocks = q_block * (BLOCK_M // DKDV_BLOCK_M) + tl.arange(0, BLOCK_M // DKDV_BLOCK_M)
-        sub_rows = sub_blocks[:, None] * DKDV_BLOCK_M + tl.arange(0, DKDV_BLOCK_M)[None, :]
-        sub_flags = tl.max(tl.load(fallback_rows + bh * Nq + sub_rows, mask=sub_rows < Nq, other=0), 1)
+        sub_flags = tl.max(tl.reshape(recomputed, (BLOCK_M // DKDV_BLOCK_M, DKDV_BLOCK_M)), 1)
         n_sub_blocks = tl.cdiv(Nq, DKDV_BLOCK_M)
         tl.store(fallback_blocks + bh * n_sub_blocks + sub_blocks, sub_flags, mask=sub_blocks < n_sub_blocks)
 
