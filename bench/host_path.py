@@ -1,7 +1,7 @@
 """Host time of one compiled attention call with every Triton launch stubbed out: on any machine, the CPU too.
 
     PYTHONPATH=. python bench/host_path.py [--cases window,causal,document] [--backward] [--profile]
-        [--device cpu] [--seq 256]
+        [--device cpu] [--seq 256] [--calls N]
 
 Runs each case of ``bench/attention.py`` under fusepass at the small shape's batch, heads and head dim (B8 H16
 D64; `--seq` keys, 256 unless told: the host path does not depend on it, the allocations do) with each launch
@@ -10,6 +10,10 @@ times 9 batches of 100 calls (the fastest batch): what the op's Python, torch's 
 autograd layers and Dynamo's guards cost per call, without Triton's launcher or the driver (``launch_cost.py``
 on the GPU has those). The kernels' outputs are left unwritten, so the figures are of the host path alone, not
 of its results. With --profile, the Python functions with the most host time, by own and by cumulative time.
+
+Wall time on a shared virtual machine moves by up to 2x from run to run; instructions do not. With --calls N it
+makes N calls of the first case, untimed, and exits: the difference of two runs' instruction counts under
+``valgrind --tool=cachegrind --cache-sim=no`` (N = 20 and 120, say) over 100 is the instructions per call.
 """
 from __future__ import annotations
 
@@ -57,10 +61,17 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--calls", type=int)
     args = parser.parse_args()
     launched = stub_launches()
     torch.set_num_threads(1)
     b, h, _, d, kv_heads = SHAPES["small"]
+    if args.calls is not None:
+        call, _ = fusepass_call(CASES[args.cases.split(",")[0]], args.backward, (b, h, args.seq, d, kv_heads),
+                                args.device)
+        for _ in range(args.calls):
+            call()
+        return
     rows = []
     for name in args.cases.split(","):
         case = CASES[name]
