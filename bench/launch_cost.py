@@ -1,7 +1,7 @@
 """Host time of one compiled attention call, split into Triton launches (per kernel) and everything else.
 
     PYTHONPATH=. python bench/launch_cost.py [--cases window,document,causal] [--backward] [--profile] [--layers]
-        [--shape large]
+        [--floor] [--shape large]
 
 Runs each case of ``bench/attention.py`` (at one of its shapes, B2 H16 N8192 D128 bf16 unless told) under
 fusepass, warm, and times 20 calls on the host without waiting for the device (the launch queue is deep enough
@@ -11,7 +11,9 @@ specialization on a new signature) and the rest (the op's Python, torch's custom
 call whose host time is above its device time leaves the GPU waiting. With --profile, the Python functions
 with the most host time over those calls, by own time and by cumulative time. With --layers, the host time of
 the attention op's forward and backward called through torch's dispatcher and as plain Python functions (what
-the layers between them cost).
+the layers between them cost). With --floor, the host time of the same compiled call with the flash kernels'
+functions returning one real call's results (no launch, no map: what Dynamo's guards, AOTAutograd, autograd
+and the op's own wrapper cost), beside the host time of FlexAttention's compiled call on the same inputs.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import pstats
 import time
 
 import torch
-from attention import CASES, SHAPES, fusepass_call
+from attention import CASES, SHAPES, fusepass_call, setup
 from harness import keep
 
 from fusepass.attention import blockmap, op
@@ -72,12 +74,36 @@ def op_layers(q, k, v) -> dict:
             "python bwd µs": host_us(lambda: op.run_attention_backward(*backward_args))}
 
 
+def floor(case, backward: bool, shape: tuple[int, ...]) -> dict:
+    """Host µs per call with the flash kernels' functions replaced by one real call's results, and of
+    FlexAttention's compiled call (see the module's docstring)."""
+    cased = setup(case, shape, set(), backward)
+    call = cased.step("fusepass", backward)
+    call()
+    forward, backward_fn = op.flash_attention_forward, op.flash_attention_backward
+    results = {}
+
+    def recorded(*args, **keywords):
+        if "forward" not in results:
+            results["forward"] = forward(*args, **keywords)
+        return results["forward"]
+
+    op.flash_attention_forward = recorded
+    op.flash_attention_backward = lambda *args, **keywords: None  # writes the gradients in place
+    try:
+        floor_us = host_us(call)
+    finally:
+        op.flash_attention_forward, op.flash_attention_backward = forward, backward_fn
+    return {"floor µs": floor_us, "flex host µs": host_us(cased.step("flex", backward))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="window,document,causal")
     parser.add_argument("--backward", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--layers", action="store_true")
+    parser.add_argument("--floor", action="store_true")
     parser.add_argument("--shape", default="large", choices=SHAPES)
     args = parser.parse_args()
     spent = timed_launches()
@@ -100,6 +126,8 @@ def main() -> None:
                                          for kernel, seconds in spent.most_common())}
         if args.layers and not case.extra(1, 1, 1, "cuda"):  # the op is called here without aux tensors
             row.update(op_layers(q, k, v))
+        if args.floor:
+            row.update(floor(case, args.backward, SHAPES[args.shape]))
         rows.append(row)
         print(row, flush=True)
         if args.profile:

@@ -506,6 +506,12 @@ def test_tensor_descriptors_only_where_the_layout_allows():
     assert not descriptors(torch.randn(1, 2, 24, 5).transpose(-1, -2))
     assert not descriptors(torch.randn(1, 1, 5, 24).expand(1, 4, 5, 24))
     assert not tile_operands((torch.randn(2, 3, 5, 24),), 16, 32, use=False)[1]
+    # One layout at a base 4 bytes past 16-byte alignment, then at one 16 bytes past: checked per base.
+    flat = torch.randn(2 * 3 * 5 * 24 + 4)
+    assert not descriptors(flat[1:1 + 360 * 2].view(2, 3, 5, 24))
+    operand = flat[4:4 + 360 * 2].view(2, 3, 5, 24)
+    (descriptor,), used = tile_operands((operand,), 16, 32, use=True)
+    assert used and descriptor.base is operand and descriptor.block_shape == [1, 1, 16, 32]
 
 
 def test_rows_of_huge_scores_take_the_exact_exponent():
