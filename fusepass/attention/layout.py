@@ -8,6 +8,7 @@ that tensor's strides gives the strided view the kernel reads; a repeat of heads
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -38,10 +39,11 @@ class OperandLayout:
     def view(self, source: torch.Tensor) -> torch.Tensor:
         return source.as_strided(self.size, self.stride, source.storage_offset() + self.offset)
 
-    def covers(self, source: torch.Tensor) -> bool:
-        """Whether the view is each element of ``source`` exactly once (then writing a gradient through it
-        leaves nothing unwritten)."""
-        if math.prod(self.size) != source.numel() or self.offset != 0:
+    @functools.lru_cache(maxsize=64)  # asked on every backward call
+    def covers(self, numel: int) -> bool:
+        """Whether the view is each element of a source of `numel` elements exactly once (then writing a
+        gradient through it leaves nothing unwritten)."""
+        if math.prod(self.size) != numel or self.offset != 0:
             return False
         dims = sorted((st, n) for st, n in zip(self.stride, self.size) if n > 1)
         reach = 0  # the furthest offset the dims so far reach, plus one

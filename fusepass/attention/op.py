@@ -287,7 +287,7 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     # The gradients take their sources' strides, and the kernels write them through the views the op read.
     grads = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v)]
     for grad, layout in zip(grads, (s.q, s.k, s.v)):
-        if not layout.covers(grad):
+        if not layout.covers(grad.numel()):
             grad.zero_()
 
     def backward():

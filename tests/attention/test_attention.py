@@ -136,6 +136,20 @@ def bloom_alibi(q, k, v, slopes):
     return torch.bmm(p, v.reshape(b * h, n, d)).view(b, h, n, d)
 
 
+def packed_projection(x, weight):
+    b, n, _ = x.shape
+    q, k, v = (x @ weight).view(b, n, 3, H, D).permute(2, 0, 3, 1, 4)
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), dim=-1) @ v
+
+
+def test_q_k_v_sliced_from_one_packed_projection():
+    # Each view reads a third of the projection's output: its gradient is zero elsewhere.
+    x, weight = random_tensor((B, NQ, 8), torch.float32), random_tensor((8, 3 * H * D), torch.float32, low=-0.3,
+                                                                         high=0.3)
+    report = check(packed_projection, x, weight, backward=True)
+    assert attention_rewrite(report)
+
+
 def test_alibi_with_baddbmm():
     slopes = torch.tensor([2 ** (-8 * (i + 1) / H) for i in range(H)], device=DEVICE)
     report = check(bloom_alibi, *qkv(nk=NQ), slopes, backward=True, **SUMMED_GRADIENT_FP32)  # the slopes learn
