@@ -9,7 +9,8 @@
 #   tests        the GPU tests of tests/attention, kernels, report and elementwise ~190 s
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s
-#   host         where a small-shape forward+backward call spends its host time     ~40 s
+#   host         where a small-shape forward+backward call spends its host time,    (~40 s before --floor)
+#                beside the floor of torch's layers and FlexAttention's call
 #   replay       small-shape calls replayed as CUDA graphs, beside FlexAttention's  (not run yet)
 # Without PARTs: attention elementwise tests (~480 s); the others make a second call.
 #
@@ -41,7 +42,8 @@ for part in $parts; do
     compile)
         (cd bench && timeout 110 python compile_time.py --models causal 2>&1 | tail -10) ;;
     host)
-        (cd bench && timeout 60 python launch_cost.py --cases window,document --backward --shape small 2>&1 | tail -6) ;;
+        (cd bench && timeout 170 python launch_cost.py --cases window,document --backward --shape small --layers \
+            --floor 2>&1 | tail -6) ;;
     replay)
         (cd bench && timeout 150 python graph_replay.py --cases window,document,causal,alibi --shape small 2>&1 \
             | grep "^|") ;;
