@@ -29,10 +29,10 @@ assert "TRITON_INTERPRET" not in os.environ, "the stubs replace compiled launche
 import torch  # noqa: E402
 from attention import CASES, SHAPES, fusepass_call  # noqa: E402
 from harness import keep  # noqa: E402
+from launch_cost import replace_attention_launches  # noqa: E402
 
 from fusepass import pipeline  # noqa: E402
-from fusepass.attention import blockmap  # noqa: E402
-from fusepass.kernels import distance_table, flash_config, launch  # noqa: E402
+from fusepass.kernels import flash_config, launch  # noqa: E402
 
 # The fastest batch (torch on one thread): a virtual machine's neighbours only ever add, by up to 2x on this
 # one from run to run.
@@ -47,8 +47,7 @@ def stub_launches() -> collections.Counter:
         launch._bound_launch(kernel, args, keywords).signature_of.key(args)
         launched[kernel.fn.__name__] += 1
 
-    for module in (flash_config, blockmap, distance_table):  # where attention kernels are launched
-        module.launch = stubbed
+    replace_attention_launches(stubbed)
     flash_config.compile_ahead = lambda *args, **keywords: None
     pipeline.kernels_can_run = lambda device: True  # the rewrites happen on any device
     return launched

@@ -28,9 +28,16 @@ from attention import CASES, SHAPES, fusepass_call, setup
 from harness import keep
 
 from fusepass.attention import blockmap, op
-from fusepass.kernels import flash_config, launch
+from fusepass.kernels import distance_table, flash_config, launch
 
 CALLS = 20
+
+
+def replace_attention_launches(replacement) -> None:
+    """Launch every attention kernel (flash, block map, distance table) through `replacement`, called as
+    ``launch.launch`` is."""
+    for module in (flash_config, blockmap, distance_table):  # where attention kernels are launched
+        module.launch = replacement
 
 
 def timed_launches() -> collections.Counter:
@@ -44,8 +51,7 @@ def timed_launches() -> collections.Counter:
         finally:
             spent[kernel.fn.__name__] += time.perf_counter() - start
 
-    for module in (flash_config, blockmap):  # where attention kernels are launched
-        module.launch = timed
+    replace_attention_launches(timed)
     return spent
 
 
