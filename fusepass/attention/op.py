@@ -23,7 +23,8 @@ from fusepass.codegen.modules import load_module
 from fusepass.kernels.flash_ahead import compile_attention_ahead
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_config import FlashConfig, forward_config, narrow_kv_tiles
-from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward
+from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward, forward_outputs
+from fusepass.kernels.replay import attention_replays, tensor_key
 from fusepass.kernels.sizes import cdiv
 from fusepass.report import profile
 from fusepass.report.records import Rewrite
@@ -110,6 +111,7 @@ class AttentionSpec:
     unfused: Unfused | None = None  # set by the rewrite, with the graph values it reads (after the aux)
     compiled_ahead: bool = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
     forward_tiles: FlashConfig | None = None  # set by the rewrite where the density model knows the mask's rows
+    replay: bool = True  # replay launches as CUDA graphs where arguments repeat (`fusepass.kernels.replay`)
     _mod: ScoreMod | None = field(default=None, repr=False)
 
     @property
@@ -208,25 +210,44 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
     if s.unfused.failed:
         return _unfused_forward(s, (q, k, v, *aux), _seed(seed))
     q4, k4, v4 = _views(s, q, k, v, aux)
+    read = tuple(aux[:len(s.aux_strides)])
+    seed_value = _seed(seed)
 
-    def forward():
+    def forward(outputs: tuple | None = None):
         if not s.compiled_ahead:
             s.compiled_ahead = True
             _compile_ahead(s, (q, k, v), (q4, k4, v4), aux)
-        return flash_attention_forward(q4, k4, v4, s.mod, tuple(aux[:len(s.aux_strides)]), dropout_p=s.dropout_p,
-                                       seed=_seed(seed), out_dtype=s.out_dtype)
+        return flash_attention_forward(q4, k4, v4, s.mod, read, dropout_p=s.dropout_p, seed=seed_value,
+                                       out_dtype=s.out_dtype, outputs=outputs)
 
     try:
-        out, lse, extra = forward()
+        # A map built per call is an output its sequence would have to write into memory of the caller's:
+        # those forwards launch as they are.
+        if s.replay and q.is_cuda and not s.passes_map:
+            out, lse, extra = _replayed_forward(s, (q4, k4, v4, *read), seed_value, forward)
+        else:
+            out, lse, extra = forward()
     except Exception as error:  # a kernel that fails to build or run must not break the model
         s.unfused.fail(error, "forward")
-        return _unfused_forward(s, (q, k, v, *aux), _seed(seed))
+        return _unfused_forward(s, (q, k, v, *aux), seed_value)
     if profile.requested() and profile.can_profile(q.device) and not s.unfused.profiled_forward:
         s.unfused.profiled_forward = True
         profile.measure(s.unfused.forward_record, forward,
-                        lambda: s.unfused.forward((q, k, v, *aux), _seed(seed)))
+                        lambda: s.unfused.forward((q, k, v, *aux), seed_value))
     fallback = extra.fallback_rows if extra.fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
     return out, lse, extra.log_sum, fallback, _map_tensors(s, extra.block_map, q)
+
+
+def _replayed_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: int,
+                      forward: Callable[[tuple], Any]) -> tuple[torch.Tensor, torch.Tensor, FlashForwardExtra]:
+    """`forward` into outputs allocated here, its launches replayed where `inputs` and the outputs are where
+    an earlier call's were (`fusepass.kernels.replay`)."""
+    outputs = forward_outputs(inputs[0], s.mod, s.out_dtype, inputs[0].device)
+    key = (s.name, seed, torch.cuda.current_device(),
+           *(tensor_key(t) for t in (*inputs, *outputs) if t is not None))
+    attention_replays.run(key, lambda: forward(outputs))
+    out, lse, log_sum, fallback_rows = outputs
+    return out, lse, FlashForwardExtra(log_sum, fallback_rows, None)
 
 
 def _compile_ahead(s: AttentionSpec, sources: tuple[torch.Tensor, ...], qkv: tuple[torch.Tensor, ...],
@@ -290,28 +311,38 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
         if not layout.covers(grad.numel()):
             grad.zero_()
 
-    def backward():
-        # fp32 accumulators for the aux tensors a gradient flows to; an empty stand-in for the others
-        aux_grad = tuple(torch.zeros(a.shape, dtype=torch.float32, device=a.device) if n else a.new_empty(0)
-                         for a, n in zip(read, needs))
-        flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, read, aux_grad,
-                                 dropout_p=s.dropout_p, seed=_seed(seed),
-                                 grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
-        return aux_grad
+    seed_value = _seed(seed)
 
+    def new_aux_grad() -> tuple[torch.Tensor, ...]:
+        """fp32 accumulators for the aux tensors a gradient flows to; an empty stand-in for the others."""
+        return tuple(torch.zeros(a.shape, dtype=torch.float32, device=a.device) if n else a.new_empty(0)
+                     for a, n in zip(read, needs))
+
+    def backward(aux_grad: tuple[torch.Tensor, ...]) -> None:
+        flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, read, aux_grad,
+                                 dropout_p=s.dropout_p, seed=seed_value,
+                                 grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
+
+    aux_grad = new_aux_grad()
     try:
-        aux_grad = backward()
+        if s.replay and q.is_cuda:
+            written = (grad_out, q4, k4, v4, out, lse, log_sum, fallback, *block_map, *read, *aux_grad, *grads)
+            key = (s.name, seed_value, torch.cuda.current_device(), *(tensor_key(t) for t in written))
+            attention_replays.run(key, lambda: backward(aux_grad))
+        else:
+            backward(aux_grad)
     except Exception as error:  # as in the forward: the replaced ops take over
         if s.dropout_p:
             # The kernel's forward dropped other elements than the replaced ops would.
             raise RuntimeError("fusepass: the attention backward kernel failed after its forward had run with "
                                "dropout; no gradient consistent with that forward can be computed") from error
         s.unfused.fail(error, "backward")
-        return _unfused_backward(s, inputs, grad_out, _seed(seed))
+        return _unfused_backward(s, inputs, grad_out, seed_value)
     record = s.unfused.backward_record
     if profile.requested() and profile.can_profile(q.device) and record is not None and not s.unfused.profiled_backward:
         s.unfused.profiled_backward = True
-        profile.measure_backward(record, backward, lambda: s.unfused.gradients(inputs, grad_out, _seed(seed)),
+        profile.measure_backward(record, lambda: backward(new_aux_grad()),
+                                 lambda: s.unfused.gradients(inputs, grad_out, seed_value),
                                  s.unfused.forward_record.measured_unfused_ms or 0.0)
     aux_grads = [g.to(a.dtype) for g, a in zip(aux_grad, read)] + [a.new_empty(0) for a in aux[len(read):]]
     return grads[0], grads[1], grads[2], aux_grads

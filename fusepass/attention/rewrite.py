@@ -152,6 +152,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
                 changed = changed or ctx.run_kernels
                 continue
             spec, sources, features = plan(m, name)
+            spec.replay = ctx.options.replay
             replaced = replaced_subgraph(graph, removed_nodes(m), sources + spec.lifted.aux)
             records, spec.forward_tiles = _records(replaced, spec, sources, features, where,
                                                    ctx.report.ceilings.sms)

@@ -19,7 +19,9 @@ for that compile instead of starting its own.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -61,8 +63,12 @@ class BoundLaunch:
                 compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
                 if compiled is not None:  # None: not compiled on this thread yet (Triton's asynchronous mode)
                     self._compiled[key] = compiled, self.signature_of.held(args)
+                if _held is not None:
+                    _held.append((compiled, args))
                 return
             entry = self._compiled[key] = compiled, self.signature_of.held(args)
+        if _held is not None:
+            _held.append((entry[0], args))
         entry[0][(*grid, 1, 1)[:3]](*args, *self.keyword_values)
 
     def compile_ahead(self, *args: Any) -> None:
@@ -92,6 +98,22 @@ class BoundLaunch:
             return ahead.result()
         except Exception:
             return None
+
+
+# The compiled kernels and arguments of the launches made inside `holding()`, or None outside it.
+_held: list | None = None
+
+
+@contextmanager
+def holding() -> Iterator[list]:
+    """Collect the compiled kernel and the arguments of every launch made inside (`fusepass.kernels.replay`
+    keeps what a captured graph reads alive with them)."""
+    global _held
+    outer, _held = _held, []
+    try:
+        yield _held
+    finally:
+        _held = outer
 
 
 # Threads for `compile_ahead`: a first call compiles up to three flash kernels besides its block map's.

@@ -170,3 +170,17 @@ def test_bound_arguments_follow_the_passed_ones_and_stay_out_of_the_signature(re
     (grid, args, keywords), = recorder.bound
     assert args == (x, 100, 7, 0.5, (3, 16)) and keywords == {"SCALE_FN": _identity, "num_warps": 4}
     assert recorder.direct == [((3, 1, 1), (x, 100, 8, 0.5, (3, 16), _identity, 64))]
+
+
+def test_holding_collects_each_launch_with_its_compiled_kernel(recorder, kernel):
+    x = torch.randn(40)
+    _call(kernel, x)  # Triton's path
+    with launch_module.holding() as held:
+        _call(kernel, x, seed=1)  # the compiled kernel's
+        with launch_module.holding() as inner:
+            _call(kernel, x, seed=2)
+        _call(kernel, x, seed=3)
+    _call(kernel, x, seed=4)
+    assert [args[2] for _, args in held] == [1, 3] and [args[2] for _, args in inner] == [2]
+    assert all(args[0] is x for _, args in held + inner)
+    assert launch_module._held is None

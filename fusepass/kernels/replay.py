@@ -1,0 +1,114 @@
+"""Launch sequences replayed as CUDA graphs.
+
+A kernel launch costs 50–110 µs of host time on the GPU machine (the Python that computes its arguments, Triton's
+launcher, the driver; bench/results/launch-cost-*), more than a small attention's kernels take: at B8 H16 N2048
+D64 a sliding window's forward+backward spent 1256 µs of host time per call against 798 µs of kernels
+(graph-replay-2026-11-30-1222). A launch is a function of its arguments alone (the kernel, the grid, the values,
+pointers among them), so a sequence of launches made with the same arguments as an earlier call's can replay a
+CUDA graph captured from that call: one driver call, none of the Python.
+
+`LaunchReplays.run(key, launches)` runs `launches` (a function making launches, nothing else) or replays it. The
+caller's `key` must determine every argument of every launch: the pointers, shapes, strides and dtypes of the
+tensors read and written, and every host value. What a sequence returns or leaves for later is allocated by the
+caller, outside it: tensors allocated inside live in the graph's memory pool, and every replay writes them
+again. A key seen a second time is captured (a first call compiles kernels and builds cached block maps: work
+that cannot be captured); the calls after it replay. The tensors a captured launch reads without the key naming
+them (a cached block map, which its cache may drop) are held alive by the graph, as are the compiled kernels.
+A sequence that cannot be captured (it waits on the device) is launched as it is, and not tried again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusepass.kernels import launch
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """What a launch reading or writing `t` takes from it."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
+
+
+@dataclass
+class _Replay:
+    graph: Any  # torch.cuda.CUDAGraph
+    held: list  # the compiled kernels and arguments of its launches
+
+
+class LaunchReplays:
+    """Captured launch sequences by key, the `capacity` most recently replayed."""
+
+    def __init__(self, capacity: int = 128) -> None:
+        self.capacity = capacity
+        self._replays: OrderedDict[Hashable, _Replay] = OrderedDict()
+        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # keys run once, not captured yet
+        self._refused: set[Hashable] = set()  # keys whose capture failed
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self.replayed = 0  # calls replayed
+
+    def run(self, key: Hashable, launches: Callable[[], None]) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            launches()  # a caller capturing a graph of its own captures these launches into it
+            return
+        replay = self._replays.get(key)
+        if replay is not None:
+            self._replays.move_to_end(key)
+            replay.graph.replay()
+            self.replayed += 1
+            return
+        if key in self._refused:
+            launches()
+            return
+        if key not in self._seen:
+            self._seen[key] = None
+            if len(self._seen) > 4 * self.capacity:
+                self._seen.popitem(last=False)
+            launches()
+            return
+        del self._seen[key]
+        replay = self._capture(launches)
+        if replay is None:
+            self._refused.add(key)
+            launches()
+            return
+        self._replays[key] = replay
+        if len(self._replays) > self.capacity:
+            self._replays.popitem(last=False)
+        replay.graph.replay()
+
+    def _capture(self, launches: Callable[[], None]) -> _Replay | None:
+        """`launches` captured on a side stream (a capture cannot use the default stream), or None where they
+        cannot be captured. Compiles started ahead on threads finish first: loading a module is not allowed
+        while a stream captures."""
+        launch.finish_compiles_ahead()
+        device = torch.cuda.current_device()
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(stream), launch.holding() as held:
+                # thread_local: another thread's CUDA calls meanwhile do not invalidate the capture
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    launches()
+                finally:
+                    graph.capture_end()
+        except RuntimeError:
+            return None
+        torch.cuda.current_stream().wait_stream(stream)
+        return _Replay(graph, held)
+
+    def clear(self) -> None:
+        self._replays.clear()
+        self._seen.clear()
+        self._refused.clear()
+
+
+# The attention op's sequences (fusepass/attention/op.py); `fusepass.reset()` clears them.
+attention_replays = LaunchReplays()

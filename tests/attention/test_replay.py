@@ -1,0 +1,94 @@
+"""On a GPU: attention calls whose tensors repeat an earlier call's replay its launches as a CUDA graph
+(`fusepass.kernels.replay`), and compute what the same kernels launched one by one compute, bit for bit, on
+every call's values: forward and backward, a cached block map dropped from its cache meanwhile, a map built per
+call, dropout (a new seed per call: nothing to replay)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fusepass
+from fusepass.attention import blockmap
+from fusepass.kernels.replay import attention_replays
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need the GPU")
+
+
+def window(q, k, v):
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill((i[None, :] > i[:, None]) | (i[:, None] - i[None, :] >= 100), float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def documents(q, k, v, doc):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(doc[:, None] != doc[None, :], float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def dropped(q, k, v):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return torch.nn.functional.dropout(torch.softmax(s.float(), dim=-1), p=0.3).to(q.dtype) @ v
+
+
+def _inputs(n=333, d=64):
+    q, k, v = (torch.randn(2, 3, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    return q, k, v
+
+
+def _step(fn, q, k, v, grad, *extra):
+    out = fn(q, k, v, *extra)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+@pytest.mark.parametrize("case", ["window", "documents"])
+def test_replayed_calls_compute_what_launched_calls_compute(case):
+    fn, extra = (window, ()) if case == "window" else (documents, (torch.arange(333, device="cuda") // 50,))
+    replayed = torch.compile(fn, backend=fusepass.backend(strict=True))
+    launched = torch.compile(fn, backend=fusepass.backend(strict=True, replay=False))
+    q, k, v = _inputs()
+    grad = torch.randn(2, 3, 333, 64, device="cuda", dtype=torch.bfloat16)
+    replayed_by_call = []
+    for call in range(6):
+        with torch.no_grad():  # new values in the same tensors: the launches' arguments repeat
+            for t in (q, k, v, grad):
+                t.copy_(torch.randn_like(t))
+        junk = []
+        if call == 5:  # a graph reads a cached map its cache has dropped, the map's memory taken by junk
+            blockmap._cache.clear()
+            junk = [torch.full((128,), float("nan"), device="cuda") for _ in range(256)]
+        replayed_before = attention_replays.replayed
+        got = [t.clone() for t in _step(replayed, q, k, v, grad, *extra)]
+        replayed_by_call.append(attention_replays.replayed - replayed_before)
+        expected = _step(launched, q, k, v, grad, *extra)
+        for g, e in zip(got, expected):
+            assert torch.equal(g, e), f"call {call}"
+        del got, expected, junk  # each call starts from the same free memory: the same addresses
+    # window: the forward's and the backward's sequences replay; documents: the backward's (its map is an output)
+    assert replayed_by_call[0] == 0 and replayed_by_call[-1] == (2 if case == "window" else 1), replayed_by_call
+
+
+def test_a_replayed_output_is_not_written_by_the_next_call():
+    compiled = torch.compile(window, backend=fusepass.backend(strict=True))
+    q, k, v = _inputs()
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(q, k, v)
+        kept = compiled(q, k, v)
+        copy = kept.clone()
+        q.copy_(torch.randn_like(q))
+        compiled(q, k, v)
+        compiled(q, k, v)
+    assert torch.equal(kept, copy)
+
+
+def test_dropout_draws_anew_on_every_call():
+    compiled = torch.compile(dropped, backend=fusepass.backend(strict=True))
+    q, k, v = _inputs()
+    with torch.no_grad():
+        outs = [compiled(q, k, v) for _ in range(4)]
+    assert not any(torch.equal(a, b) for a, b in zip(outs, outs[1:]))
