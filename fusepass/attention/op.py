@@ -24,7 +24,7 @@ from fusepass.kernels.flash_ahead import compile_attention_ahead
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_config import FlashConfig, forward_config, narrow_kv_tiles
 from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward, forward_outputs
-from fusepass.kernels.replay import attention_replays, tensor_key
+from fusepass.kernels.replay import attention_replays
 from fusepass.kernels.sizes import cdiv
 from fusepass.report import profile
 from fusepass.report.records import Rewrite
@@ -243,9 +243,8 @@ def _replayed_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: 
     """`forward` into outputs allocated here, its launches replayed where `inputs` and the outputs are where
     an earlier call's were (`fusepass.kernels.replay`)."""
     outputs = forward_outputs(inputs[0], s.mod, s.out_dtype, inputs[0].device)
-    key = (s.name, seed, torch.cuda.current_device(),
-           *(tensor_key(t) for t in (*inputs, *outputs) if t is not None))
-    attention_replays.run(key, lambda: forward(outputs))
+    attention_replays.run([t for t in (*inputs, *outputs) if t is not None], (s.name, seed),
+                          lambda: forward(outputs))
     out, lse, log_sum, fallback_rows = outputs
     return out, lse, FlashForwardExtra(log_sum, fallback_rows, None)
 
@@ -326,9 +325,8 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     aux_grad = new_aux_grad()
     try:
         if s.replay and q.is_cuda:
-            written = (grad_out, q4, k4, v4, out, lse, log_sum, fallback, *block_map, *read, *aux_grad, *grads)
-            key = (s.name, seed_value, torch.cuda.current_device(), *(tensor_key(t) for t in written))
-            attention_replays.run(key, lambda: backward(aux_grad))
+            attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, *block_map, *read, *aux_grad,
+                                   *grads), (s.name, seed_value), lambda: backward(aux_grad))
         else:
             backward(aux_grad)
     except Exception as error:  # as in the forward: the replaced ops take over

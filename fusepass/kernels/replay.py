@@ -7,19 +7,20 @@ D64 a sliding window's forward+backward spent 1256 µs of host time per call aga
 pointers among them), so a sequence of launches made with the same arguments as an earlier call's can replay a
 CUDA graph captured from that call: one driver call, none of the Python.
 
-`LaunchReplays.run(key, launches)` runs `launches` (a function making launches, nothing else) or replays it. The
-caller's `key` must determine every argument of every launch: the pointers, shapes, strides and dtypes of the
-tensors read and written, and every host value. What a sequence returns or leaves for later is allocated by the
+`LaunchReplays.run(tensors, values, launches)` runs `launches` (a function making launches, nothing else) or
+replays it. Its key is the pointers, shapes, strides and dtypes of `tensors` and the host `values`: together
+they must determine every argument of every launch. What a sequence returns or leaves for later is allocated by the
 caller, outside it: tensors allocated inside live in the graph's memory pool, and every replay writes them
 again. A key seen a second time is captured (a first call compiles kernels and builds cached block maps: work
 that cannot be captured); the calls after it replay. The tensors a captured launch reads without the key naming
-them (a cached block map, which its cache may drop) are held alive by the graph, as are the compiled kernels.
+them (a cached block map, which its cache may drop) are held alive by the graph, as are the compiled kernels;
+the caller's are not (their memory must come back to the next call for its key to be the same).
 A sequence that cannot be captured (it waits on the device) is launched as it is, and not tried again.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,15 +29,26 @@ import torch
 from fusepass.kernels import launch
 
 
-def tensor_key(t: torch.Tensor) -> tuple:
+def _tensor_key(t: torch.Tensor) -> tuple:
     """What a launch reading or writing `t` takes from it."""
     return t.data_ptr(), t.shape, t.stride(), t.dtype
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a launch argument: itself, in tuples, or a TMA descriptor's base."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(getattr(value, "base", None), torch.Tensor):
+        yield value.base
 
 
 @dataclass
 class _Replay:
     graph: Any  # torch.cuda.CUDAGraph
-    held: list  # the compiled kernels and arguments of its launches
+    held: list  # its launches' compiled kernels, and the tensors they read that its key does not name
 
 
 class LaunchReplays:
@@ -50,10 +62,13 @@ class LaunchReplays:
         self._streams: dict[int, torch.cuda.Stream] = {}
         self.replayed = 0  # calls replayed
 
-    def run(self, key: Hashable, launches: Callable[[], None]) -> None:
+    def run(self, tensors: Sequence[torch.Tensor], values: tuple, launches: Callable[[], None]) -> None:
+        """`launches`, or its replay where `tensors` (every tensor it reads or writes that the caller holds)
+        and `values` (every host value it depends on) are as in an earlier call's."""
         if torch.cuda.is_current_stream_capturing():
             launches()  # a caller capturing a graph of its own captures these launches into it
             return
+        key = (values, torch.cuda.current_device(), *(_tensor_key(t) for t in tensors))
         replay = self._replays.get(key)
         if replay is not None:
             self._replays.move_to_end(key)
@@ -70,7 +85,7 @@ class LaunchReplays:
             launches()
             return
         del self._seen[key]
-        replay = self._capture(launches)
+        replay = self._capture(launches, tensors)
         if replay is None:
             self._refused.add(key)
             launches()
@@ -80,10 +95,12 @@ class LaunchReplays:
             self._replays.popitem(last=False)
         replay.graph.replay()
 
-    def _capture(self, launches: Callable[[], None]) -> _Replay | None:
+    def _capture(self, launches: Callable[[], None], named: Sequence[torch.Tensor]) -> _Replay | None:
         """`launches` captured on a side stream (a capture cannot use the default stream), or None where they
         cannot be captured. Compiles started ahead on threads finish first: loading a module is not allowed
-        while a stream captures."""
+        while a stream captures. The replay holds the compiled kernels and the tensors of the launches'
+        arguments but the `named` ones (the caller's: held, their memory could not come back to the next
+        call, whose key would then differ)."""
         launch.finish_compiles_ahead()
         device = torch.cuda.current_device()
         stream = self._streams.get(device)
@@ -102,7 +119,9 @@ class LaunchReplays:
         except RuntimeError:
             return None
         torch.cuda.current_stream().wait_stream(stream)
-        return _Replay(graph, held)
+        callers = {t.untyped_storage().data_ptr() for t in named}
+        kept = [t for _, args in held for t in _tensors_in(args) if t.untyped_storage().data_ptr() not in callers]
+        return _Replay(graph, [compiled for compiled, _ in held] + kept)
 
     def clear(self) -> None:
         self._replays.clear()

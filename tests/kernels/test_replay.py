@@ -24,7 +24,7 @@ class _Replays(LaunchReplays):
         self.captures = 0
         self.fails = fails
 
-    def _capture(self, launches):
+    def _capture(self, launches, named):
         self.captures += 1
         return None if self.captures in self.fails else replay_module._Replay(_Graph(), [])
 
@@ -32,6 +32,7 @@ class _Replays(LaunchReplays):
 @pytest.fixture(autouse=True)
 def not_capturing(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
 def _counting():
@@ -41,42 +42,42 @@ def _counting():
 
 def test_a_key_is_captured_on_its_second_call_and_replayed_after():
     replays, (calls, launches) = _Replays(), _counting()
-    replays.run("a", launches)
+    replays.run((), "a", launches)
     assert (len(calls), replays.captures) == (1, 0)
-    replays.run("a", launches)
-    graph = replays._replays["a"].graph
+    replays.run((), "a", launches)
+    graph = replays._replays[("a", 0)].graph
     assert (len(calls), replays.captures, graph.replays) == (1, 1, 1)  # the capture's results come from a replay
     for _ in range(3):
-        replays.run("a", launches)
+        replays.run((), "a", launches)
     assert (len(calls), replays.captures, graph.replays) == (1, 1, 4)
 
 
 def test_keys_alternating_are_each_captured():
     replays, (calls, launches) = _Replays(), _counting()
     for key in "ababab":
-        replays.run(key, launches)
+        replays.run((), key, launches)
     assert (len(calls), replays.captures) == (2, 2)
-    assert [replays._replays[k].graph.replays for k in "ab"] == [2, 2]
+    assert [replays._replays[(k, 0)].graph.replays for k in "ab"] == [2, 2]
 
 
 def test_a_failed_capture_launches_and_is_not_tried_again():
     replays, (calls, launches) = _Replays(fails=(1,)), _counting()
     for _ in range(5):
-        replays.run("a", launches)
+        replays.run((), "a", launches)
     assert (len(calls), replays.captures) == (5, 1)
 
 
 def test_the_most_recently_replayed_keys_are_kept():
     replays, (_, launches) = _Replays(capacity=2), _counting()
     for key in "aabbacc":  # a replayed after b was captured: b is the oldest when c comes
-        replays.run(key, launches)
-    assert list(replays._replays) == ["a", "c"]
+        replays.run((), key, launches)
+    assert [key for key, _ in replays._replays] == ["a", "c"]
 
 
 def test_while_the_caller_captures_its_own_graph_the_launches_are_made(monkeypatch):
     replays, (calls, launches) = _Replays(), _counting()
-    replays.run("a", launches)
-    replays.run("a", launches)
+    replays.run((), "a", launches)
+    replays.run((), "a", launches)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    replays.run("a", launches)
-    assert (len(calls), replays._replays["a"].graph.replays) == (2, 1)
+    replays.run((), "a", launches)
+    assert (len(calls), replays._replays[("a", 0)].graph.replays) == (2, 1)
