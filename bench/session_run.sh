@@ -30,10 +30,10 @@ for part in $parts; do
     case $part in
     large)
         timeout 150 python bench/attention.py --shapes large --cases causal,plain,alibi,document,window,padding,softcap,t5 \
-            2>&1 | grep "^|" | cut -d'|' -f2-12 ;;
+            2>&1 | grep "^|" | cut -d"|" -f2-13 ;;
     small)
         timeout 170 python bench/attention.py --shapes small --cases causal,plain,alibi,document,window,padding,softcap,t5 \
-            2>&1 | grep "^|" | cut -d'|' -f2-12 ;;
+            2>&1 | grep "^|" | cut -d"|" -f2-13 ;;
     elementwise)
         timeout 70 python bench/elementwise.py --sizes 26 2>&1 | tail -11 ;;
     tests)

@@ -183,17 +183,14 @@ def _tile_lists_kernel(Kind, RowsCount, RowsIndex, ColsCount, ColsIndex, n_q_blo
         _compact_row(Kind, ColsCount, ColsIndex, block, bh, n_kv_blocks, n_q_blocks, 1, n_kv_blocks, BLOCK)
 
 
-def _tile_lists(kind: torch.Tensor) -> tuple[TileLists, TileLists]:
-    """The rows and the cols lists of a contiguous tile-kind map, in one launch (a map that reads tensors is
+def _write_tile_lists(block_map: BlockMap) -> None:
+    """The rows and the cols lists of a map from its tile kinds, in one launch (a map that reads tensors is
     built on every call, where each launch costs host time)."""
-    *outer_shape, n_q_blocks, n_kv_blocks = kind.shape
-    shapes = map_shapes(*outer_shape, n_q_blocks, n_kv_blocks)[1:]
-    rows_count, rows_index, cols_count, cols_index = (torch.empty(shape, dtype=torch.int32, device=kind.device)
-                                                      for shape in shapes)
-    launch(_tile_lists_kernel, (max(n_q_blocks, n_kv_blocks), kind[..., 0, 0].numel(), 2), kind, rows_count,
-           rows_index, cols_count, cols_index, n_q_blocks, n_kv_blocks,
-           BLOCK=next_power_of_2(max(n_q_blocks, n_kv_blocks)))
-    return TileLists(rows_count, rows_index), TileLists(cols_count, cols_index)
+    kind = block_map.kind
+    n_q_blocks, n_kv_blocks = kind.shape[2:]
+    launch(_tile_lists_kernel, (max(n_q_blocks, n_kv_blocks), kind[..., 0, 0].numel(), 2), kind,
+           block_map.rows.count, block_map.rows.index, block_map.cols.count, block_map.cols.index, n_q_blocks,
+           n_kv_blocks, BLOCK=next_power_of_2(max(n_q_blocks, n_kv_blocks)))
 
 
 def _map_extent(mod: ScoreMod, batch: int, heads: int) -> tuple[int, int]:
@@ -201,27 +198,29 @@ def _map_extent(mod: ScoreMod, batch: int, heads: int) -> tuple[int, int]:
     return (batch if mod.keep_uses_batch else 1), (heads if mod.keep_uses_head else 1)
 
 
-def placeholder_block_map(mod: ScoreMod, batch: int, heads: int, q_len: int, kv_len: int, block_m: int,
-                          block_n: int) -> BlockMap:
-    """`mod`'s map at this shape as meta tensors: what a kernel launch reads of a map for its signature
-    (dtypes and strides), without evaluating the mask (for `compile_ahead`)."""
+def empty_block_map(mod: ScoreMod, batch: int, heads: int, q_len: int, kv_len: int, block_m: int, block_n: int,
+                    device: torch.device | str) -> BlockMap:
+    """`mod`'s map at this shape, unwritten: for `build_block_map` to write, or on "meta" what a kernel launch
+    reads of a map for its signature (dtypes and strides) without evaluating the mask (for `compile_ahead`)."""
     shapes = map_shapes(*_map_extent(mod, batch, heads), cdiv(q_len, block_m), cdiv(kv_len, block_n))
-    return BlockMap.from_tensors(block_m, block_n, [torch.empty(shape, dtype=dtype, device="meta")
+    return BlockMap.from_tensors(block_m, block_n, [torch.empty(shape, dtype=dtype, device=device)
                                                     for shape, dtype in zip(shapes, MAP_DTYPES)])
 
 
 def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
-                    block_m: int, block_n: int, device: torch.device) -> BlockMap:
-    """Evaluate `mod.keep` over every tile (no cache). `heads` counts query heads."""
+                    block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None) -> BlockMap:
+    """Evaluate `mod.keep` over every tile (no cache), into `into` (the `empty_block_map` of these arguments)
+    or new tensors. `heads` counts query heads."""
     assert mod.has_mask, "an attention without a mask has no block map: every tile is full"
-    map_batch, map_heads = _map_extent(mod, batch, heads)
-    n_q_blocks, n_kv_blocks = cdiv(q_len, block_m), cdiv(kv_len, block_n)
-    kind = torch.empty(map_batch, map_heads, n_q_blocks, n_kv_blocks, dtype=torch.int8, device=device)
+    block_map = into or empty_block_map(mod, batch, heads, q_len, kv_len, block_m, block_n, device)
+    map_batch, map_heads, n_q_blocks, n_kv_blocks = block_map.kind.shape
+    assert (block_map.block_m, block_map.block_n, n_q_blocks, n_kv_blocks) == \
+        (block_m, block_n, cdiv(q_len, block_m), cdiv(kv_len, block_n)), "a map of other tiles"
     grid = (n_q_blocks, n_kv_blocks, map_batch * map_heads)
-    launch(_tile_kind_kernel, grid, kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep, BLOCK_M=block_m,
+    launch(_tile_kind_kernel, grid, block_map.kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep, BLOCK_M=block_m,
            BLOCK_N=block_n, num_warps=TILE_KIND_WARPS)
-    rows, cols = _tile_lists(kind)
-    return BlockMap(block_m, block_n, kind, rows=rows, cols=cols)
+    _write_tile_lists(block_map)
+    return block_map
 
 
 _CACHE_SIZE = 64
@@ -229,10 +228,11 @@ _cache: OrderedDict[tuple, BlockMap] = OrderedDict()
 
 
 def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
-                  block_m: int, block_n: int, device: torch.device) -> BlockMap:
-    """The block map of `mod` at this shape: cached unless KEEP reads aux tensors."""
+                  block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None) -> BlockMap:
+    """The block map of `mod` at this shape: cached unless KEEP reads aux tensors, in which case it is built
+    into `into` where given (see `build_block_map`)."""
     if mod.keep_reads_aux:
-        return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device)
+        return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device, into)
     key = (mod.name, batch if mod.keep_uses_batch else 1, heads if mod.keep_uses_head else 1,
            q_len, kv_len, block_m, block_n, torch.device(device))
     if key in _cache:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fusepass.attention.blockmap import MAP_DTYPES, BlockMap, map_shapes
+from fusepass.attention.blockmap import MAP_DTYPES, BlockMap, empty_block_map, map_shapes
 from fusepass.attention.layout import OperandLayout
 from fusepass.attention.lift import Lifted
 from fusepass.attention.score_mod import ScoreMod
@@ -213,20 +213,27 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
     read = tuple(aux[:len(s.aux_strides)])
     seed_value = _seed(seed)
 
-    def forward(outputs: tuple | None = None):
+    def forward(outputs: tuple | None = None, block_map: BlockMap | None = None):
         if not s.compiled_ahead:
             s.compiled_ahead = True
             _compile_ahead(s, (q, k, v), (q4, k4, v4), aux)
         return flash_attention_forward(q4, k4, v4, s.mod, read, dropout_p=s.dropout_p, seed=seed_value,
-                                       out_dtype=s.out_dtype, outputs=outputs)
+                                       out_dtype=s.out_dtype, outputs=outputs, map_into=block_map)
 
     try:
-        # A map built per call is an output its sequence would have to write into memory of the caller's:
-        # those forwards launch as they are.
-        if s.replay and q.is_cuda and not s.passes_map:
-            out, lse, extra = _replayed_forward(s, (q4, k4, v4, *read), seed_value, forward)
+        # Everything the call returns is allocated here, outside the launches a replay repeats.
+        outputs = forward_outputs(q4, s.mod, s.out_dtype, q.device)
+        tiles = s.passed_map_tiles(q)
+        block_map = None if tiles is None else empty_block_map(s.mod, *q4.shape[:3], k4.shape[2], tiles.block_m,
+                                                               tiles.block_n, q.device)
+        if s.replay and q.is_cuda:
+            written = (*outputs, *(block_map.tensors if block_map else ()))
+            attention_replays.run([t for t in (q4, k4, v4, *read, *written) if t is not None], (s.name, seed_value),
+                                  lambda: forward(outputs, block_map))
         else:
-            out, lse, extra = forward()
+            forward(outputs, block_map)
+        out, lse, log_sum, fallback_rows = outputs
+        extra = FlashForwardExtra(log_sum, fallback_rows, block_map)
     except Exception as error:  # a kernel that fails to build or run must not break the model
         s.unfused.fail(error, "forward")
         return _unfused_forward(s, (q, k, v, *aux), seed_value)
@@ -236,17 +243,6 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
                         lambda: s.unfused.forward((q, k, v, *aux), seed_value))
     fallback = extra.fallback_rows if extra.fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
     return out, lse, extra.log_sum, fallback, _map_tensors(s, extra.block_map, q)
-
-
-def _replayed_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: int,
-                      forward: Callable[[tuple], Any]) -> tuple[torch.Tensor, torch.Tensor, FlashForwardExtra]:
-    """`forward` into outputs allocated here, its launches replayed where `inputs` and the outputs are where
-    an earlier call's were (`fusepass.kernels.replay`)."""
-    outputs = forward_outputs(inputs[0], s.mod, s.out_dtype, inputs[0].device)
-    attention_replays.run([t for t in (*inputs, *outputs) if t is not None], (s.name, seed),
-                          lambda: forward(outputs))
-    out, lse, log_sum, fallback_rows = outputs
-    return out, lse, FlashForwardExtra(log_sum, fallback_rows, None)
 
 
 def _compile_ahead(s: AttentionSpec, sources: tuple[torch.Tensor, ...], qkv: tuple[torch.Tensor, ...],

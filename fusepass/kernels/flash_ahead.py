@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from fusepass.attention.blockmap import BlockMap, block_map_for, placeholder_block_map
+from fusepass.attention.blockmap import BlockMap, block_map_for, empty_block_map
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import distance_gradients, meta_distance_tables
 from fusepass.kernels.flash_bwd import backward_launches
@@ -39,7 +39,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     out, lse, log_sum, fallback_rows = forward_outputs(q, mod, out_dtype, "meta")
 
     def map_at(config: FlashConfig) -> BlockMap:
-        return placeholder_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n)
+        return empty_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, "meta")
 
     for config in (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, q.device):
         kernel, _, args, keywords = forward_launch(q, k, v, mod, aux, config,

@@ -386,12 +386,14 @@ def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | Non
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, *,
                             block_map: BlockMap | None = None, dropout_p: float = 0.0, seed: int = 0,
-                            out_dtype: torch.dtype | None = None, outputs: tuple | None = None
+                            out_dtype: torch.dtype | None = None, outputs: tuple | None = None,
+                            map_into: BlockMap | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, FlashForwardExtra]:
     """softmax(final scores) @ v. Returns (out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32, extra for backward).
 
     `block_map` defaults to the cached map of `mod` at the forward's tile size; its tile size, when given,
-    is the one the kernel uses. `outputs`: where to write them, as `forward_outputs` allocates them.
+    is the one the kernel uses. `outputs`: where to write them, as `forward_outputs` allocates them;
+    `map_into`: where to map a mask that reads tensors (`empty_block_map` at the forward's tiles).
     """
     check_attention_inputs(q, k, v)
     assert 0.0 <= dropout_p < 1.0
@@ -406,7 +408,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
                                                                  config.block_m, config.block_n, q.device)
         config = narrow_kv_tiles(config, wide_map)
         block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
-                                  q.device)
+                                  q.device, map_into)
     out, lse, log_sum, fallback_rows = outputs or forward_outputs(q, mod, out_dtype, q.device)
     kernel, grid, args, keywords = forward_launch(q, k, v, mod, aux, config, block_map, out, lse, log_sum,
                                                   fallback_rows, seed, dropout_p)

@@ -45,6 +45,14 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
         yield value.base
 
 
+def held_by_replay(launches: list[tuple[Any, tuple]], named: Sequence[torch.Tensor]) -> list:
+    """What a replay of `launches` ((compiled kernel, arguments) each) holds alive: the compiled kernels and the
+    tensors of the arguments but those sharing memory with the `named` ones."""
+    callers = {t.untyped_storage().data_ptr() for t in named}
+    tensors = [t for _, args in launches for t in _tensors_in(args) if t.untyped_storage().data_ptr() not in callers]
+    return [compiled for compiled, _ in launches] + tensors
+
+
 @dataclass
 class _Replay:
     graph: Any  # torch.cuda.CUDAGraph
@@ -119,9 +127,7 @@ class LaunchReplays:
         except RuntimeError:
             return None
         torch.cuda.current_stream().wait_stream(stream)
-        callers = {t.untyped_storage().data_ptr() for t in named}
-        kept = [t for _, args in held for t in _tensors_in(args) if t.untyped_storage().data_ptr() not in callers]
-        return _Replay(graph, [compiled for compiled, _ in held] + kept)
+        return _Replay(graph, held_by_replay(held, named))
 
     def clear(self) -> None:
         self._replays.clear()

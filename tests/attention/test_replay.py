@@ -53,24 +53,35 @@ def test_replayed_calls_compute_what_launched_calls_compute(case):
     launched = torch.compile(lambda *args: fn(*args), backend=fusepass.backend(strict=True, replay=False))
     q, k, v = _inputs()
     grad = torch.randn(2, 3, 333, 64, device="cuda", dtype=torch.bfloat16)
-    replayed_by_call = []
-    for call in range(6):
+    calls = 6
+    values = [[torch.randn_like(t) for t in (q, k, v, grad)] for _ in range(calls)]
+    results = [[torch.empty_like(t) for t in (q, q, k, v)] for _ in range(calls)]  # out, dq, dk, dv
+
+    def set_values(call):
         with torch.no_grad():  # new values in the same tensors: the launches' arguments repeat
-            for t in (q, k, v, grad):
-                t.copy_(torch.randn_like(t))
+            for t, value in zip((q, k, v, grad), values[call]):
+                t.copy_(value)
+
+    # The replayed calls one after another, nothing else allocated between them: each starts from the same
+    # free memory, so its outputs land where the last call's did.
+    replayed_by_call = []
+    for call in range(calls):
+        set_values(call)
         junk = []
-        if call == 5:  # a graph reads a cached map its cache has dropped, the map's memory taken by junk
+        if call == calls - 1:  # a graph reads a cached map its cache has dropped, the map's memory taken by junk
             blockmap._cache.clear()
             junk = [torch.full((128,), float("nan"), device="cuda") for _ in range(256)]
         replayed_before = attention_replays.replayed
-        got = [t.clone() for t in _step(replayed, q, k, v, grad, *extra)]
+        for result, t in zip(results[call], _step(replayed, q, k, v, grad, *extra)):
+            result.copy_(t)
         replayed_by_call.append(attention_replays.replayed - replayed_before)
-        expected = _step(launched, q, k, v, grad, *extra)
-        for g, e in zip(got, expected):
-            assert torch.equal(g, e), f"call {call}"
-        del got, expected, junk  # each call starts from the same free memory: the same addresses
-    # window: the forward's and the backward's sequences replay; documents: the backward's (its map is an output)
-    assert replayed_by_call[0] == 0 and replayed_by_call[-1] == (2 if case == "window" else 1), replayed_by_call
+        del junk
+    for call in range(calls):
+        set_values(call)
+        for got, expected in zip(results[call], _step(launched, q, k, v, grad, *extra)):
+            assert torch.equal(got, expected), f"call {call}"
+    # the forward's and the backward's sequences (a map built per call is written into the op's outputs)
+    assert replayed_by_call[:2] == [0, 0] and replayed_by_call[-1] == 2, replayed_by_call
 
 
 def test_a_replayed_output_is_not_written_by_the_next_call():

@@ -81,3 +81,15 @@ def test_while_the_caller_captures_its_own_graph_the_launches_are_made(monkeypat
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     replays.run((), "a", launches)
     assert (len(calls), replays._replays[("a", 0)].graph.replays) == (2, 1)
+
+
+def test_a_replay_holds_its_kernels_and_what_the_caller_does_not_name():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    named, cached, table = torch.randn(4, 8), torch.randn(3), torch.randn(16, 16)
+    view = named[1:]  # the caller's memory, seen through a view
+    descriptor = TensorDescriptor(table, [16, 16], [16, 1], [8, 8])
+    held = replay_module.held_by_replay([("kernel a", (view, (cached, 3), None)), ("kernel b", (descriptor, 1.5))],
+                                        [named])
+    assert held[:2] == ["kernel a", "kernel b"]
+    assert [t is cached or t is table for t in held[2:]] == [True, True]
