@@ -1,7 +1,7 @@
 """Host time of one compiled attention call with every Triton launch stubbed out: on any machine, the CPU too.
 
     PYTHONPATH=. python bench/host_path.py [--cases window,causal,document] [--backward] [--profile]
-        [--device cpu] [--seq 256] [--calls N]
+        [--device cpu] [--seq 256] [--calls N] [--replayed]
 
 Runs each case of ``bench/attention.py`` under fusepass at the small shape's batch, heads and head dim (B8 H16
 D64; `--seq` keys, 256 unless told: the host path does not depend on it, the allocations do) with each launch
@@ -10,6 +10,8 @@ times 9 batches of 100 calls (the fastest batch): what the op's Python, torch's 
 autograd layers and Dynamo's guards cost per call, without Triton's launcher or the driver (``launch_cost.py``
 on the GPU has those). The kernels' outputs are left unwritten, so the figures are of the host path alone, not
 of its results. With --profile, the Python functions with the most host time, by own and by cumulative time.
+With --replayed, every attention call takes the path of a replayed one (`fusepass.kernels.replay`: the op
+allocates its outputs and looks its launches up), without the driver's replay.
 
 Wall time on a shared virtual machine moves by up to 2x from run to run; instructions do not. With --calls N it
 makes N calls of the first case, untimed, and exits: the difference of two runs' instruction counts under
@@ -32,7 +34,9 @@ from harness import keep  # noqa: E402
 from launch_cost import replace_attention_launches  # noqa: E402
 
 from fusepass import pipeline  # noqa: E402
+from fusepass.attention import op  # noqa: E402
 from fusepass.kernels import flash_config, launch  # noqa: E402
+from fusepass.kernels.replay import LaunchReplays, tensor_key  # noqa: E402
 
 # The fastest batch (torch on one thread): a virtual machine's neighbours only ever add, by up to 2x on this
 # one from run to run.
@@ -53,6 +57,22 @@ def stub_launches() -> collections.Counter:
     return launched
 
 
+class ReplayedEveryCall(LaunchReplays):
+    """What a replayed call's host path adds, without the driver's replay: the key and its lookup, on any
+    device; nothing is launched."""
+
+    @staticmethod
+    def can_replay(t: torch.Tensor) -> bool:
+        return True
+
+    @staticmethod
+    def key(tensors, values) -> tuple:
+        return values, 0, *(tensor_key(t) for t in tensors)  # device 0: torch.cuda may be absent
+
+    def run(self, tensors, values, launches) -> None:
+        self._replays.get(self.key(tensors, values))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="window,causal,document")
@@ -61,8 +81,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--calls", type=int)
+    parser.add_argument("--replayed", action="store_true", help="every attention call replayed (a hit)")
     args = parser.parse_args()
     launched = stub_launches()
+    if args.replayed:
+        op.attention_replays = ReplayedEveryCall()
     torch.set_num_threads(1)
     b, h, _, d, kv_heads = SHAPES["small"]
     if args.calls is not None:
@@ -92,7 +115,8 @@ def main() -> None:
             profiler.runcall(lambda: [call() for _ in range(CALLS)])
             for order in ("tottime", "cumulative"):
                 pstats.Stats(profiler).sort_stats(order).print_stats(30)
-    print(keep("host-path-" + ("fwd-bwd" if args.backward else "fwd"), list(rows[0]), rows))
+    print(keep("host-path-" + ("fwd-bwd" if args.backward else "fwd") + ("-replayed" if args.replayed else ""),
+               list(rows[0]), rows))
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
         tiles = s.passed_map_tiles(q)
         block_map = None if tiles is None else empty_block_map(s.mod, *q4.shape[:3], k4.shape[2], tiles.block_m,
                                                                tiles.block_n, q.device)
-        if s.replay and q.is_cuda:
+        if s.replay and attention_replays.can_replay(q):
             written = (*outputs, *(block_map.tensors if block_map else ()))
             attention_replays.run([t for t in (q4, k4, v4, *read, *written) if t is not None], (s.name, seed_value),
                                   lambda: forward(outputs, block_map))
@@ -320,7 +320,7 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
     aux_grad = new_aux_grad()
     try:
-        if s.replay and q.is_cuda:
+        if s.replay and attention_replays.can_replay(q):
             attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, *block_map, *read, *aux_grad,
                                    *grads), (s.name, seed_value), lambda: backward(aux_grad))
         else:

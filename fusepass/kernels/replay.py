@@ -29,7 +29,7 @@ import torch
 from fusepass.kernels import launch
 
 
-def _tensor_key(t: torch.Tensor) -> tuple:
+def tensor_key(t: torch.Tensor) -> tuple:
     """What a launch reading or writing `t` takes from it."""
     return t.data_ptr(), t.shape, t.stride(), t.dtype
 
@@ -60,15 +60,28 @@ class _Replay:
 
 
 class LaunchReplays:
-    """Captured launch sequences by key, the `capacity` most recently replayed."""
+    """Captured launch sequences by key, the `capacity` most recently replayed. Once as many have been dropped
+    as are kept, the keys that repeat outnumber the capacity (more layers or shapes than it): a new capture
+    would only drop a graph before it replays again, capturing every call. Then the graphs kept replay and the
+    other keys launch."""
 
-    def __init__(self, capacity: int = 128) -> None:
+    def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self._replays: OrderedDict[Hashable, _Replay] = OrderedDict()
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # keys run once, not captured yet
-        self._refused: set[Hashable] = set()  # keys whose capture failed
+        self._refused: OrderedDict[Hashable, None] = OrderedDict()  # keys whose capture failed
         self._streams: dict[int, torch.cuda.Stream] = {}
         self.replayed = 0  # calls replayed
+        self.dropped = 0  # graphs dropped for newer ones
+
+    @staticmethod
+    def can_replay(t: torch.Tensor) -> bool:
+        """Whether launches on `t`'s device can be replayed."""
+        return t.is_cuda
+
+    @staticmethod
+    def key(tensors: Sequence[torch.Tensor], values: tuple) -> tuple:
+        return values, torch.cuda.current_device(), *(tensor_key(t) for t in tensors)
 
     def run(self, tensors: Sequence[torch.Tensor], values: tuple, launches: Callable[[], None]) -> None:
         """`launches`, or its replay where `tensors` (every tensor it reads or writes that the caller holds)
@@ -76,31 +89,30 @@ class LaunchReplays:
         if torch.cuda.is_current_stream_capturing():
             launches()  # a caller capturing a graph of its own captures these launches into it
             return
-        key = (values, torch.cuda.current_device(), *(_tensor_key(t) for t in tensors))
+        key = self.key(tensors, values)
         replay = self._replays.get(key)
         if replay is not None:
             self._replays.move_to_end(key)
             replay.graph.replay()
             self.replayed += 1
             return
-        if key in self._refused:
+        if key in self._refused or self.dropped >= self.capacity:
             launches()
             return
         if key not in self._seen:
-            self._seen[key] = None
-            if len(self._seen) > 4 * self.capacity:
-                self._seen.popitem(last=False)
+            _remember(self._seen, key, 4 * self.capacity)
             launches()
             return
         del self._seen[key]
         replay = self._capture(launches, tensors)
         if replay is None:
-            self._refused.add(key)
+            _remember(self._refused, key, 4 * self.capacity)
             launches()
             return
         self._replays[key] = replay
         if len(self._replays) > self.capacity:
             self._replays.popitem(last=False)
+            self.dropped += 1
         replay.graph.replay()
 
     def _capture(self, launches: Callable[[], None], named: Sequence[torch.Tensor]) -> _Replay | None:
@@ -133,7 +145,14 @@ class LaunchReplays:
         self._replays.clear()
         self._seen.clear()
         self._refused.clear()
+        self.dropped = 0
 
 
-# The attention op's sequences (fusepass/attention/op.py); `fusepass.reset()` clears them.
+def _remember(keys: OrderedDict, key: Hashable, capacity: int) -> None:
+    keys[key] = None
+    if len(keys) > capacity:
+        keys.popitem(last=False)
+
+
+# The attention op's sequences (fusepass/attention/op.py); `clear()` drops their graphs and memory.
 attention_replays = LaunchReplays()

@@ -93,3 +93,15 @@ def test_a_replay_holds_its_kernels_and_what_the_caller_does_not_name():
                                         [named])
     assert held[:2] == ["kernel a", "kernel b"]
     assert [t is cached or t is table for t in held[2:]] == [True, True]
+
+
+def test_when_repeating_keys_outnumber_the_capacity_the_kept_graphs_replay_and_others_launch():
+    replays, (calls, launches) = _Replays(capacity=2), _counting()
+    for _ in range(6):
+        for key in "abc":
+            replays.run((), key, launches)
+    # round 2 captures a, b and c (c's capture drops a), round 4 captures a again (dropping b): two graphs
+    # dropped, as many as are kept, so b launches from then on while a and c replay
+    assert (replays.captures, replays.dropped) == (4, 2)
+    assert [key for key, _ in replays._replays] == ["a", "c"]
+    assert len(calls) == 3 + 1 + 3  # round 1; a in round 3; b in rounds 4 to 6
