@@ -227,10 +227,16 @@ _CACHE_SIZE = 64
 _cache: OrderedDict[tuple, BlockMap] = OrderedDict()
 
 
+def _capturing(device: torch.device | str) -> bool:
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
                   block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None) -> BlockMap:
     """The block map of `mod` at this shape: cached unless KEEP reads aux tensors, in which case it is built
-    into `into` where given (see `build_block_map`)."""
+    into `into` where given (see `build_block_map`). A map built while the stream captures a CUDA graph
+    (`fusepass.kernels.replay`) is not cached: it is written only when the graph replays, and not at all if
+    the capture fails."""
     if mod.keep_reads_aux:
         return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device, into)
     key = (mod.name, batch if mod.keep_uses_batch else 1, heads if mod.keep_uses_head else 1,
@@ -238,7 +244,10 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
     if key in _cache:
         _cache.move_to_end(key)
         return _cache[key]
-    block_map = _cache[key] = build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device)
+    block_map = build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device)
+    if _capturing(device):
+        return block_map
+    _cache[key] = block_map
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return block_map

@@ -136,7 +136,7 @@ class LaunchReplays:
                     launches()
                 finally:
                     graph.capture_end()
-        except RuntimeError:
+        except Exception:  # whatever a capture meets (a wait on the device, above all) refuses it
             return None
         torch.cuda.current_stream().wait_stream(stream)
         return _Replay(graph, held_by_replay(held, named))

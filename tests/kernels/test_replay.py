@@ -105,3 +105,21 @@ def test_when_repeating_keys_outnumber_the_capacity_the_kept_graphs_replay_and_o
     assert (replays.captures, replays.dropped) == (4, 2)
     assert [key for key, _ in replays._replays] == ["a", "c"]
     assert len(calls) == 3 + 1 + 3  # round 1; a in round 3; b in rounds 4 to 6
+
+
+def test_a_map_built_while_capturing_is_not_cached(monkeypatch):
+    """It is written only when the graph replays (not at all if the capture fails): a later call must build
+    its own."""
+    from types import SimpleNamespace
+
+    from fusepass.attention import blockmap
+
+    monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
+    monkeypatch.setattr(blockmap, "build_block_map", lambda *args: object())
+    mod = SimpleNamespace(name="m", keep_reads_aux=False, keep_uses_batch=False, keep_uses_head=True)
+    shape = ((), 2, 3, 40, 40, 16, 16, "cpu")
+    monkeypatch.setattr(blockmap, "_capturing", lambda device: True)
+    during = blockmap.block_map_for(mod, *shape)
+    monkeypatch.setattr(blockmap, "_capturing", lambda device: False)
+    after = blockmap.block_map_for(mod, *shape)
+    assert after is not during and blockmap.block_map_for(mod, *shape) is after
