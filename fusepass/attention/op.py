@@ -44,6 +44,8 @@ class Unfused:
     forward_record: Rewrite
     backward_record: Rewrite | None
     failed: bool = False
+    # FUSEPASS_PROFILE as the rewrite found it: asked once, not on every call
+    profiling: bool = field(default_factory=profile.requested)
     profiled_forward: bool = False
     profiled_backward: bool = False
 
@@ -237,7 +239,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
     except Exception as error:  # a kernel that fails to build or run must not break the model
         s.unfused.fail(error, "forward")
         return _unfused_forward(s, (q, k, v, *aux), seed_value)
-    if profile.requested() and profile.can_profile(q.device) and not s.unfused.profiled_forward:
+    if s.unfused.profiling and profile.can_profile(q.device) and not s.unfused.profiled_forward:
         s.unfused.profiled_forward = True
         profile.measure(s.unfused.forward_record, forward,
                         lambda: s.unfused.forward((q, k, v, *aux), seed_value))
@@ -333,7 +335,7 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
         s.unfused.fail(error, "backward")
         return _unfused_backward(s, inputs, grad_out, seed_value)
     record = s.unfused.backward_record
-    if profile.requested() and profile.can_profile(q.device) and record is not None and not s.unfused.profiled_backward:
+    if s.unfused.profiling and profile.can_profile(q.device) and record is not None and not s.unfused.profiled_backward:
         s.unfused.profiled_backward = True
         profile.measure_backward(record, lambda: backward(new_aux_grad()),
                                  lambda: s.unfused.gradients(inputs, grad_out, seed_value),
