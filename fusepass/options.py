@@ -10,8 +10,8 @@ class Options:
     attention: bool = True  # rewrite matmul → softmax → matmul into the fused flash kernel
     elementwise: bool = True  # fuse chains of pointwise ops into generated kernels
     strict: bool = False  # raise instead of falling back to the unfused ops when a pass fails
-    # replay an attention call's kernel launches as a CUDA graph where its tensors and values repeat an earlier
-    # call's (fusepass/kernels/replay.py): the host time of the launches, not of the kernels
+    # replay an attention call's or a fused elementwise group's kernel launches as a CUDA graph where its tensors
+    # and values repeat an earlier call's (fusepass/kernels/replay.py): the host time of the launches
     replay: bool = True
 
     @classmethod

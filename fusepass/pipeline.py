@@ -100,8 +100,8 @@ class Backend:
         backend's) and ``mode=...`` `mode`, which names Inductor's modes: fusepass has one."""
         if mode not in (None, "default"):
             raise ValueError(f"fusepass has no mode {mode!r}: its kernels are chosen when they compile, and it "
-                             "replays its attention launches as CUDA graphs without being asked (the `replay` "
-                             "option), not whole graphs (\"reduce-overhead\"); leave mode out")
+                             "replays its attention and elementwise launches as CUDA graphs without being asked "
+                             "(the `replay` option), not whole graphs (\"reduce-overhead\"); leave mode out")
         if options:
             return Backend(self.options.with_changes(**options))(gm, example_inputs)
         compiling = _Compiling(new_report())

@@ -101,7 +101,7 @@ def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: Pass
         roofline.estimate(ctx.report)  # the report was estimated when compiled; this hotspot came after
 
     launcher = PointwiseLauncher(name, lowered, ctx.device, fallback, on_failure,
-                                 profile.first_call_profiler(record, ctx.device))
+                                 profile.first_call_profiler(record, ctx.device), ctx.options.replay)
     graph = gm.graph
     members = set(group.nodes)
     with graph.inserting_before(group.nodes[0]):

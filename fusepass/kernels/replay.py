@@ -154,5 +154,7 @@ def _remember(keys: OrderedDict, key: Hashable, capacity: int) -> None:
         keys.popitem(last=False)
 
 
-# The attention op's sequences (fusepass/attention/op.py); `clear()` drops their graphs and memory.
+# The attention op's sequences (fusepass/attention/op.py) and the pointwise groups' launches
+# (fusepass/kernels/pointwise.py); `clear()` drops their graphs and memory.
 attention_replays = LaunchReplays()
+pointwise_replays = LaunchReplays(capacity=1024)  # one kernel each, no memory of their own: many fit

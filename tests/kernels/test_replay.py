@@ -123,3 +123,30 @@ def test_a_map_built_while_capturing_is_not_cached(monkeypatch):
     monkeypatch.setattr(blockmap, "_capturing", lambda device: False)
     after = blockmap.block_map_for(mod, *shape)
     assert after is not during and blockmap.block_map_for(mod, *shape) is after
+
+
+def test_a_pointwise_replay_key_names_every_tensor_of_the_launch(monkeypatch):
+    """The tensors the kernel reads (a zero-dim one on the kernel's device among them, read by pointer) and
+    the outputs it writes; scalars from another device (read by value on the GPU) enter the key by repr."""
+    from support import random_tensor
+
+    import fusepass
+    from fusepass.kernels import pointwise
+
+    keys = []
+
+    class Recording(LaunchReplays):
+        @staticmethod
+        def can_replay(t):
+            return True
+
+        def run(self, tensors, values, launches):
+            keys.append((tensors, values))
+            launches()
+
+    monkeypatch.setattr(pointwise, "pointwise_replays", Recording())
+    x, scale = random_tensor((5, 7), torch.float32), torch.tensor(-0.5)
+    out = torch.compile(lambda x, s: torch.relu(x * s) + x, backend=fusepass.backend(strict=True))(x, scale)
+    (named, values), = keys
+    assert [t is expected for t, expected in zip(named, (x, scale, out))] == [True, True, True]
+    assert len(named) == 3 and len(values) == 1  # the plan's serial
