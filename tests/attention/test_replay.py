@@ -1,7 +1,7 @@
 """On a GPU: attention calls whose tensors repeat an earlier call's replay its launches as a CUDA graph
 (`fusepass.kernels.replay`), and compute what the same kernels launched one by one compute, bit for bit, on
-every call's values: forward and backward, a cached block map dropped from its cache meanwhile, a map built per
-call, dropout (a new seed per call: nothing to replay)."""
+every call's values: forward and backward, a cached block map dropped from its cache meanwhile (held by the
+graphs that read it), a map built per call, dropout (a new seed per call: nothing to replay)."""
 from __future__ import annotations
 
 import math
@@ -64,18 +64,19 @@ def test_replayed_calls_compute_what_launched_calls_compute(case):
 
     # The replayed calls one after another, nothing else allocated between them: each starts from the same
     # free memory, so its outputs land where the last call's did.
+    blockmap._cache.clear()  # the maps cached from here on are the replayed function's
     replayed_by_call = []
     for call in range(calls):
         set_values(call)
-        junk = []
-        if call == calls - 1:  # a graph reads a cached map its cache has dropped, the map's memory taken by junk
+        if call == calls - 1:  # the graphs read cached maps their cache drops: the graphs hold them
+            held = {id(t) for replay in attention_replays._replays.values() for t in replay.held}
+            # each cached map is read by a kernel: its rows lists (forward, dQ) or its cols lists (dK/dV)
+            assert all(id(m.rows.index) in held or id(m.cols.index) in held for m in blockmap._cache.values())
             blockmap._cache.clear()
-            junk = [torch.full((128,), float("nan"), device="cuda") for _ in range(256)]
         replayed_before = attention_replays.replayed
         for result, t in zip(results[call], _step(replayed, q, k, v, grad, *extra)):
             result.copy_(t)
         replayed_by_call.append(attention_replays.replayed - replayed_before)
-        del junk
     for call in range(calls):
         set_values(call)
         for got, expected in zip(results[call], _step(launched, q, k, v, grad, *extra)):
