@@ -150,3 +150,13 @@ def test_a_pointwise_replay_key_names_every_tensor_of_the_launch(monkeypatch):
     (named, values), = keys
     assert [t is expected for t, expected in zip(named, (x, scale, out))] == [True, True, True]
     assert len(named) == 3 and len(values) == 1  # the plan's serial
+
+
+def test_clear_drops_every_graph_and_starts_over():
+    replays, (calls, launches) = _Replays(capacity=1), _counting()
+    for key in "aabb":  # b's capture drops a
+        replays.run((), key, launches)
+    replays.clear()
+    assert (len(replays._replays), replays.dropped) == (0, 0)
+    replays.run((), "a", launches)  # seen anew: launched, not replayed
+    assert (len(calls), replays.captures) == (3, 2)
