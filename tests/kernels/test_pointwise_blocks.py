@@ -1,8 +1,13 @@
 """`choose_blocks`: tiles of a pointwise kernel's coalesced sizes, their rows padded by at most
-`MAX_ROW_PADDING` (a program computes its masked lanes too)."""
+`MAX_ROW_PADDING` (a program computes its masked lanes too); the kernel's grid and mask variants."""
+import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import random_tensor
 
+import fusepass
+from fusepass.kernels import pointwise
 from fusepass.kernels.pointwise import MAX_ROW_PADDING, MIN_ROW_TILE, choose_blocks, interpreting
 from fusepass.kernels.sizes import cdiv
 
@@ -28,3 +33,26 @@ def test_a_row_of_11585_takes_tiles_512_wide():
     # 6 tiles of 2048 or 12 of 1024 pad it by 6 %, 23 of 512 by 1.6 %.
     xblock, yblock, _ = choose_blocks([11585, 11585])
     assert yblock == 512 and xblock * yblock == (1 << 14 if interpreting() else 2048)
+
+
+def _rows_plus_column(x, b):
+    return torch.sigmoid(x * 0.5 + b) * x
+
+
+@pytest.mark.parametrize("grid_2d", [True, False], ids=["2d-grid", "flat-grid"])
+@pytest.mark.parametrize("shape", [(37, 45), (64, 128), (3, 5, 7)], ids=str)
+def test_every_grid_and_mask_variant_computes_eager(monkeypatch, grid_2d, shape):
+    """Row blocks on the grid's first axis and column blocks on its second, or one axis split by a division
+    (column blocks past CUDA's limit on the second axis); masked, or unmasked where the blocks divide the sizes
+    (64 x 128 here)."""
+    if not grid_2d:
+        monkeypatch.setattr(pointwise, "MAX_GRID_Y", 0)
+    variants = []
+    source = pointwise.kernel_source
+    monkeypatch.setattr(pointwise, "kernel_source", lambda *a: variants.append(a[2]) or source(*a))
+    monkeypatch.setattr(pointwise, "_kernels", {})
+    x, b = random_tensor(shape, torch.float32), random_tensor(shape[-1:], torch.float32)
+    out = torch.compile(_rows_plus_column, backend=fusepass.backend(strict=True))(x, b)
+    torch.testing.assert_close(out, _rows_plus_column(x, b))
+    (variant,) = variants
+    assert variant.grid_2d == grid_2d and variant.even == (shape == (64, 128))
