@@ -53,6 +53,8 @@ class BoundLaunch:
 
     def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
         if not self.direct:
+            if _held is not None:
+                _held.append((self.kernel, args))
             self.kernel[grid](*args, *self.bound_args, **self.keywords)
             return
         key = (torch.cuda.current_device(), self.signature_of.key(args))
@@ -156,6 +158,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **keywords: Any) -> N
     """``kernel[grid](*args, **keywords)`` (``num_warps`` and ``num_stages`` among the keywords), through the
     `BoundLaunch` of the kernel with these keywords."""
     if type(kernel) is not JITFunction:
+        if _held is not None:
+            _held.append((kernel, args))
         kernel[grid](*args, **keywords)
         return
     _bound_launch(kernel, args, keywords)(grid, *args)

@@ -71,7 +71,8 @@ def test_replayed_calls_compute_what_launched_calls_compute(case):
         if call == calls - 1:  # the graphs read cached maps their cache drops: the graphs hold them
             held = {id(t) for replay in attention_replays._replays.values() for t in replay.held}
             # each cached map is read by a kernel: its rows lists (forward, dQ) or its cols lists (dK/dV)
-            assert all(id(m.rows.index) in held or id(m.cols.index) in held for m in blockmap._cache.values())
+            assert all(id(m.rows.index) in held or id(m.cols.index) in held for m in blockmap._cache.values()), \
+                replayed_by_call
             blockmap._cache.clear()
         replayed_before = attention_replays.replayed
         for result, t in zip(results[call], _step(replayed, q, k, v, grad, *extra)):
