@@ -73,9 +73,11 @@ class Variant:
     load_base: tuple[bool, ...]  # per load: a nonzero base offset (a slice or select inside the group)
     output_dims: tuple[tuple[bool, ...], ...]
     wide: bool  # offsets may pass 2**31: index in int64
-    # Rank > 1: row blocks on the grid's first axis, column blocks on its second (at most MAX_GRID_Y); else one
-    # axis, split by a division per program (~20 integer instructions per thread: 7 % of a compute-bound
-    # gelu(x*0.5+b)*sigmoid(x)'s instructions at 8 elements per thread, sm_90 SASS).
+    # Rank > 1: column blocks on the grid's first axis (the GPU starts programs along it first: neighbours in
+    # memory run together), row blocks on its second (at most MAX_GRID_Y); else one axis, split by a division
+    # per program (~20 integer instructions per thread: 7 % of a compute-bound gelu(x*0.5+b)*sigmoid(x)'s
+    # instructions at 8 elements per thread, sm_90 SASS). Row blocks first moved x*row+col at 3711 GB/s
+    # against 3840 in one axis (bench/results/elementwise-2026-11-30-1432, -0843).
     grid_2d: bool
     even: bool  # the blocks divide the sizes: no masks
 
@@ -125,7 +127,7 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
         last = q - 1
         outer = " * ".join(f"n{d}" for d in range(last))
         if variant.grid_2d:
-            body = [f"x_pid = tl.program_id(0){wide}", f"y_pid = tl.program_id(1){wide}"]
+            body = [f"y_pid = tl.program_id(0){wide}", f"x_pid = tl.program_id(1){wide}"]
         else:
             body = [f"pid = tl.program_id(0){wide}", f"y_blocks = tl.cdiv(n{last}, YBLOCK)", "y_pid = pid % y_blocks",
                     "x_pid = pid // y_blocks"]
@@ -330,8 +332,8 @@ class PointwiseLauncher:
         wide = max(extent + max((abs(load_strides[k][1]) for k in tensor_loads), default=0), numel) > INT32_MAX
         xblock, yblock, num_warps = choose_blocks(sizes)
         x_blocks, y_blocks = (cdiv(numel // sizes[-1], xblock), cdiv(sizes[-1], yblock)) if numel else (0, 0)
-        grid_2d = len(sizes) > 1 and y_blocks <= MAX_GRID_Y
-        grid = (x_blocks, y_blocks) if grid_2d else (x_blocks * y_blocks,)
+        grid_2d = len(sizes) > 1 and x_blocks <= MAX_GRID_Y
+        grid = (y_blocks, x_blocks) if grid_2d else (x_blocks * y_blocks,)
         even = numel > 0 and sizes[-1] % yblock == 0 and (numel // sizes[-1]) % xblock == 0
         variant = Variant(len(sizes), tuple(load_dims), tuple(load_base), tuple(output_dims), wide, grid_2d, even)
         kernel = compiled_kernel(self.__name__, lowered.program, variant)

@@ -40,11 +40,11 @@ def _rows_plus_column(x, b):
 
 
 @pytest.mark.parametrize("grid_2d", [True, False], ids=["2d-grid", "flat-grid"])
-@pytest.mark.parametrize("shape", [(37, 45), (64, 128), (3, 5, 7)], ids=str)
+@pytest.mark.parametrize("shape", [(37, 45), (64, 128), (3, 5, 7), (300, 200)], ids=str)
 def test_every_grid_and_mask_variant_computes_eager(monkeypatch, grid_2d, shape):
-    """Row blocks on the grid's first axis and column blocks on its second, or one axis split by a division
-    (column blocks past CUDA's limit on the second axis); masked, or unmasked where the blocks divide the sizes
-    (64 x 128 here)."""
+    """Column blocks on the grid's first axis and row blocks on its second, or one axis split by a division
+    (row blocks past CUDA's limit on the second axis); masked, or unmasked where the blocks divide the sizes
+    (64 x 128 here; 300 x 200 takes several blocks along both axes)."""
     if not grid_2d:
         monkeypatch.setattr(pointwise, "MAX_GRID_Y", 0)
     variants = []
