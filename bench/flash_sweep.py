@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--forward-only] [--chosen]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
+        [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
+        [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
 
 Calls the kernels directly (no compile step), with a causal score function written here by hand.
 """
@@ -68,6 +70,11 @@ BACKWARD = [BackwardConfigs(FlashConfig(32, 64, 4, 3), FlashConfig(128, 64, 8, 3
         ((32, 64, 4, 3), (64, 64, 4, 3)), ((32, 64, 4, 3), (128, 32, 8, 3)))]
 
 
+def _config(tiles: str) -> FlashConfig:
+    """A config from "block_m,block_n,num_warps,num_stages", through descriptors."""
+    return FlashConfig(*map(int, tiles.split(",")), descriptors=True)
+
+
 def registers(kernel) -> str:
     """Registers per thread and spilled bytes of the kernel's most recent compile."""
     compiled = list(kernel.device_caches[torch.cuda.current_device()][0].values())[-1]
@@ -83,12 +90,16 @@ def main() -> None:
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--chosen", action="store_true", help="only the configs flash_config chooses")
     parser.add_argument("--dkdv", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dK/dV")
+    parser.add_argument("--dq", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dQ")
+    parser.add_argument("--forward", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages")
     args = parser.parse_args()
     forward, backward = (FORWARD[1:2], BACKWARD[1:2]) if args.chosen else (FORWARD, BACKWARD)
-    if args.dkdv is not None:
-        chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, torch.device("cuda"))
-        forward, backward = [], [replace(chosen, dkdv=FlashConfig(*map(int, c.split(",")), descriptors=True))
-                                 for c in args.dkdv]
+    if args.forward is not None:
+        forward = [_config(c) for c in args.forward]
+    for kernel in ("dkdv", "dq"):
+        if getattr(args, kernel) is not None:
+            chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, torch.device("cuda"))
+            forward, backward = [], [replace(chosen, **{kernel: _config(c)}) for c in getattr(args, kernel)]
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
@@ -99,7 +110,8 @@ def main() -> None:
                                                                                  scale=SCALE))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
-    folded = FORWARD[1:2] + FORWARD[4:5] if forward else []
+    folded = forward if args.forward is not None else FORWARD[1:2] + FORWARD[4:5] if forward else []
+    flash_fwd.narrow_kv_tiles = lambda config, wide_map: config  # each config at its own tiles
     for mod, config in [(CAUSAL, c) for c in forward] + [(CAUSAL_LINEAR, c) for c in folded]:
         flash_fwd.forward_config = lambda *a, c=config: c
         kernel = "forward" if mod is CAUSAL else "forward, scale folded"

@@ -106,10 +106,10 @@ def test_the_forward_tiles_are_those_the_kernel_takes_for_the_rows(planned_only,
 def test_a_causal_mask_halves_the_fused_flops(planned_only):
     q, k, v = (torch.randn(1, 2, 512, 16) for _ in range(3))
     (forward,) = rewrites(compiled_report(causal, q, k, v), kind="attention")
-    # D 16, fp32, masked: 128 × 64 tiles; q block i reaches kv blocks 0..2i+1: 20 of 32.
-    assert forward.detail["tiles"] == {"block_m": 128, "block_n": 64, "density": 0.625,
+    # D 16, fp32, masked: 64 × 64 tiles; q block i reaches kv blocks 0..i: 36 of 64.
+    assert forward.detail["tiles"] == {"block_m": 64, "block_n": 64, "density": 0.5625,
                                        "density_model": "causal tiles", "concurrent_programs": 132}
-    assert forward.flops_fused == round(0.625 * forward.flops)
+    assert forward.flops_fused == round(0.5625 * forward.flops)
     # The mask's construction (ones, tril, bitwise_not: 512² bools each written, two read) is replaced too.
     assert forward.ops == ("aten.matmul", "aten.ones", "aten.tril", "aten.bitwise_not", "aten.masked_fill",
                            "aten.softmax", "aten.matmul")
