@@ -114,21 +114,25 @@ class BlockMap:
     kind: torch.Tensor  # [Bm, Hm, n_q_blocks, n_kv_blocks] int8: EMPTY / PARTIAL / FULL
     rows: TileLists  # per q block, its kv blocks
     cols: TileLists  # per kv block, its q blocks
+    packed: torch.Tensor  # the int32 buffer the tensors above are views of (see `packed_map_numel`)
 
     @functools.cached_property
     def mean_row_tiles(self) -> float:
         """The kv tiles a q block lists (FULL and PARTIAL), on average over the map (waits for the device)."""
         return self.rows.count.sum(-1, dtype=torch.float64).mean().item()
 
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        """The map as tensors, in the order `from_tensors` reads them (dtypes `MAP_DTYPES`)."""
-        return [self.kind, self.rows.count, self.rows.index, self.cols.count, self.cols.index]
-
     @classmethod
-    def from_tensors(cls, block_m: int, block_n: int, tensors: list[torch.Tensor]) -> BlockMap:
-        kind, rows_count, rows_index, cols_count, cols_index = tensors
-        return cls(block_m, block_n, kind, TileLists(rows_count, rows_index), TileLists(cols_count, cols_index))
+    def from_packed(cls, block_m: int, block_n: int, packed: torch.Tensor, extent: tuple[int, int, int, int]
+                    ) -> BlockMap:
+        """The map of `extent` (map batch, map heads, q blocks, kv blocks) whose tensors `packed` holds."""
+        kind_shape, *list_shapes = map_shapes(*extent)
+        offsets = _part_offsets(extent)
+        kind = packed.view(torch.int8).as_strided(kind_shape, _contiguous_strides(kind_shape), 4 * offsets[0])
+        rows_count, rows_index, cols_count, cols_index = (
+            packed.as_strided(shape, _contiguous_strides(shape), offset)
+            for shape, offset in zip(list_shapes, offsets[1:]))
+        return cls(block_m, block_n, kind, TileLists(rows_count, rows_index), TileLists(cols_count, cols_index),
+                   packed)
 
     @property
     def batch_head_strides(self) -> tuple[int, int]:
@@ -137,15 +141,45 @@ class BlockMap:
         return (map_heads if map_batch > 1 else 0), (1 if map_heads > 1 else 0)
 
 
-# Of `BlockMap.tensors`: kind, rows count and index, cols count and index.
-MAP_DTYPES = (torch.int8, torch.int32, torch.int32, torch.int32, torch.int32)
-
-
 def map_shapes(map_batch: int, map_heads: int, n_q_blocks: int, n_kv_blocks: int) -> list[tuple[int, ...]]:
-    """The shapes of `BlockMap.tensors` (see `TileLists`)."""
+    """The shapes of a map's tensors: kind (int8), rows count and index, cols count and index (int32; see
+    `TileLists`)."""
     outer = (map_batch, map_heads)
     return [outer + (n_q_blocks, n_kv_blocks), outer + (n_q_blocks, 2), outer + (n_q_blocks, 2, n_kv_blocks),
             outer + (n_kv_blocks, 2), outer + (n_kv_blocks, 2, n_q_blocks)]
+
+
+# A map's tensors are views of one int32 buffer: one allocation, and one tensor where the attention op returns,
+# saves and keys the forward's map (five, each of them a cost on the host path of every call). Each starts at a
+# multiple of 16 bytes, as an allocation of its own would: Triton specializes a pointer on that alignment.
+_PART_ALIGN = 4  # int32 elements
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+@functools.cache
+def _part_offsets(extent: tuple[int, int, int, int]) -> tuple[int, ...]:
+    """The int32 offsets of a map's tensors in its buffer, and the buffer's length last."""
+    offsets, end = [], 0
+    for i, shape in enumerate(map_shapes(*extent)):
+        offsets.append(end)
+        numel = 1
+        for n in shape:
+            numel *= n
+        words = cdiv(numel, 4) if i == 0 else numel  # the int8 tile kinds, four to a word
+        end += cdiv(words, _PART_ALIGN) * _PART_ALIGN
+    return (*offsets, end)
+
+
+def packed_map_numel(extent: tuple[int, int, int, int]) -> int:
+    """The int32 elements of the buffer of a map of `extent` (map batch, map heads, q blocks, kv blocks)."""
+    return _part_offsets(extent)[-1]
 
 
 @triton.jit
@@ -202,9 +236,9 @@ def empty_block_map(mod: ScoreMod, batch: int, heads: int, q_len: int, kv_len: i
                     device: torch.device | str) -> BlockMap:
     """`mod`'s map at this shape, unwritten: for `build_block_map` to write, or on "meta" what a kernel launch
     reads of a map for its signature (dtypes and strides) without evaluating the mask (for `compile_ahead`)."""
-    shapes = map_shapes(*_map_extent(mod, batch, heads), cdiv(q_len, block_m), cdiv(kv_len, block_n))
-    return BlockMap.from_tensors(block_m, block_n, [torch.empty(shape, dtype=dtype, device=device)
-                                                    for shape, dtype in zip(shapes, MAP_DTYPES)])
+    extent = (*_map_extent(mod, batch, heads), cdiv(q_len, block_m), cdiv(kv_len, block_n))
+    packed = torch.empty(packed_map_numel(extent), dtype=torch.int32, device=device)
+    return BlockMap.from_packed(block_m, block_n, packed, extent)
 
 
 def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,

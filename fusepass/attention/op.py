@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fusepass.attention.blockmap import MAP_DTYPES, BlockMap, empty_block_map, map_shapes
+from fusepass.attention.blockmap import BlockMap, packed_map_numel
 from fusepass.attention.layout import OperandLayout
 from fusepass.attention.lift import Lifted
 from fusepass.attention.score_mod import ScoreMod
@@ -139,15 +139,26 @@ class AttentionSpec:
             return None
         return narrow_kv_tiles(forward_config(self.q.size[3], q.dtype, True, q.device), None)
 
-    def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
-        """Of the forward's block map as the op returns it (`BlockMap.tensors`), or none: a call allocates,
-        returns and saves for the backward each of them. `q`: the op's input."""
+    def map_extent(self, q: torch.Tensor) -> tuple[int, int, int, int] | None:
+        """(map batch, map heads, q blocks, kv blocks) of the forward's block map where the op returns it. `q`:
+        the op's input."""
         tiles = self.passed_map_tiles(q)
         if tiles is None:
-            return []
+            return None
         batch, heads, q_len, _ = self.out_shape
-        return map_shapes(batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1,
-                          cdiv(q_len, tiles.block_m), cdiv(self.k.size[2], tiles.block_n))
+        return (batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1,
+                cdiv(q_len, tiles.block_m), cdiv(self.k.size[2], tiles.block_n))
+
+    def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
+        """Of the forward's block map as the op returns it, or none: one int32 buffer (`BlockMap.packed`) that
+        a call allocates, returns and saves for the backward. `q`: the op's input."""
+        extent = self.map_extent(q)
+        return [] if extent is None else [(packed_map_numel(extent),)]
+
+    def block_map(self, packed: torch.Tensor, q: torch.Tensor) -> BlockMap:
+        """The forward's block map in the buffer `packed` (see `map_shapes`)."""
+        tiles = self.passed_map_tiles(q)
+        return BlockMap.from_packed(tiles.block_m, tiles.block_n, packed, self.map_extent(q))
 
     @property
     def mod(self) -> ScoreMod:
@@ -166,22 +177,6 @@ class AttentionSpec:
                              for t in self.lifted.tables),
                 linear_scale=self.lifted.linear_scale)
         return self._mod
-
-
-def _map_tensors(spec: AttentionSpec, block_map: BlockMap | None, q: torch.Tensor) -> list[torch.Tensor]:
-    if not spec.passes_map:
-        return []
-    if block_map is None:
-        return [q.new_empty(0, dtype=dtype) for dtype in MAP_DTYPES]
-    return block_map.tensors
-
-
-def _block_map(spec: AttentionSpec, tensors: list[torch.Tensor], q: torch.Tensor) -> BlockMap | None:
-    """The forward's block map from the op's outputs, or None where the op returned none."""
-    if not tensors or not tensors[0].numel():
-        return None
-    tiles = spec.passed_map_tiles(q)
-    return BlockMap.from_tensors(tiles.block_m, tiles.block_n, tensors)
 
 
 _specs: dict[str, AttentionSpec] = {}
@@ -215,27 +210,25 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
     read = tuple(aux[:len(s.aux_strides)])
     seed_value = _seed(seed)
 
-    def forward(outputs: tuple | None = None, block_map: BlockMap | None = None):
+    def forward(outputs: tuple | None = None, packed_map: list[torch.Tensor] = ()):
         if not s.compiled_ahead:
             s.compiled_ahead = True
             _compile_ahead(s, (q, k, v), (q4, k4, v4), aux)
+        map_into = s.block_map(packed_map[0], q) if packed_map else None
         return flash_attention_forward(q4, k4, v4, s.mod, read, dropout_p=s.dropout_p, seed=seed_value,
-                                       out_dtype=s.out_dtype, outputs=outputs, map_into=block_map)
+                                       out_dtype=s.out_dtype, outputs=outputs, map_into=map_into)
 
     try:
-        # Everything the call returns is allocated here, outside the launches a replay repeats.
+        # Everything the call returns is allocated here, outside the launches a replay repeats (the map's
+        # views are made inside: a replayed call needs only its buffer).
         outputs = forward_outputs(q4, s.mod, s.out_dtype, q.device)
-        tiles = s.passed_map_tiles(q)
-        block_map = None if tiles is None else empty_block_map(s.mod, *q4.shape[:3], k4.shape[2], tiles.block_m,
-                                                               tiles.block_n, q.device)
+        packed_map = [torch.empty(shape, dtype=torch.int32, device=q.device) for shape in s.map_shapes(q)]
         if s.replay and attention_replays.can_replay(q):
-            written = (*outputs, *(block_map.tensors if block_map else ()))
-            attention_replays.run([t for t in (q4, k4, v4, *read, *written) if t is not None], (s.name, seed_value),
-                                  lambda: forward(outputs, block_map))
+            attention_replays.run([t for t in (q4, k4, v4, *read, *outputs, *packed_map) if t is not None],
+                                  (s.name, seed_value), lambda: forward(outputs, packed_map))
         else:
-            forward(outputs, block_map)
+            forward(outputs, packed_map)
         out, lse, log_sum, fallback_rows = outputs
-        extra = FlashForwardExtra(log_sum, fallback_rows, block_map)
     except Exception as error:  # a kernel that fails to build or run must not break the model
         s.unfused.fail(error, "forward")
         return _unfused_forward(s, (q, k, v, *aux), seed_value)
@@ -243,8 +236,8 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
         s.unfused.profiled_forward = True
         profile.measure(s.unfused.forward_record, forward,
                         lambda: s.unfused.forward((q, k, v, *aux), seed_value))
-    fallback = extra.fallback_rows if extra.fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
-    return out, lse, extra.log_sum, fallback, _map_tensors(s, extra.block_map, q)
+    fallback = fallback_rows if fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
+    return out, lse, log_sum, fallback, packed_map
 
 
 def _compile_ahead(s: AttentionSpec, sources: tuple[torch.Tensor, ...], qkv: tuple[torch.Tensor, ...],
@@ -268,7 +261,7 @@ def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: i
     out = s.unfused.to_canonical(s.unfused.forward(inputs, seed), s.out_shape)
     rows = s.out_shape[:3]
     fallback = out.new_zeros(s.fallback_shape, dtype=torch.int8)
-    block_map = [out.new_zeros(shape, dtype=dtype) for shape, dtype in zip(s.map_shapes(inputs[0]), MAP_DTYPES)]
+    block_map = [out.new_zeros(shape, dtype=torch.int32) for shape in s.map_shapes(inputs[0])]
     return (out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback,
             block_map)
 
@@ -284,7 +277,7 @@ def _attention_fake(q, k, v, aux, seed, spec):
     out = q.new_empty(shape, dtype=s.out_dtype)
     lse = q.new_empty(shape[:3], dtype=torch.float32)
     fallback = q.new_empty(s.fallback_shape, dtype=torch.int8)
-    block_map = [q.new_empty(shape, dtype=dtype) for shape, dtype in zip(s.map_shapes(q), MAP_DTYPES)]
+    block_map = [q.new_empty(shape, dtype=torch.int32) for shape in s.map_shapes(q)]
     return out, lse, q.new_empty(shape[:3], dtype=torch.float32), fallback, block_map
 
 
@@ -300,7 +293,6 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     q4, k4, v4 = _views(s, q, k, v, aux)
     read = tuple(aux[:len(s.aux_strides)])
     needs = _aux_needs_grad(s, len(aux))
-    extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None, _block_map(s, block_map, q))
 
     # The gradients take their sources' strides, and the kernels write them through the views the op read.
     grads = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v)]
@@ -316,6 +308,9 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                      for a, n in zip(read, needs))
 
     def backward(aux_grad: tuple[torch.Tensor, ...]) -> None:
+        # The forward's map, where the op returned one, viewed here: a replayed call needs only its buffer.
+        extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None,
+                                  s.block_map(block_map[0], q) if block_map and block_map[0].numel() else None)
         flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, read, aux_grad,
                                  dropout_p=s.dropout_p, seed=seed_value,
                                  grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
@@ -381,7 +376,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad_out: torch.Tensor, *unused: Any):
     q, k, v, out, lse, log_sum, fallback, seed, *rest = ctx.saved_tensors
-    n_map = len(MAP_DTYPES) if _specs[ctx.spec].passes_map else 0
+    n_map = 1 if _specs[ctx.spec].passes_map else 0
     block_map, aux = rest[:n_map], rest[n_map:]
     dq, dk, dv, daux = attention_backward(grad_out.contiguous(), q, k, v, out, lse, log_sum, fallback,
                                           list(block_map), list(aux), seed, ctx.spec)
