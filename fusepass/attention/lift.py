@@ -835,7 +835,7 @@ def _vjp_graph(module: torch.fx.GraphModule, differentiable: list[int]) -> torch
     """E's vector-Jacobian product as a graph of pointwise ATen ops, traced by torch's autograd:
     inputs are E's inputs and the output's gradient, outputs the gradients of ``differentiable``."""
     placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
-    # Small real tensors to trace with: make_fx fakes them itself. Every input gets the lanes, 0-d ones
+    # Small real tensors to trace with. Every input gets the lanes, 0-d ones
     # too: a 0-d input's gradient is then per element (autograd would sum it), and the kernel sums it
     # as it accumulates.
     inputs = [torch.ones((LANES,), dtype=n.meta["val"].dtype) for n in placeholders]
@@ -858,7 +858,9 @@ def _vjp_graph(module: torch.fx.GraphModule, differentiable: list[int]) -> torch
         # would trace as zero. Refuse rather than emit that.
         if not (torch.ones((), requires_grad=True) * 2).requires_grad:
             raise RuntimeError("autograd is off where the score chain is differentiated")
-    return make_fx(vjp, tracing_mode="fake")(*inputs, ds)
+    # Traced on the real tensors above (LANES elements each): the graph is pointwise ATen ops, whose trace
+    # does not depend on values, and a fake-mode trace cost ~0.08 s per function where this costs ~0.01.
+    return make_fx(vjp, tracing_mode="real")(*inputs, ds)
 
 
 def _emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: list[str], prefix: str
