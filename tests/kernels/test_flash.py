@@ -20,7 +20,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fusepass.attention.blockmap import EMPTY, FULL, PARTIAL, block_map_for, build_block_map
+from fusepass.attention.blockmap import (
+    EMPTY, FULL, PARTIAL, BlockMap, block_map_for, build_block_map, map_shapes, packed_map_numel)
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels import flash_bwd
 from fusepass.kernels.flash_bwd import flash_attention_backward
@@ -491,6 +492,20 @@ def test_block_map_cache():
     aux = left_padding(shape).aux
     first, second = (block_map_for(CASES["left_pad_min"].mod, aux, 2, 2, 37, 37, 16, 16, DEVICE) for _ in range(2))
     assert first is not second and torch.equal(first.kind, second.kind)
+
+
+@pytest.mark.parametrize("extent", [(1, 1, 3, 5), (2, 3, 7, 1), (1, 2, 1, 9)], ids=str)
+def test_a_block_map_is_views_of_one_buffer_at_aligned_offsets(extent):
+    """One allocation (one tensor for the attention op to return and save); each part starts at a multiple of
+    16 bytes, as its own allocation would, so Triton specializes its pointer alike; the parts do not overlap."""
+    packed = torch.empty(packed_map_numel(extent), dtype=torch.int32)
+    block_map = BlockMap.from_packed(16, 16, packed, extent)
+    parts = [block_map.kind, block_map.rows.count, block_map.rows.index, block_map.cols.count, block_map.cols.index]
+    assert [tuple(t.shape) for t in parts] == map_shapes(*extent)
+    spans = sorted((t.data_ptr() - packed.data_ptr(), t.numel() * t.element_size()) for t in parts)
+    assert all(start % 16 == 0 for start, _ in spans) and all(t.is_contiguous() for t in parts)
+    assert all(start + size <= next_start for (start, size), (next_start, _) in zip(spans, spans[1:]))
+    assert spans[-1][0] + spans[-1][1] <= packed.numel() * 4
 
 
 def test_tensor_descriptors_only_where_the_layout_allows():
