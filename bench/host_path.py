@@ -16,6 +16,8 @@ allocates its outputs and looks its launches up), without the driver's replay.
 Wall time on a shared virtual machine moves by up to 2x from run to run; instructions do not. With --calls N it
 makes N calls of the first case, untimed, and exits: the difference of two runs' instruction counts under
 ``valgrind --tool=cachegrind --cache-sim=no`` (N = 20 and 120, say) over 100 is the instructions per call.
+Run it with OMP_NUM_THREADS=1: torch's intra-op threads otherwise spin before `set_num_threads(1)` takes hold,
+and counts of one state moved by ±12 % (two runs agree to 0.2 % with it; host-instructions-2026-11-30-1535).
 """
 from __future__ import annotations
 
