@@ -110,7 +110,10 @@ def main() -> None:
                                                                                  scale=SCALE))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
-    folded = forward if args.forward is not None else FORWARD[1:2] + FORWARD[4:5] if forward else []
+    if args.forward is not None:
+        folded = forward  # every given config, also with the scale folded
+    else:
+        folded = FORWARD[1:2] + FORWARD[4:5] if forward else []
     flash_fwd.narrow_kv_tiles = lambda config, wide_map: config  # each config at its own tiles
     for mod, config in [(CAUSAL, c) for c in forward] + [(CAUSAL_LINEAR, c) for c in folded]:
         flash_fwd.forward_config = lambda *a, c=config: c

@@ -9,7 +9,7 @@ never exist, forward or backward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,7 +210,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
     read = tuple(aux[:len(s.aux_strides)])
     seed_value = _seed(seed)
 
-    def forward(outputs: tuple | None = None, packed_map: list[torch.Tensor] = ()):
+    def forward(outputs: tuple | None = None, packed_map: Sequence[torch.Tensor] = ()):
         if not s.compiled_ahead:
             s.compiled_ahead = True
             _compile_ahead(s, (q, k, v), (q4, k4, v4), aux)
