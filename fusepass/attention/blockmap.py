@@ -114,8 +114,7 @@ class BlockMap:
     block_n: int
     kind: torch.Tensor  # [Bm, Hm, n_q_blocks, n_kv_blocks] int8: EMPTY / PARTIAL / FULL
     rows: TileLists  # per q block, its kv blocks
-    cols: TileLists  # per kv block, its q blocks
-    packed: torch.Tensor  # the int32 buffer the tensors above are views of (see `packed_map_numel`)
+    cols: TileLists  # per kv block, its q blocks (all five views of one buffer: `from_packed`)
 
     @functools.cached_property
     def mean_row_tiles(self) -> float:
@@ -133,8 +132,7 @@ class BlockMap:
         kind = packed[offsets[0]:offsets[1]].view(torch.int8)[:kind_numel].view(kind_shape)
         rows_count, rows_index, cols_count, cols_index = (
             packed[offset:offset + math.prod(shape)].view(shape) for shape, offset in zip(list_shapes, offsets[1:]))
-        return cls(block_m, block_n, kind, TileLists(rows_count, rows_index), TileLists(cols_count, cols_index),
-                   packed)
+        return cls(block_m, block_n, kind, TileLists(rows_count, rows_index), TileLists(cols_count, cols_index))
 
     @property
     def batch_head_strides(self) -> tuple[int, int]:

@@ -150,7 +150,7 @@ class AttentionSpec:
                 cdiv(q_len, tiles.block_m), cdiv(self.k.size[2], tiles.block_n))
 
     def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
-        """Of the forward's block map as the op returns it, or none: one int32 buffer (`BlockMap.packed`) that
+        """Of the forward's block map as the op returns it, or none: one int32 buffer (`BlockMap.from_packed`) that
         a call allocates, returns and saves for the backward. `q`: the op's input."""
         extent = self.map_extent(q)
         return [] if extent is None else [(packed_map_numel(extent),)]
@@ -310,7 +310,7 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     def backward(aux_grad: tuple[torch.Tensor, ...]) -> None:
         # The forward's map, where the op returned one, viewed here: a replayed call needs only its buffer.
         extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None,
-                                  s.block_map(block_map[0], q) if block_map and block_map[0].numel() else None)
+                                  s.block_map(block_map[0], q) if block_map else None)
         flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, s.mod, read, aux_grad,
                                  dropout_p=s.dropout_p, seed=seed_value,
                                  grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
