@@ -69,7 +69,7 @@ def _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCOR
 
 
 @triton.jit
-def _tile_weights(s, shift, log2_sum, visit, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p,
+def _tile_weights(s, shift, log2_sum, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p,
                   SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, PARTIAL: tl.constexpr,
                   DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The weights of one tile from its products s: (p, p_dropped, kept, dropped), and the index tiles the
@@ -78,8 +78,7 @@ def _tile_weights(s, shift, log2_sum, visit, b, h, bh, rows, cols, Nq, Nk, aux, 
 
     The tiles are [q, kv], or [kv, q] when TRANSPOSED (the dK/dV kernel: its dots then take pᵀ and d sᵀ as
     they are, where transposing a tile in registers goes through shared memory); the score functions see
-    the index tiles transposed alike. `visit` (a scalar) zeroes the weights of a tile that must not count
-    (see the dK/dV fallback loop)."""
+    the index tiles transposed alike."""
     if TRANSPOSED:
         q_idx = tl.minimum(rows, Nq - 1)[None, :]
         kv_idx = tl.minimum(cols, Nk - 1)[:, None]
@@ -96,7 +95,6 @@ def _tile_weights(s, shift, log2_sum, visit, b, h, bh, rows, cols, Nq, Nk, aux, 
         kept = kv_in
         x = SCORE(s, b, h, q_idx, kv_idx, aux)
     p = tl.math.exp2((x - shift) * LOG2E - log2_sum)
-    p = tl.where(visit, p, 0.0)
     if DROPOUT:
         if TRANSPOSED:
             dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[None, :], cols[:, None])
@@ -110,7 +108,7 @@ def _tile_weights(s, shift, log2_sum, visit, b, h, bh, rows, cols, Nq, Nk, aux, 
 
 
 @triton.jit
-def _weights_gradient(s, p, dp, kept, dropped, delta, visit, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, dropout_p,
+def _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, dropout_p,
                       SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                       DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The score-side gradient d s of a tile, from its weights (see `_tile_weights`) and dp = dO · Vᵀ."""
@@ -120,13 +118,13 @@ def _weights_gradient(s, p, dp, kept, dropped, delta, visit, b, h, q_idx, kv_idx
         delta = delta[:, None]
     if DROPOUT:
         dp = tl.where(dropped, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    ds = tl.where(visit, p * (dp - delta), 0.0)
+    ds = p * (dp - delta)
     return _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCORE_GRAD, FILL_GRAD,
                            PARTIAL)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, h, bh,
+def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, h, bh,
                cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr,
                FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -139,12 +137,12 @@ def _dkdv_tile(dk, dv, k, v, q_block, visit, Q, DO, q_strides, do_strides, Lse, 
     # dV's product takes the weights before dp = dO · Vᵀ is computed: fewer tiles live at once.
     s = dot(k, tl.trans(q))
     p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, shift, log2_sum, visit, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
+        s, shift, log2_sum, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
         DROPOUT, True)
     dv = dot(p_dropped.to(do.dtype), do, dv)
     dp = dot(v, tl.trans(do))
     delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
-    grad = _weights_gradient(s, p, dp, kept, dropped, delta, visit, b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
+    grad = _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
                              dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True)
     dk = dot(grad.to(q.dtype), q, dk)
     return dk, dv
@@ -200,36 +198,39 @@ def _flash_backward_dkdv_kernel(
             else:
                 q_block = next_block
                 next_block = list_entry(full_blocks, n_full, i + 1)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q, DO, q_strides, do_strides, Lse, LogSum,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
+        # q blocks holding rows the forward recomputed over all tiles (flagged by the dQ kernel) add their EMPTY
+        # tiles. Where this (b, h) has any, the PARTIAL loop goes on past its list over every q block, and a
+        # block that adds nothing (not flagged, or its tile already listed) is walked as the block past the
+        # last one, whose rows are out of range and weigh 0. A loop of its own, a third copy of the tile body,
+        # raised the kernel's registers: 70 bytes spilled under triton 3.6 where the two loops spill 22, and
+        # the causal backward took 3.95 ms against 3.68 (bench/results/flash-sweep-d128-n8192-2026-11-30-1604).
+        n_walked = n_partial
         if KEEP is not None:
-            next_block = list_entry(partial_blocks, n_partial, 0)
-        for i in range(0, n_partial):
-            if KEEP is None:
-                q_block = i
-            else:
-                q_block = next_block
-                next_block = list_entry(partial_blocks, n_partial, i + 1)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, True, Q, DO, q_strides, do_strides, Lse, LogSum,
-                                Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
-                                SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
-        if KEEP is not None:
-            # q blocks holding rows the forward recomputed over all tiles (flagged by the dQ kernel): add their
-            # EMPTY tiles. A chunk of flags is read at once, and walked flag by flag only where one is set (rare):
-            # nothing but a block index stays live across the tiles, as in the loops above.
+            any_flagged = 0
             for chunk in range(0, n_q_blocks, FALLBACK_CHUNK):
                 blocks = chunk + tl.arange(0, FALLBACK_CHUNK)
                 flags = tl.load(fallback_blocks + bh * n_q_blocks + blocks, mask=blocks < n_q_blocks, other=0)
-                n_walked = tl.where(tl.max(flags, 0) != 0, tl.minimum(FALLBACK_CHUNK, n_q_blocks - chunk), 0)
-                for q_block in range(chunk, chunk + n_walked):
-                    if tl.load(fallback_blocks + bh * n_q_blocks + q_block) != 0:
-                        tile_kind = tl.load(kind + (map_bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks
-                                            + kv_block)
-                        dk, dv = _dkdv_tile(dk, dv, k, v, q_block, tile_kind == EMPTY, Q, DO, q_strides,
-                                            do_strides, Lse, LogSum, Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad,
-                                            seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
-                                            DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
+                any_flagged = tl.maximum(any_flagged, tl.max(flags, 0).to(tl.int32))
+            n_walked = n_partial + any_flagged * n_q_blocks
+            next_block = list_entry(partial_blocks, n_partial, 0)
+        for i in range(0, n_walked):
+            if KEEP is None:
+                q_block = i
+            else:
+                listed = i < n_partial
+                walked = i - n_partial
+                flag = tl.load(fallback_blocks + bh * n_q_blocks + walked, mask=not listed, other=0)
+                tile_kind = tl.load(kind + (map_bh * n_q_blocks + walked).to(tl.int64) * n_kv_blocks + kv_block,
+                                    mask=not listed, other=EMPTY)
+                adds = (flag != 0) & (tile_kind == EMPTY)
+                q_block = tl.where(listed, next_block, tl.where(adds, walked, n_q_blocks))
+                next_block = list_entry(partial_blocks, n_partial, i + 1)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
+                                Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
+                                SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
                dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
@@ -250,9 +251,9 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
     s = dot(q, tl.trans(k))
     dp = dot(do, tl.trans(v))
     p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, shift, log2_sum, True, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
+        s, shift, log2_sum, b, h, bh, rows, cols, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
         DROPOUT, False)
-    grad = _weights_gradient(s, p, dp, kept, dropped, delta, True, b, h, q_idx, kv_idx, kv_in, aux, None,
+    grad = _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, None,
                              dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
     return dot(grad.to(k.dtype), k, dq)
 
