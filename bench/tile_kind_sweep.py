@@ -1,9 +1,12 @@
-"""Device time of mapping a mask that reads tensors (mapped again on every call), by warps per program.
+"""Device time of mapping a mask that reads tensors (mapped again on every call), by warps and kv tiles per
+program of the tile-kind kernel.
 
-    PYTHONPATH=. python bench/tile_kind_sweep.py [--cases document,padding]
+    PYTHONPATH=. python bench/tile_kind_sweep.py [--cases document,padding] [--warps 1,2,4] [--groups 1,2,4,8]
 
 Compiles each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, then times the tile-kind
-kernel alone and the whole map (kinds and both lists) at the forward's tiles, for each warp count.
+kernel alone, for each warp count and group (kv tiles per program), at the tiles of the map a forward builds
+for a mask read per call (its kinds at the dK/dV kernel's q blocks, each program evaluating the forward's
+taller tiles) and at one kind tile per program. Every variant's kinds are checked against the first one's.
 """
 from __future__ import annotations
 
@@ -14,41 +17,44 @@ from attention import CASES, SHAPES, fusepass_call
 from harness import keep, median_ms
 
 from fusepass.attention import blockmap, op
-from fusepass.kernels.flash_config import forward_config, narrow_kv_tiles
-
-WARPS = (1, 2, 4, 8)
+from fusepass.kernels.flash_config import forward_config, kind_block_m, narrow_kv_tiles
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="document,padding")
+    parser.add_argument("--warps", default="1,2,4")
+    parser.add_argument("--groups", default="1,2,4,8")
     args = parser.parse_args()
     b, h, n, d, _ = SHAPES["large"]
+    device = torch.device("cuda")
+    forward = narrow_kv_tiles(forward_config(d, torch.bfloat16, True, device), None)
+    kind_m = kind_block_m(forward, d, torch.bfloat16, device)
+    # (kind tile rows, columns, kind tiles per program along q)
+    variants = {(kind_m, forward.block_n, forward.block_m // kind_m), (kind_m, forward.block_n, 1)}
     rows = []
-    chosen = blockmap.TILE_KIND_WARPS
     for name in args.cases.split(","):
         case = CASES[name]
         fusepass_call(case, backward=False)
         spec = list(op._specs.values())[-1]
         aux = tuple(case.extra(b, h, n, "cuda"))
-        tiles = narrow_kv_tiles(forward_config(d, torch.bfloat16, True, torch.device("cuda")), None)
-        reference = None
-        for warps in WARPS:
-            blockmap.TILE_KIND_WARPS = warps
+        for kind_rows, block_n, subtiles in sorted(variants):
+            kinds = blockmap.build_block_map(spec.mod, aux, b, h, n, n, kind_rows, block_n, device).kind
+            reference = kinds.clone()
+            for warps in map(int, args.warps.split(",")):
+                for group in map(int, args.groups.split(",")):
+                    def kind_only():
+                        blockmap.launch_tile_kinds(kinds, spec.mod.keep, aux, n, n, kind_rows, block_n, subtiles,
+                                                   warps, group)
 
-            def build():
-                return blockmap.build_block_map(spec.mod, aux, b, h, n, n, tiles.block_m, tiles.block_n, "cuda")
-            kinds = build().kind
-            reference = kinds if reference is None else reference
-            assert torch.equal(kinds, reference), f"{name}: {warps} warps map differently"
-            kind_only = median_ms(lambda: blockmap.launch(
-                blockmap._tile_kind_kernel, kinds.shape[2:] + (kinds.shape[0] * kinds.shape[1],), kinds, n, n,
-                kinds.shape[1], aux, KEEP=spec.mod.keep, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                num_warps=warps))
-            rows.append({"case": case.name, "tiles": f"{tiles.block_m}x{tiles.block_n}", "warps": warps,
-                         "kind kernel us": kind_only * 1e3, "map us": median_ms(build) * 1e3})
-        blockmap.TILE_KIND_WARPS = chosen
-    print(keep("tile-kind-sweep", ["case", "tiles", "warps", "kind kernel us", "map us"], rows))
+                    kinds.fill_(-1)
+                    kind_only()
+                    assert torch.equal(kinds, reference), f"{name}: {warps} warps, group {group} map differently"
+                    rows.append({"case": case.name, "kind tiles": f"{kind_rows}x{block_n}",
+                                 "program rows": kind_rows * subtiles, "warps": warps, "group": group,
+                                 "kind kernel us": median_ms(kind_only) * 1e3})
+                    print(rows[-1], flush=True)
+    print(keep("tile-kind-sweep", ["case", "kind tiles", "program rows", "warps", "group", "kind kernel us"], rows))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ and torch's sort and friends took ~20 launches, which left the GPU waiting on th
 - `rows`: per (b, h, q block) the FULL and the PARTIAL kv blocks (forward and dQ kernels);
 - `cols`: per (b, h, kv block) the FULL and the PARTIAL q blocks (dK/dV kernel).
 
+The kinds and the cols lists may take q blocks of `kind_block_m` rows, a divisor of the rows lists' BLOCK_M: a
+rows-list tile is then FULL where all its kind tiles are, EMPTY where all are. So one map serves kernels that
+tile the q axis differently (at D128 the forward and dQ kernels at 128 rows, dK/dV at 64), for a mask mapped on
+every call.
+
 Key columns past `kv_len` count as masked, so the last kv block is never FULL when `kv_len` is not a multiple
 of BLOCK_N: the kernels' PARTIAL path is the one that masks out-of-range keys.
 
@@ -33,9 +38,11 @@ from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.launch import launch
 from fusepass.kernels.sizes import cdiv, next_power_of_2
 
-# Warps of a `_tile_kind_kernel` program: the document mask mapped in 40 µs at 2, 120 at 4 and 123 at 1
-# (bench/results/tile-kind-sweep-2026-11-30-0521; a padding mask 14–16 µs at any).
+# Warps and kv tiles per `_tile_kind_kernel` program (bench/results/tile-kind-sweep-2026-11-30-1617, B2 N8192): the
+# document mask mapped in 42.7 µs at 128 × 64 (39.4 one tile per program, 105–120 at 4 warps) and 50.6 at 64 × 64
+# (62.2 one tile per program); a padding mask 7.5 and 10 µs (14 and 24 one tile per program).
 TILE_KIND_WARPS = 2
+TILE_KIND_GROUP = 4
 
 # Tile kinds, as stored in `BlockMap.kind`.
 EMPTY = tl.constexpr(0)
@@ -77,23 +84,51 @@ def row_lists(lists, b, h, block, n_blocks, n_other_blocks):
 
 
 @triton.jit
-def _tile_kind_kernel(Kind, q_len, kv_len, map_heads, aux, KEEP: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    q_block = tl.program_id(0)
-    kv_block = tl.program_id(1)
+def _kind_of(n_kept, n_elements):
+    return tl.where(n_kept == n_elements, FULL, tl.where(n_kept > 0, PARTIAL, EMPTY)).to(tl.int8)
+
+
+@triton.jit
+def _tile_kind_kernel(Kind, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, KEEP: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr, GROUP: tl.constexpr):
+    """Program (q group, kv group, bh): the kinds of SUBTILES q blocks × GROUP kv blocks, each tile of the
+    program's SUBTILES · BLOCK_M rows evaluated at once. Kind is [bh, n_q_blocks, n_kv_blocks]."""
     bh = tl.program_id(2)
-    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(0) * (SUBTILES * BLOCK_M) + tl.arange(0, SUBTILES * BLOCK_M)
     # Indices past the end are clamped (KEEP may load aux tensors by position); clamped rows repeat the last
-    # row, which leaves any/all unchanged, and clamped columns are then counted as masked.
+    # row, which leaves a tile's count of kept elements FULL or EMPTY as it was, and clamped columns are then
+    # counted as masked.
     q_idx = tl.minimum(rows, q_len - 1)[:, None]
-    kv_idx = tl.minimum(cols, kv_len - 1)[None, :]
-    kept = KEEP(bh // map_heads, bh % map_heads, q_idx, kv_idx, aux) & (cols < kv_len)[None, :]
-    kept = kept.to(tl.int32)
-    kind = tl.where(tl.min(kept) == 1, FULL, tl.where(tl.max(kept) == 1, PARTIAL, EMPTY))
-    n_q_blocks = tl.num_programs(0)
-    n_kv_blocks = tl.num_programs(1)
-    tl.store(Kind + (bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block, kind.to(tl.int8))
+    subtile_of_row = tl.arange(0, SUBTILES * BLOCK_M) // BLOCK_M
+    for t in tl.static_range(GROUP):
+        kv_block = tl.program_id(1) * GROUP + t
+        cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_idx = tl.minimum(cols, kv_len - 1)[None, :]
+        kept = (KEEP(bh // map_heads, bh % map_heads, q_idx, kv_idx, aux) & (cols < kv_len)[None, :]).to(tl.int32)
+        # Counts of kept elements (one reduction, not a min and a max). KEEP's result may be one row of the
+        # tile (a mask of the keys alone), counted as it is: it stands for every row.
+        if kept.shape[0] == 1:
+            n_kept = tl.sum(kept)
+        else:
+            n_kept_per_row = tl.sum(kept, 1)
+        for sub in tl.static_range(SUBTILES):
+            q_block = tl.program_id(0) * SUBTILES + sub
+            if kept.shape[0] == 1:
+                kind = _kind_of(n_kept, BLOCK_N)
+            else:
+                kind = _kind_of(tl.sum(tl.where(subtile_of_row == sub, n_kept_per_row, 0)), BLOCK_M * BLOCK_N)
+            tl.store(Kind + (bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block, kind,
+                     mask=(q_block < n_q_blocks) & (kv_block < n_kv_blocks))
+
+
+def launch_tile_kinds(kind: torch.Tensor, keep, aux: tuple, q_len: int, kv_len: int, block_m: int, block_n: int,
+                      subtiles: int, num_warps: int, group: int) -> None:
+    """Write `kind` ([map batch, map heads, q blocks, kv blocks] int8, tiles of block_m × block_n) by evaluating
+    `keep` over every tile: `subtiles` q blocks × `group` kv blocks per program of `num_warps` warps."""
+    map_batch, map_heads, n_q_blocks, n_kv_blocks = kind.shape
+    launch(_tile_kind_kernel, (cdiv(n_q_blocks, subtiles), cdiv(n_kv_blocks, group), map_batch * map_heads), kind,
+           q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, KEEP=keep, BLOCK_M=block_m, BLOCK_N=block_n,
+           SUBTILES=subtiles, GROUP=group, num_warps=num_warps)
 
 
 @dataclass(frozen=True)
@@ -110,11 +145,12 @@ class TileLists:
 
 @dataclass(frozen=True)
 class BlockMap:
-    block_m: int
+    block_m: int  # q extent of the rows lists' tiles
     block_n: int
-    kind: torch.Tensor  # [Bm, Hm, n_q_blocks, n_kv_blocks] int8: EMPTY / PARTIAL / FULL
+    kind_block_m: int  # q extent of the kinds' and the cols lists' tiles, a divisor of block_m
+    kind: torch.Tensor  # [Bm, Hm, n_kind_q_blocks, n_kv_blocks] int8: EMPTY / PARTIAL / FULL
     rows: TileLists  # per q block, its kv blocks
-    cols: TileLists  # per kv block, its q blocks (all five views of one buffer: `from_packed`)
+    cols: TileLists  # per kv block, its kind q blocks (all five views of one buffer: `from_packed`)
 
     @functools.cached_property
     def mean_row_tiles(self) -> float:
@@ -122,9 +158,9 @@ class BlockMap:
         return self.rows.count.sum(-1, dtype=torch.float64).mean().item()
 
     @classmethod
-    def from_packed(cls, block_m: int, block_n: int, packed: torch.Tensor, extent: tuple[int, int, int, int]
-                    ) -> BlockMap:
-        """The map of `extent` (map batch, map heads, q blocks, kv blocks) whose tensors `packed` holds."""
+    def from_packed(cls, block_m: int, block_n: int, kind_block_m: int, packed: torch.Tensor,
+                    extent: tuple[int, int, int, int, int]) -> BlockMap:
+        """The map of `extent` (see `map_shapes`) whose tensors `packed` holds."""
         kind_shape, *list_shapes = map_shapes(*extent)
         offsets = _part_offsets(extent)
         # Slices and views: as_strided on a meta tensor (compile_ahead's maps) took 0.14 s on its first call
@@ -132,7 +168,13 @@ class BlockMap:
         kind = packed[offsets[0]:offsets[1]].view(torch.int8)[:kind_numel].view(kind_shape)
         rows_count, rows_index, cols_count, cols_index = (
             packed[offset:offset + math.prod(shape)].view(shape) for shape, offset in zip(list_shapes, offsets[1:]))
-        return cls(block_m, block_n, kind, TileLists(rows_count, rows_index), TileLists(cols_count, cols_index))
+        return cls(block_m, block_n, kind_block_m, kind, TileLists(rows_count, rows_index),
+                   TileLists(cols_count, cols_index))
+
+    def serves(self, block_m: int, block_n: int, cols: bool) -> bool:
+        """Whether a kernel at block_m × block_n tiles can read this map's cols lists and kinds (`cols`) or its
+        rows lists."""
+        return ((self.kind_block_m if cols else self.block_m), self.block_n) == (block_m, block_n)
 
     @property
     def batch_head_strides(self) -> tuple[int, int]:
@@ -141,12 +183,13 @@ class BlockMap:
         return (map_heads if map_batch > 1 else 0), (1 if map_heads > 1 else 0)
 
 
-def map_shapes(map_batch: int, map_heads: int, n_q_blocks: int, n_kv_blocks: int) -> list[tuple[int, ...]]:
-    """The shapes of a map's tensors: kind (int8), rows count and index, cols count and index (int32; see
-    `TileLists`)."""
+def map_shapes(map_batch: int, map_heads: int, n_q_blocks: int, n_kv_blocks: int, n_kind_q_blocks: int
+               ) -> list[tuple[int, ...]]:
+    """The shapes of the tensors of a map of that extent (q blocks of the rows lists, kv blocks, q blocks of the
+    kinds and cols lists): kind (int8), rows count and index, cols count and index (int32; see `TileLists`)."""
     outer = (map_batch, map_heads)
-    return [outer + (n_q_blocks, n_kv_blocks), outer + (n_q_blocks, 2), outer + (n_q_blocks, 2, n_kv_blocks),
-            outer + (n_kv_blocks, 2), outer + (n_kv_blocks, 2, n_q_blocks)]
+    return [outer + (n_kind_q_blocks, n_kv_blocks), outer + (n_q_blocks, 2), outer + (n_q_blocks, 2, n_kv_blocks),
+            outer + (n_kv_blocks, 2), outer + (n_kv_blocks, 2, n_kind_q_blocks)]
 
 
 # A map's tensors are views of one int32 buffer: one allocation, and one tensor where the attention op returns,
@@ -156,7 +199,7 @@ _PART_ALIGN = 4  # int32 elements
 
 
 @functools.cache
-def _part_offsets(extent: tuple[int, int, int, int]) -> tuple[int, ...]:
+def _part_offsets(extent: tuple[int, int, int, int, int]) -> tuple[int, ...]:
     """The int32 offsets of a map's tensors in its buffer, and the buffer's length last."""
     offsets, end = [], 0
     for i, shape in enumerate(map_shapes(*extent)):
@@ -167,19 +210,15 @@ def _part_offsets(extent: tuple[int, int, int, int]) -> tuple[int, ...]:
     return (*offsets, end)
 
 
-def packed_map_numel(extent: tuple[int, int, int, int]) -> int:
-    """The int32 elements of the buffer of a map of `extent` (map batch, map heads, q blocks, kv blocks)."""
+def packed_map_numel(extent: tuple[int, int, int, int, int]) -> int:
+    """The int32 elements of the buffer of a map of `extent` (see `map_shapes`)."""
     return _part_offsets(extent)[-1]
 
 
 @triton.jit
-def _compact_row(Kind, Count, Index, row, bh, rows, n, row_stride, col_stride, BLOCK: tl.constexpr):
-    """For one row of a tile-kind map (`rows` rows of `n` tiles per (b, h), strides in tiles): the ascending
-    positions of its FULL tiles, then of its PARTIAL tiles, and how many of each."""
-    tiles = tl.arange(0, BLOCK)
-    kinds = tl.load(Kind + bh.to(tl.int64) * rows * n + row * row_stride + tiles * col_stride, mask=tiles < n,
-                    other=EMPTY)
-    slot = (bh * rows + row) * 2
+def _compact(kinds, tiles, n, slot, Count, Index):
+    """The ascending positions of the FULL tiles among `kinds` (one row or column of a map, `n` tiles), then of
+    its PARTIAL tiles, and how many of each, at list `slot`."""
     _list_of(kinds == FULL, tiles, n, Count + slot + FULL_LIST, Index + (slot + FULL_LIST).to(tl.int64) * n)
     _list_of(kinds == PARTIAL, tiles, n, Count + slot + PARTIAL_LIST,
              Index + (slot + PARTIAL_LIST).to(tl.int64) * n)
@@ -194,55 +233,80 @@ def _list_of(selected, tiles, n, count, index):
 
 
 @triton.jit
-def _tile_lists_kernel(Kind, RowsCount, RowsIndex, ColsCount, ColsIndex, n_q_blocks, n_kv_blocks,
-                       BLOCK: tl.constexpr):
-    """Program (block, bh, 0): the FULL and the PARTIAL kv blocks of q block `block`; (block, bh, 1): the q
-    blocks of kv block `block`. Kind is [bh, n_q_blocks, n_kv_blocks], contiguous."""
+def _tile_lists_kernel(Kind, RowsCount, RowsIndex, ColsCount, ColsIndex, n_q_blocks, n_kind_q_blocks, n_kv_blocks,
+                       ROW_GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (block, bh, 0): the FULL and the PARTIAL kv blocks of q block `block` of the rows lists, whose
+    tiles each join ROW_GROUP rows of kinds; (block, bh, 1): the kind q blocks of kv block `block`. Kind is
+    [bh, n_kind_q_blocks, n_kv_blocks], contiguous."""
     block = tl.program_id(0)
     bh = tl.program_id(1)
+    tiles = tl.arange(0, BLOCK)
+    Kind_bh = Kind + bh.to(tl.int64) * n_kind_q_blocks * n_kv_blocks
     if tl.program_id(2) == 0:
         if block < n_q_blocks:
-            _compact_row(Kind, RowsCount, RowsIndex, block, bh, n_q_blocks, n_kv_blocks, n_kv_blocks, 1, BLOCK)
+            # A row's tile is FULL where the kinds of its rows that exist all are, EMPTY where all are.
+            kind_rows = block * ROW_GROUP + tl.arange(0, ROW_GROUP)
+            exists = kind_rows < n_kind_q_blocks
+            kinds = tl.load(Kind_bh + kind_rows[:, None] * n_kv_blocks + tiles[None, :],
+                            mask=exists[:, None] & (tiles < n_kv_blocks)[None, :], other=EMPTY)
+            n_rows = tl.sum(exists.to(tl.int32))
+            n_full = tl.sum((kinds == FULL).to(tl.int32), 0)
+            n_empty = tl.sum(((kinds == EMPTY) & exists[:, None]).to(tl.int32), 0)
+            row = tl.where(n_full == n_rows, FULL, tl.where(n_empty == n_rows, EMPTY, PARTIAL))
+            _compact(row, tiles, n_kv_blocks, (bh * n_q_blocks + block) * 2, RowsCount, RowsIndex)
     elif block < n_kv_blocks:
-        _compact_row(Kind, ColsCount, ColsIndex, block, bh, n_kv_blocks, n_q_blocks, 1, n_kv_blocks, BLOCK)
+        column = tl.load(Kind_bh + tiles * n_kv_blocks + block, mask=tiles < n_kind_q_blocks, other=EMPTY)
+        _compact(column, tiles, n_kind_q_blocks, (bh * n_kv_blocks + block) * 2, ColsCount, ColsIndex)
 
 
 def _write_tile_lists(block_map: BlockMap) -> None:
     """The rows and the cols lists of a map from its tile kinds, in one launch (a map that reads tensors is
     built on every call, where each launch costs host time)."""
-    kind = block_map.kind
-    n_q_blocks, n_kv_blocks = kind.shape[2:]
-    launch(_tile_lists_kernel, (max(n_q_blocks, n_kv_blocks), kind[..., 0, 0].numel(), 2), kind,
-           block_map.rows.count, block_map.rows.index, block_map.cols.count, block_map.cols.index, n_q_blocks,
-           n_kv_blocks, BLOCK=next_power_of_2(max(n_q_blocks, n_kv_blocks)))
+    n_kind_q_blocks, n_kv_blocks = block_map.kind.shape[2:]
+    n_q_blocks = block_map.rows.count.shape[2]
+    launch(_tile_lists_kernel, (max(n_q_blocks, n_kv_blocks), block_map.kind[..., 0, 0].numel(), 2),
+           block_map.kind, block_map.rows.count, block_map.rows.index, block_map.cols.count, block_map.cols.index,
+           n_q_blocks, n_kind_q_blocks, n_kv_blocks, ROW_GROUP=block_map.block_m // block_map.kind_block_m,
+           BLOCK=next_power_of_2(max(n_kind_q_blocks, n_kv_blocks)))
 
 
-def _map_extent(mod: ScoreMod, batch: int, heads: int) -> tuple[int, int]:
+def _batch_head_extent(mod: ScoreMod, batch: int, heads: int) -> tuple[int, int]:
     """The batch and head extents of `mod`'s map: 1 where KEEP does not read that index."""
     return (batch if mod.keep_uses_batch else 1), (heads if mod.keep_uses_head else 1)
 
 
+def map_extent(map_batch: int, map_heads: int, q_len: int, kv_len: int, block_m: int, block_n: int,
+               kind_block_m: int) -> tuple[int, int, int, int, int]:
+    """The extent of a map (see `map_shapes`) of these batch and head extents, lengths and tiles."""
+    assert block_m % kind_block_m == 0, f"kind tiles of {kind_block_m} rows do not divide tiles of {block_m}"
+    return map_batch, map_heads, cdiv(q_len, block_m), cdiv(kv_len, block_n), cdiv(q_len, kind_block_m)
+
+
 def empty_block_map(mod: ScoreMod, batch: int, heads: int, q_len: int, kv_len: int, block_m: int, block_n: int,
-                    device: torch.device | str) -> BlockMap:
+                    device: torch.device | str, kind_block_m: int | None = None) -> BlockMap:
     """`mod`'s map at this shape, unwritten: for `build_block_map` to write, or on "meta" what a kernel launch
-    reads of a map for its signature (dtypes and strides) without evaluating the mask (for `compile_ahead`)."""
-    extent = (*_map_extent(mod, batch, heads), cdiv(q_len, block_m), cdiv(kv_len, block_n))
+    reads of a map for its signature (dtypes and strides) without evaluating the mask (for `compile_ahead`).
+    `kind_block_m`: the q extent of its kinds and cols lists, block_m unless given."""
+    kind_block_m = kind_block_m or block_m
+    extent = map_extent(*_batch_head_extent(mod, batch, heads), q_len, kv_len, block_m, block_n, kind_block_m)
     packed = torch.empty(packed_map_numel(extent), dtype=torch.int32, device=device)
-    return BlockMap.from_packed(block_m, block_n, packed, extent)
+    return BlockMap.from_packed(block_m, block_n, kind_block_m, packed, extent)
 
 
 def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
-                    block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None) -> BlockMap:
+                    block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None,
+                    kind_block_m: int | None = None) -> BlockMap:
     """Evaluate `mod.keep` over every tile (no cache), into `into` (the `empty_block_map` of these arguments)
     or new tensors. `heads` counts query heads."""
     assert mod.has_mask, "an attention without a mask has no block map: every tile is full"
-    block_map = into or empty_block_map(mod, batch, heads, q_len, kv_len, block_m, block_n, device)
-    map_batch, map_heads, n_q_blocks, n_kv_blocks = block_map.kind.shape
-    assert (block_map.block_m, block_map.block_n, n_q_blocks, n_kv_blocks) == \
-        (block_m, block_n, cdiv(q_len, block_m), cdiv(kv_len, block_n)), "a map of other tiles"
-    grid = (n_q_blocks, n_kv_blocks, map_batch * map_heads)
-    launch(_tile_kind_kernel, grid, block_map.kind, q_len, kv_len, map_heads, aux, KEEP=mod.keep, BLOCK_M=block_m,
-           BLOCK_N=block_n, num_warps=TILE_KIND_WARPS)
+    kind_block_m = kind_block_m or block_m
+    block_map = into or empty_block_map(mod, batch, heads, q_len, kv_len, block_m, block_n, device, kind_block_m)
+    assert (block_map.block_m, block_map.block_n, block_map.kind_block_m, *block_map.kind.shape[2:]) == \
+        (block_m, block_n, kind_block_m, cdiv(q_len, kind_block_m), cdiv(kv_len, block_n)), "a map of other tiles"
+    # Each program evaluates tiles of the rows lists' height (one reduction per kind tile within): at 64-row
+    # kinds under 128-row lists, as fast as kinds at 128 (bench/results/tile-kind-sweep-2026-11-30-1617).
+    launch_tile_kinds(block_map.kind, mod.keep, aux, q_len, kv_len, kind_block_m, block_n, block_m // kind_block_m,
+                      TILE_KIND_WARPS, TILE_KIND_GROUP)
     _write_tile_lists(block_map)
     return block_map
 
@@ -256,19 +320,21 @@ def _capturing(device: torch.device | str) -> bool:
 
 
 def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
-                  block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None) -> BlockMap:
+                  block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None,
+                  kind_block_m: int | None = None) -> BlockMap:
     """The block map of `mod` at this shape: cached unless KEEP reads aux tensors, in which case it is built
     into `into` where given (see `build_block_map`). A map built while the stream captures a CUDA graph
     (`fusepass.kernels.replay`) is not cached: it is written only when the graph replays, and not at all if
     the capture fails."""
     if mod.keep_reads_aux:
-        return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device, into)
-    key = (mod.name, batch if mod.keep_uses_batch else 1, heads if mod.keep_uses_head else 1,
-           q_len, kv_len, block_m, block_n, torch.device(device))
+        return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device, into, kind_block_m)
+    key = (mod.name, *_batch_head_extent(mod, batch, heads), q_len, kv_len, block_m, block_n, kind_block_m,
+           torch.device(device))
     if key in _cache:
         _cache.move_to_end(key)
         return _cache[key]
-    block_map = build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device)
+    block_map = build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device,
+                                kind_block_m=kind_block_m)
     if _capturing(device):
         return block_map
     _cache[key] = block_map

@@ -15,17 +15,16 @@ from typing import Any
 
 import torch
 
-from fusepass.attention.blockmap import BlockMap, packed_map_numel
+from fusepass.attention.blockmap import BlockMap, map_extent, packed_map_numel
 from fusepass.attention.layout import OperandLayout
 from fusepass.attention.lift import Lifted
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.codegen.modules import load_module
 from fusepass.kernels.flash_ahead import compile_attention_ahead
 from fusepass.kernels.flash_bwd import flash_attention_backward
-from fusepass.kernels.flash_config import FlashConfig, forward_config, narrow_kv_tiles
+from fusepass.kernels.flash_config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles
 from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward, forward_outputs
 from fusepass.kernels.replay import attention_replays
-from fusepass.kernels.sizes import cdiv
 from fusepass.report import profile
 from fusepass.report.records import Rewrite
 
@@ -132,22 +131,25 @@ class AttentionSpec:
         so that the backward need not map it again at the forward's tiles (other maps are cached)."""
         return bool(self.lifted.functions.get("keep")) and self.lifted.keep_reads_aux
 
-    def passed_map_tiles(self, q: torch.Tensor) -> FlashConfig | None:
-        """The tiles of the forward's block map where the op returns it, as `flash_attention_forward` takes
-        them for a mask whose rows are not known. `q`: the op's input."""
+    def passed_map_tiles(self, q: torch.Tensor) -> tuple[FlashConfig, int] | None:
+        """The forward's tiles where the op returns its block map, as `flash_attention_forward` takes them for a
+        mask whose rows are not known, and the q extent of the map's kinds (`kind_block_m`). `q`: the op's
+        input."""
         if not self.passes_map:
             return None
-        return narrow_kv_tiles(forward_config(self.q.size[3], q.dtype, True, q.device), None)
+        tiles = narrow_kv_tiles(forward_config(self.q.size[3], q.dtype, True, q.device), None)
+        return tiles, kind_block_m(tiles, self.q.size[3], q.dtype, q.device)
 
-    def map_extent(self, q: torch.Tensor) -> tuple[int, int, int, int] | None:
-        """(map batch, map heads, q blocks, kv blocks) of the forward's block map where the op returns it. `q`:
-        the op's input."""
-        tiles = self.passed_map_tiles(q)
-        if tiles is None:
+    def map_extent(self, q: torch.Tensor) -> tuple[int, int, int, int, int] | None:
+        """The extent (see `blockmap.map_shapes`) of the forward's block map where the op returns it. `q`: the
+        op's input."""
+        passed = self.passed_map_tiles(q)
+        if passed is None:
             return None
+        tiles, kinds_at = passed
         batch, heads, q_len, _ = self.out_shape
-        return (batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1,
-                cdiv(q_len, tiles.block_m), cdiv(self.k.size[2], tiles.block_n))
+        return map_extent(batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1,
+                          q_len, self.k.size[2], tiles.block_m, tiles.block_n, kinds_at)
 
     def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
         """Of the forward's block map as the op returns it, or none: one int32 buffer (`BlockMap.from_packed`) that
@@ -157,8 +159,8 @@ class AttentionSpec:
 
     def block_map(self, packed: torch.Tensor, q: torch.Tensor) -> BlockMap:
         """The forward's block map in the buffer `packed` (see `map_shapes`)."""
-        tiles = self.passed_map_tiles(q)
-        return BlockMap.from_packed(tiles.block_m, tiles.block_n, packed, self.map_extent(q))
+        tiles, kinds_at = self.passed_map_tiles(q)
+        return BlockMap.from_packed(tiles.block_m, tiles.block_n, kinds_at, packed, self.map_extent(q))
 
     @property
     def mod(self) -> ScoreMod:

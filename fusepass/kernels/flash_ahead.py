@@ -38,7 +38,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     aux = aux + meta_distance_tables(mod)
     out, lse, log_sum, fallback_rows = forward_outputs(q, mod, out_dtype, "meta")
 
-    def map_at(config: FlashConfig) -> BlockMap:
+    def map_at(config: FlashConfig, cols: bool = False) -> BlockMap:
         return empty_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, "meta")
 
     for config in (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, q.device):

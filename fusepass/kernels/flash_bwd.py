@@ -338,11 +338,11 @@ def _flash_backward_dq_kernel(
 
 
 def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int,
-                 config: FlashConfig) -> BlockMap:
-    """The block map at a backward kernel's tiles: the forward's where the tiles are the forward's, else the
-    cached map."""
+                  config: FlashConfig, cols: bool) -> BlockMap:
+    """The block map a backward kernel at `config`'s tiles reads (its cols lists where `cols`, else its rows
+    lists): the forward's where that serves, else the cached map."""
     forward_map = extra.block_map
-    if forward_map is not None and (forward_map.block_m, forward_map.block_n) == (config.block_m, config.block_n):
+    if forward_map is not None and forward_map.serves(config.block_m, config.block_n, cols):
         return forward_map
     batch, q_heads, q_len, _ = q.shape
     return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
@@ -351,10 +351,11 @@ def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.
 def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, mod: ScoreMod,
                       aux: tuple, aux_grad: tuple | None, delta: torch.Tensor, grads: tuple, dropout_p: float,
-                      seed: int, map_at: Callable[[FlashConfig], BlockMap]
+                      seed: int, map_at: Callable[[FlashConfig, bool], BlockMap]
                       ) -> Iterator[tuple[Any, tuple, tuple, dict]]:
     """(kernel, grid, arguments, keywords) of the dQ kernel's launch, then of the dK/dV kernel's: in that order,
-    each map (`map_at` a kernel's config, masks only) asked for just before its launch. `aux` includes the
+    each map (`map_at` a kernel's config and whether it reads the cols lists, masks only) asked for just before
+    its launch. `aux` includes the
     distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum` contiguous."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -375,7 +376,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     config = configs.dq
     kv_lists = None
     if mod.has_mask:
-        block_map = map_at(config)
+        block_map = map_at(config, False)
         kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides)
     (k_operand, v_operand), descriptors = tile_operands((k, v), config.block_n, block_d, config.descriptors)
     yield (_flash_backward_dq_kernel, (cdiv(q_len, config.block_m), q_heads, batch),
@@ -387,7 +388,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     config = configs.dkdv
     q_lists = None
     if mod.has_mask:
-        block_map = map_at(config)
+        block_map = map_at(config, True)
         q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
     (q_operand, do_operand), descriptors = tile_operands((q, do), config.block_m, block_d, config.descriptors)
     yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
@@ -407,7 +408,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     to write them (tensors of q's, k's and v's shapes, any strides), else new tensors.
 
     `dropout_p` and `seed` must be the forward's. Each kernel reads the block map at its tiles: the
-    forward's where the tiles are the forward's, else the cached map.
+    forward's where it serves them (see `BlockMap.serves`), else the cached map.
     """
     check_attention_inputs(q, k, v)
     assert do.shape == out.shape == q.shape, f"do {tuple(do.shape)}, out {tuple(out.shape)}, q {tuple(q.shape)}"
@@ -418,14 +419,14 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)  # written by the dQ kernel
     dq, dk, dv = grads or (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
-    # Where the two kernels tile alike (dK/dV and dQ at 64 × 64 for D ≤ 64) they read one map: a mask that
-    # reads tensors is mapped on every call, two launches each.
+    # Where the two kernels tile alike (dK/dV and dQ at 64 × 64 for D ≤ 64) and the forward's map serves neither,
+    # they read one map: a mask that reads tensors is mapped on every call, two launches each.
     maps: dict[tuple[int, int], BlockMap] = {}
 
-    def map_at(config: FlashConfig) -> BlockMap:
+    def map_at(config: FlashConfig, cols: bool) -> BlockMap:
         tiles = (config.block_m, config.block_n)
-        if tiles not in maps:
-            maps[tiles] = _backward_map(mod, aux, extra, q, kv_len, config)
+        if tiles not in maps or not maps[tiles].serves(*tiles, cols):
+            maps[tiles] = _backward_map(mod, aux, extra, q, kv_len, config, cols)
         return maps[tiles]
 
     for kernel, grid, args, keywords in backward_launches(

@@ -137,6 +137,17 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardConfigs:
     return BackwardConfigs(FlashConfig(16, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
 
 
+def kind_block_m(forward: FlashConfig, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+    """The q extent of the kinds and cols lists of the block map a forward at `forward`'s tiles builds for a
+    mask that reads tensors (mapped on every call, and passed to the backward): the dK/dV kernel's q blocks
+    where they divide the forward's and the kv extents agree, so that one map serves the forward and both
+    backward kernels (the dQ kernel reads the forward's rows lists); else the forward's."""
+    dkdv = backward_configs(head_dim, dtype, device).dkdv
+    if dkdv.block_n == forward.block_n and forward.block_m % dkdv.block_m == 0:
+        return dkdv.block_m
+    return forward.block_m
+
+
 # The pipeline stages that fit, per kernel, constants and dtypes (see launch_fitting).
 _fitting_stages: dict[tuple, int] = {}
 

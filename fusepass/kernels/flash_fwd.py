@@ -32,7 +32,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, row_lists
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import distance_tables
-from fusepass.kernels.flash_config import FlashConfig, forward_config, head_block, launch_fitting, narrow_kv_tiles
+from fusepass.kernels.flash_config import (
+    FlashConfig, forward_config, head_block, kind_block_m, launch_fitting, narrow_kv_tiles)
 from fusepass.kernels.sizes import cdiv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -407,8 +408,10 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         wide_map = None if mod.keep_reads_aux else block_map_for(mod, aux, batch, q_heads, q_len, kv_len,
                                                                  config.block_m, config.block_n, q.device)
         config = narrow_kv_tiles(config, wide_map)
+        # A map built per call serves the backward too: its kinds at the dK/dV kernel's q blocks.
+        kinds_at = kind_block_m(config, head_dim, q.dtype, q.device) if mod.keep_reads_aux else None
         block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
-                                  q.device, map_into)
+                                  q.device, map_into, kinds_at)
     out, lse, log_sum, fallback_rows = outputs or forward_outputs(q, mod, out_dtype, q.device)
     kernel, grid, args, keywords = forward_launch(q, k, v, mod, aux, config, block_map, out, lse, log_sum,
                                                   fallback_rows, seed, dropout_p)

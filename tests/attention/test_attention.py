@@ -299,7 +299,7 @@ def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypa
 
     built = []
     build = blockmap.build_block_map
-    monkeypatch.setattr(blockmap, "build_block_map", lambda *args: built.append(args[6:8]) or build(*args))
+    monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: built.append(args[6:8]) or build(*args, **kwargs))
     segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
     q, k, v = (t.requires_grad_() for t in qkv(nk=NQ))
     compiled = torch.compile(document_mask, backend=fusepass.backend(strict=True))
@@ -328,11 +328,33 @@ def test_backward_kernels_tiling_alike_read_one_map(monkeypatch):
     monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: BackwardConfigs(alike, alike))
     built = []
     build = blockmap.build_block_map
-    monkeypatch.setattr(blockmap, "build_block_map", lambda *args: built.append(args[6:8]) or build(*args))
+    monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: built.append(args[6:8]) or build(*args, **kwargs))
     segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
     check(document_mask, *qkv(nk=NQ), segments, backward=True)
     forward_tiles = built[0]
     assert forward_tiles != (16, 32) and built.count((16, 32)) == 1
+
+
+def test_one_map_serves_the_forward_and_both_backward_kernels(monkeypatch):
+    """Where the dK/dV kernel's q blocks divide the forward's (at D128 on a GPU: 64 and 128 rows, both 64 wide),
+    a mask that reads tensors is mapped once per forward+backward: the forward's map has its kinds and cols
+    lists at the dK/dV kernel's q blocks, its rows lists at its own; the gradients are eager's."""
+    from fusepass.attention import blockmap
+    from fusepass.kernels import flash_bwd, flash_config, flash_fwd
+    from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
+
+    tall, short = FlashConfig(32, 16, num_warps=1, num_stages=1), FlashConfig(16, 16, num_warps=1, num_stages=1)
+    for module in (flash_fwd, op):
+        monkeypatch.setattr(module, "forward_config", lambda *args: tall)
+    for module in (flash_config, flash_bwd):
+        monkeypatch.setattr(module, "backward_configs", lambda *args: BackwardConfigs(short, tall))
+    built = []
+    build = blockmap.build_block_map
+    monkeypatch.setattr(blockmap, "build_block_map",
+                        lambda *args, **kwargs: built.append((*args[6:8], args[10])) or build(*args, **kwargs))
+    segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
+    check(document_mask, *qkv(nk=NQ), segments, backward=True)
+    assert set(built) == {(32, 16, 16)}
 
 
 def scaled_by_a_tensor(q, k, v, temperature):

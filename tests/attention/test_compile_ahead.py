@@ -104,7 +104,7 @@ def test_the_first_backward_builds_no_block_map(monkeypatch):
     built = []
     build = blockmap.build_block_map
     monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
-    monkeypatch.setattr(blockmap, "build_block_map", lambda *args: built.append(args[6:8]) or build(*args))
+    monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: built.append(args[6:8]) or build(*args, **kwargs))
     q, k, v = (random_tensor((2, 3, 37, 16), torch.float32).requires_grad_() for _ in range(3))
     slopes = torch.rand(3, device=q.device)
     out = torch.compile(_alibi_learnable, backend=fusepass.backend(strict=True))(q, k, v, slopes)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fusepass.attention import blockmap
 from fusepass.attention.blockmap import (
     EMPTY, FULL, PARTIAL, BlockMap, block_map_for, build_block_map, map_shapes, packed_map_numel)
 from fusepass.attention.score_mod import ScoreMod
@@ -94,6 +95,12 @@ def sliding_window(b, h, q_idx, kv_idx, aux):
 def causal_left_padded(b, h, q_idx, kv_idx, aux):
     # aux = (scale, key_valid [B, Nk] int8, its batch stride)
     return (kv_idx <= q_idx) & (tl.load(aux[1] + b * aux[2] + kv_idx) != 0)
+
+
+@triton.jit
+def key_padded(b, h, q_idx, kv_idx, aux):
+    # A mask of the keys alone: KEEP's result is one row, [1, BLOCK_N], broadcast over the tile's rows.
+    return tl.load(aux[1] + b * aux[2] + kv_idx) != 0
 
 
 @triton.jit
@@ -279,6 +286,8 @@ CASES = {
     "left_pad_inf": Case(masked("t_left_pad", causal_left_padded, -math.inf, keep_uses_batch=True,
                                 keep_reads_aux=True),
                          lambda s, i, r: where(left_padded(i, r), s * r["scale"], -math.inf), left_padding),
+    "key_pad_min": Case(masked("t_key_pad", key_padded, F32_MIN, keep_uses_batch=True, keep_reads_aux=True),
+                        lambda s, i, r: where(r["key_valid"][i.b, i.kv], s * r["scale"], F32_MIN), left_padding),
 }
 
 
@@ -352,6 +361,7 @@ MATRIX = [
     ("alibi_causal", bf16, Shape(1, 4, 2, 37, 37, 24), "bhnd"),
     ("softcap", f32, Shape(1, 2, 2, 37, 53, 24), "bhnd"),
     ("bias_grad", f32, Shape(2, 2, 1, 37, 53, 24), "bhnd"),
+    ("key_pad_min", f32, Shape(2, 2, 1, 37, 37, 24), "bhnd"),  # KEEP of one row: FULL tiles counted per row
 ]
 
 
@@ -445,25 +455,32 @@ def dense_tile_kinds(keep: torch.Tensor, block_m: int, block_n: int) -> torch.Te
     return torch.where(full, FULL.value, torch.where(any_kept, PARTIAL.value, EMPTY.value)).to(torch.int8)
 
 
-@pytest.mark.parametrize("name", ["causal_min", "window_min", "left_pad_min"])
-def test_block_map_matches_dense_mask(name):
+@pytest.mark.parametrize("name, group, block_m, kind_block_m", [
+    ("causal_min", 1, 16, 16), ("window_min", 1, 16, 16), ("left_pad_min", 1, 16, 16), ("key_pad_min", 1, 16, 16),
+    ("causal_min", 3, 16, 16), ("left_pad_min", 2, 16, 16), ("key_pad_min", 3, 16, 16),
+    ("causal_min", 1, 32, 16), ("left_pad_min", 3, 32, 16), ("key_pad_min", 2, 32, 16), ("window_min", 1, 64, 16)])
+def test_block_map_matches_dense_mask(monkeypatch, name, group, block_m, kind_block_m):
+    """`group`: kv tiles per program of the tile-kind kernel (4 kv blocks here: a last group reaching past them).
+    Rows lists of taller tiles than the kinds' and the cols lists' (`block_m` > `kind_block_m`) join the kinds of
+    their rows: 37 rows make 3 kind blocks of 16, so at 32 the last rows-list block has one kind row."""
+    monkeypatch.setattr(blockmap, "TILE_KIND_GROUP", group)
     shape = Shape(2, 2, 1, 37, 53, 24)
     case = CASES[name]
     inputs = case.make_inputs(shape)
     block_map = build_block_map(case.mod, inputs.aux, shape.batch, shape.q_heads, shape.q_len, shape.kv_len,
-                                16, 16, DEVICE)
+                                block_m, 16, DEVICE, kind_block_m=kind_block_m)
     map_shape = (shape.batch if case.mod.keep_uses_batch else 1, shape.q_heads if case.mod.keep_uses_head else 1,
                  shape.q_len, shape.kv_len)
     # Final scores of an all-zero score matrix are F32_MIN exactly where the mask drops an element.
     zeros = torch.zeros(map_shape, dtype=torch.float64, device=DEVICE)
     keep = case.final_scores(zeros, positions(*map_shape), inputs.ref) != F32_MIN
-    expected = dense_tile_kinds(keep, 16, 16)
-    assert torch.equal(block_map.kind, expected)
-    for lists, kinds in ((block_map.rows, expected), (block_map.cols, expected.transpose(-1, -2))):
+    kinds = dense_tile_kinds(keep, kind_block_m, 16)
+    assert torch.equal(block_map.kind, kinds)
+    for lists, expected in ((block_map.rows, dense_tile_kinds(keep, block_m, 16)), (block_map.cols, kinds.mT)):
         for which, kind in enumerate((FULL.value, PARTIAL.value)):
-            for block in itertools.product(*map(range, kinds.shape[:3])):
+            for block in itertools.product(*map(range, expected.shape[:3])):
                 listed = lists.index[block][which][: lists.count[block][which]]
-                assert torch.equal(listed, (kinds[block] == kind).nonzero().flatten().to(torch.int32))
+                assert torch.equal(listed, (expected[block] == kind).nonzero().flatten().to(torch.int32))
 
 
 def test_mean_row_tiles():
@@ -494,12 +511,12 @@ def test_block_map_cache():
     assert first is not second and torch.equal(first.kind, second.kind)
 
 
-@pytest.mark.parametrize("extent", [(1, 1, 3, 5), (2, 3, 7, 1), (1, 2, 1, 9)], ids=str)
+@pytest.mark.parametrize("extent", [(1, 1, 3, 5, 3), (2, 3, 7, 1, 14), (1, 2, 1, 9, 1)], ids=str)
 def test_a_block_map_is_views_of_one_buffer_at_aligned_offsets(extent):
     """One allocation (one tensor for the attention op to return and save); each part starts at a multiple of
     16 bytes, as its own allocation would, so Triton specializes its pointer alike; the parts do not overlap."""
     packed = torch.empty(packed_map_numel(extent), dtype=torch.int32)
-    block_map = BlockMap.from_packed(16, 16, packed, extent)
+    block_map = BlockMap.from_packed(16 * extent[4] // extent[2], 16, 16, packed, extent)
     parts = [block_map.kind, block_map.rows.count, block_map.rows.index, block_map.cols.count, block_map.cols.index]
     assert [tuple(t.shape) for t in parts] == map_shapes(*extent)
     spans = sorted((t.data_ptr() - packed.data_ptr(), t.numel() * t.element_size()) for t in parts)
