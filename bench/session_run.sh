@@ -29,7 +29,7 @@ parts=${parts//attention/large small}
 for part in $parts; do
     case $part in
     large)
-        timeout 150 python bench/attention.py --shapes large --cases causal,plain,alibi,document,window,padding,softcap,t5 \
+        timeout 210 python bench/attention.py --shapes large --cases causal,plain,alibi,document,window,padding,softcap,t5 \
             2>&1 | grep "^|" | cut -d"|" -f2-13 ;;
     small)
         timeout 170 python bench/attention.py --shapes small --cases causal,plain,alibi,document,window,padding,softcap,t5 \

@@ -148,6 +148,21 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
     return dk, dv
 
 
+@triton.jit
+def _partial_walk_block(i, walk):
+    """The q block of step i of the dK/dV kernel's PARTIAL loop (see there): entry i of its PARTIAL list; past
+    the list, q block i - n_partial where its tile is EMPTY and it holds a recomputed row, else the block past
+    the last. Read a step ahead, as `list_entry`."""
+    n_partial, partial_blocks, flags, kinds, n_kv_blocks, n_q_blocks = walk
+    listed = i < n_partial
+    walked = i - n_partial
+    in_walk = (not listed) & (walked < n_q_blocks)
+    flag = tl.load(flags + walked, mask=in_walk, other=0)
+    tile_kind = tl.load(kinds + walked.to(tl.int64) * n_kv_blocks, mask=in_walk, other=EMPTY)
+    adds = (flag != 0) & (tile_kind == EMPTY)
+    return tl.where(listed, list_entry(partial_blocks, n_partial, i), tl.where(adds, walked, n_q_blocks))
+
+
 # dK/dV q blocks whose fallback flags the dK/dV kernel reads at once: every block up to N = 8192 at 64-row
 # blocks, in one load.
 FALLBACK_CHUNK = tl.constexpr(128)
@@ -215,19 +230,15 @@ def _flash_backward_dkdv_kernel(
                 flags = tl.load(fallback_blocks + bh * n_q_blocks + blocks, mask=blocks < n_q_blocks, other=0)
                 any_flagged = tl.maximum(any_flagged, tl.max(flags, 0).to(tl.int32))
             n_walked = n_partial + any_flagged * n_q_blocks
-            next_block = list_entry(partial_blocks, n_partial, 0)
+            kinds = kind + (map_bh * n_q_blocks).to(tl.int64) * n_kv_blocks + kv_block
+            walk = (n_partial, partial_blocks, fallback_blocks + bh * n_q_blocks, kinds, n_kv_blocks, n_q_blocks)
+            next_block = _partial_walk_block(0, walk)
         for i in range(0, n_walked):
             if KEEP is None:
                 q_block = i
             else:
-                listed = i < n_partial
-                walked = i - n_partial
-                flag = tl.load(fallback_blocks + bh * n_q_blocks + walked, mask=not listed, other=0)
-                tile_kind = tl.load(kind + (map_bh * n_q_blocks + walked).to(tl.int64) * n_kv_blocks + kv_block,
-                                    mask=not listed, other=EMPTY)
-                adds = (flag != 0) & (tile_kind == EMPTY)
-                q_block = tl.where(listed, next_block, tl.where(adds, walked, n_q_blocks))
-                next_block = list_entry(partial_blocks, n_partial, i + 1)
+                q_block = next_block
+                next_block = _partial_walk_block(i + 1, walk)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
