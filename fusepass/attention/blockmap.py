@@ -38,11 +38,11 @@ from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.launch import launch
 from fusepass.kernels.sizes import cdiv, next_power_of_2
 
-# Warps and kv tiles per `_tile_kind_kernel` program (bench/results/tile-kind-sweep-2026-11-30-1617, B2 N8192): the
-# document mask mapped in 42.7 µs at 128 × 64 (39.4 one tile per program, 105–120 at 4 warps) and 50.6 at 64 × 64
-# (62.2 one tile per program); a padding mask 7.5 and 10 µs (14 and 24 one tile per program).
-TILE_KIND_WARPS = 2
-TILE_KIND_GROUP = 4
+# Warps and kv tiles per `_tile_kind_kernel` program (bench/results/tile-kind-sweep-2026-11-30-1625, B2 N8192): the
+# document mask mapped in 38.4 µs at 64 × 64 kinds in programs of 128 rows (58–204 at 2 kv tiles or more, or 2
+# warps or more) and 40.4 in programs of 64 rows; a padding mask 14.4 and 23.9 µs (5.7 and 8.5 at 8 kv tiles).
+TILE_KIND_WARPS = 1
+TILE_KIND_GROUP = 1
 
 # Tile kinds, as stored in `BlockMap.kind`.
 EMPTY = tl.constexpr(0)
