@@ -4,6 +4,7 @@ Tensors live on the GPU when there is one (the compiled kernels run), else on th
 """
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -130,3 +131,21 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, device: str = DEVICE
     if not dtype.is_floating_point:
         return torch.randint(int(low), int(high) + 1, shape, device=device, dtype=dtype)
     return (torch.rand(shape, device=device, dtype=torch.float64) * (high - low) + low).to(dtype)
+
+
+def record_block_map_builds(monkeypatch) -> list[tuple[int, int, int]]:
+    """The (block_m, block_n, kind_block_m) of every block map built from now on (`blockmap.build_block_map`,
+    which still builds them)."""
+    from fusepass.attention import blockmap
+
+    build = blockmap.build_block_map
+    signature = inspect.signature(build)
+    built = []
+
+    def recording(*args, **kwargs):
+        tiles = signature.bind(*args, **kwargs).arguments
+        built.append((tiles["block_m"], tiles["block_n"], tiles.get("kind_block_m") or tiles["block_m"]))
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(blockmap, "build_block_map", recording)
+    return built

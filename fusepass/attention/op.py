@@ -114,6 +114,7 @@ class AttentionSpec:
     forward_tiles: FlashConfig | None = None  # set by the rewrite where the density model knows the mask's rows
     replay: bool = True  # replay launches as CUDA graphs where arguments repeat (`fusepass.kernels.replay`)
     _mod: ScoreMod | None = field(default=None, repr=False)
+    _passed_maps: dict[tuple[torch.dtype, torch.device], tuple] = field(default_factory=dict, repr=False)
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -131,36 +132,35 @@ class AttentionSpec:
         so that the backward need not map it again at the forward's tiles (other maps are cached)."""
         return bool(self.lifted.functions.get("keep")) and self.lifted.keep_reads_aux
 
-    def passed_map_tiles(self, q: torch.Tensor) -> tuple[FlashConfig, int] | None:
-        """The forward's tiles where the op returns its block map, as `flash_attention_forward` takes them for a
-        mask whose rows are not known, and the q extent of the map's kinds (`kind_block_m`). `q`: the op's
-        input."""
+    def passed_map(self, q: torch.Tensor) -> tuple[FlashConfig, int, tuple[int, int, int, int, int]] | None:
+        """Where the op returns the forward's block map: the forward's tiles, as `flash_attention_forward` takes
+        them for a mask whose rows are not known, the q extent of the map's kinds (`kind_block_m`) and the map's
+        extent (see `blockmap.map_shapes`). Asked on every call, worked out once per dtype and device. `q`: the
+        op's input."""
         if not self.passes_map:
             return None
-        tiles = narrow_kv_tiles(forward_config(self.q.size[3], q.dtype, True, q.device), None)
-        return tiles, kind_block_m(tiles, self.q.size[3], q.dtype, q.device)
-
-    def map_extent(self, q: torch.Tensor) -> tuple[int, int, int, int, int] | None:
-        """The extent (see `blockmap.map_shapes`) of the forward's block map where the op returns it. `q`: the
-        op's input."""
-        passed = self.passed_map_tiles(q)
-        if passed is None:
-            return None
-        tiles, kinds_at = passed
-        batch, heads, q_len, _ = self.out_shape
-        return map_extent(batch if "b" in self.lifted.keep_uses else 1, heads if "h" in self.lifted.keep_uses else 1,
-                          q_len, self.k.size[2], tiles.block_m, tiles.block_n, kinds_at)
+        key = (q.dtype, q.device)
+        if key not in self._passed_maps:
+            head_dim = self.q.size[3]
+            tiles = narrow_kv_tiles(forward_config(head_dim, q.dtype, True, q.device), None)
+            kinds_at = kind_block_m(tiles, head_dim, q.dtype, q.device)
+            batch, heads, q_len, _ = self.out_shape
+            uses = self.lifted.keep_uses
+            extent = map_extent(batch if "b" in uses else 1, heads if "h" in uses else 1, q_len, self.k.size[2],
+                                tiles.block_m, tiles.block_n, kinds_at)
+            self._passed_maps[key] = tiles, kinds_at, extent
+        return self._passed_maps[key]
 
     def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
         """Of the forward's block map as the op returns it, or none: one int32 buffer (`BlockMap.from_packed`) that
         a call allocates, returns and saves for the backward. `q`: the op's input."""
-        extent = self.map_extent(q)
-        return [] if extent is None else [(packed_map_numel(extent),)]
+        passed = self.passed_map(q)
+        return [] if passed is None else [(packed_map_numel(passed[2]),)]
 
     def block_map(self, packed: torch.Tensor, q: torch.Tensor) -> BlockMap:
         """The forward's block map in the buffer `packed` (see `map_shapes`)."""
-        tiles, kinds_at = self.passed_map_tiles(q)
-        return BlockMap.from_packed(tiles.block_m, tiles.block_n, kinds_at, packed, self.map_extent(q))
+        tiles, kinds_at, extent = self.passed_map(q)
+        return BlockMap.from_packed(tiles.block_m, tiles.block_n, kinds_at, packed, extent)
 
     @property
     def mod(self) -> ScoreMod:

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import DEVICE, SUMMED_GRADIENT_FP32, random_tensor, rewrites
+from support import DEVICE, SUMMED_GRADIENT_FP32, random_tensor, record_block_map_builds, rewrites
 from support import check as check_exactly
 
 import fusepass
@@ -295,11 +295,7 @@ def test_document_mask_from_segment_ids():
 
 
 def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypatch):
-    from fusepass.attention import blockmap
-
-    built = []
-    build = blockmap.build_block_map
-    monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: built.append(args[6:8]) or build(*args, **kwargs))
+    built = record_block_map_builds(monkeypatch)
     segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
     q, k, v = (t.requires_grad_() for t in qkv(nk=NQ))
     compiled = torch.compile(document_mask, backend=fusepass.backend(strict=True))
@@ -314,34 +310,30 @@ def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypa
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     # Only kernels whose tiles the forward's map does not serve map the mask at theirs (at D128 on a GPU the
     # forward's map serves both backward kernels: see test_one_map_serves_the_forward_and_both_backward_kernels).
-    tiles, kinds_at = spec.passed_map_tiles(q)
+    tiles, kinds_at, _ = spec.passed_map(q)
     served = {(tiles.block_m, tiles.block_n), (kinds_at, tiles.block_n)}
-    assert not served & set(built)
+    assert not served & {(block_m, block_n) for block_m, block_n, _ in built}
 
 
 def test_backward_kernels_tiling_alike_read_one_map(monkeypatch):
     """Where the dQ and dK/dV kernels tile alike (both 64 × 64 at D ≤ 64 on a GPU) and unlike the forward, a
     mask that reads tensors is mapped once per backward, and the gradients are eager's."""
-    from fusepass.attention import blockmap
     from fusepass.kernels import flash_bwd
     from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
 
     alike = FlashConfig(16, 32, num_warps=1, num_stages=1)
     monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: BackwardConfigs(alike, alike))
-    built = []
-    build = blockmap.build_block_map
-    monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: built.append(args[6:8]) or build(*args, **kwargs))
+    built = record_block_map_builds(monkeypatch)
     segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
     check(document_mask, *qkv(nk=NQ), segments, backward=True)
     forward_tiles = built[0]
-    assert forward_tiles != (16, 32) and built.count((16, 32)) == 1
+    assert forward_tiles != (16, 32, 16) and built.count((16, 32, 16)) == 1
 
 
 def test_one_map_serves_the_forward_and_both_backward_kernels(monkeypatch):
     """Where the dK/dV kernel's q blocks divide the forward's (at D128 on a GPU: 64 and 128 rows, both 64 wide),
     a mask that reads tensors is mapped once per forward+backward: the forward's map has its kinds and cols
     lists at the dK/dV kernel's q blocks, its rows lists at its own; the gradients are eager's."""
-    from fusepass.attention import blockmap
     from fusepass.kernels import flash_bwd, flash_config, flash_fwd
     from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
 
@@ -350,10 +342,7 @@ def test_one_map_serves_the_forward_and_both_backward_kernels(monkeypatch):
         monkeypatch.setattr(module, "forward_config", lambda *args: tall)
     for module in (flash_config, flash_bwd):
         monkeypatch.setattr(module, "backward_configs", lambda *args: BackwardConfigs(short, tall))
-    built = []
-    build = blockmap.build_block_map
-    monkeypatch.setattr(blockmap, "build_block_map",
-                        lambda *args, **kwargs: built.append((*args[6:8], args[10])) or build(*args, **kwargs))
+    built = record_block_map_builds(monkeypatch)
     segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
     check(document_mask, *qkv(nk=NQ), segments, backward=True)
     assert set(built) == {(32, 16, 16)}

@@ -7,7 +7,7 @@ from itertools import repeat
 import pytest
 import torch
 import torch.nn.functional as F
-from support import SUMMED_GRADIENT_FP32, assert_close, check, random_tensor
+from support import SUMMED_GRADIENT_FP32, assert_close, check, random_tensor, record_block_map_builds
 
 import fusepass
 from fusepass.kernels import flash_ahead, flash_bwd, flash_config, flash_fwd
@@ -101,10 +101,8 @@ def test_the_first_backward_builds_no_block_map(monkeypatch):
     flash kernels compile (on the GPU their tiles differ from the forward's)."""
     from fusepass.attention import blockmap
 
-    built = []
-    build = blockmap.build_block_map
     monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
-    monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: built.append(args[6:8]) or build(*args, **kwargs))
+    built = record_block_map_builds(monkeypatch)
     q, k, v = (random_tensor((2, 3, 37, 16), torch.float32).requires_grad_() for _ in range(3))
     slopes = torch.rand(3, device=q.device)
     out = torch.compile(_alibi_learnable, backend=fusepass.backend(strict=True))(q, k, v, slopes)
