@@ -85,6 +85,7 @@ def row_lists(lists, b, h, block, n_blocks, n_other_blocks):
 
 @triton.jit
 def _kind_of(n_kept, n_elements):
+    """A tile's kind from how many of its `n_elements` are kept."""
     return tl.where(n_kept == n_elements, FULL, tl.where(n_kept > 0, PARTIAL, EMPTY)).to(tl.int8)
 
 
@@ -303,8 +304,9 @@ def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: in
     block_map = into or empty_block_map(mod, batch, heads, q_len, kv_len, block_m, block_n, device, kind_block_m)
     assert (block_map.block_m, block_map.block_n, block_map.kind_block_m, *block_map.kind.shape[2:]) == \
         (block_m, block_n, kind_block_m, cdiv(q_len, kind_block_m), cdiv(kv_len, block_n)), "a map of other tiles"
-    # Each program evaluates tiles of the rows lists' height (one reduction per kind tile within): at 64-row
-    # kinds under 128-row lists, as fast as kinds at 128 (bench/results/tile-kind-sweep-2026-11-30-1617).
+    # Each program evaluates tiles of the rows lists' height (a count per kind tile within): 64-row kinds under
+    # 128-row lists took 38.4 µs for the document mask (tile-kind-sweep-2026-11-30-1625), 128-row kinds alone
+    # 39.4 (-1617), where 64-row kinds in programs of their own took 40.4–62.
     launch_tile_kinds(block_map.kind, mod.keep, aux, q_len, kv_len, kind_block_m, block_n, block_m // kind_block_m,
                       TILE_KIND_WARPS, TILE_KIND_GROUP)
     _write_tile_lists(block_map)

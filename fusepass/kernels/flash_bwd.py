@@ -220,8 +220,9 @@ def _flash_backward_dkdv_kernel(
         # tiles. Where this (b, h) has any, the PARTIAL loop goes on past its list over every q block, and a
         # block that adds nothing (not flagged, or its tile already listed) is walked as the block past the
         # last one, whose rows are out of range and weigh 0. A loop of its own, a third copy of the tile body,
-        # raised the kernel's registers: 70 bytes spilled under triton 3.6 where the two loops spill 22, and
-        # the causal backward took 3.95 ms against 3.68 (bench/results/flash-sweep-d128-n8192-2026-11-30-1604).
+        # raised the kernel's registers: under triton 3.6 70 bytes spilled and the causal backward took 3.95 ms
+        # (bench/results/flash-sweep-d128-n8192-2026-11-30-1604), in this loop 30 bytes and 3.80 ms (the sweep
+        # recorded in bench/results/attention-2026-11-30-1610-stdout.md).
         n_walked = n_partial
         if KEEP is not None:
             any_flagged = 0
@@ -366,8 +367,8 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                       ) -> Iterator[tuple[Any, tuple, tuple, dict]]:
     """(kernel, grid, arguments, keywords) of the dQ kernel's launch, then of the dK/dV kernel's: in that order,
     each map (`map_at` a kernel's config and whether it reads the cols lists, masks only) asked for just before
-    its launch. `aux` includes the
-    distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum` contiguous."""
+    its launch. `aux` includes the distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum`
+    contiguous."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     configs = backward_configs(head_dim, q.dtype, q.device)
