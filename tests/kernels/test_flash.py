@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from support import record_block_map_builds
 
 from fusepass.attention import blockmap
 from fusepass.attention.blockmap import (
@@ -379,15 +380,16 @@ def test_matches_reference(name, dtype, shape, layout):
         torch.testing.assert_close(inputs.aux_grad[0].double(), inputs.ref["bias"].grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, forward_block_m, dq_block_m", [
-    ("left_pad_min", None, None), ("left_pad_inf", None, None), ("left_pad_min", 32, None),
-    ("left_pad_min", None, 32)])
-def test_fully_masked_rows(monkeypatch, name, forward_block_m, dq_block_m):
+@pytest.mark.parametrize("name, forward_block_m, dq_block_m, kind_block_m", [
+    ("left_pad_min", None, None, None), ("left_pad_inf", None, None, None), ("left_pad_min", 32, None, None),
+    ("left_pad_min", None, 32, None), ("left_pad_min", 32, 32, 16), ("left_pad_inf", 32, 32, 16)])
+def test_fully_masked_rows(monkeypatch, name, forward_block_m, dq_block_m, kind_block_m):
     """Rows keeping no key (left padding under a causal mask) are recomputed over all tiles, forward and
     backward: finfo.min fills average V uniformly, -inf fills give NaN, both exactly as eager. With
     `forward_block_m` the forward runs on taller tiles than the backward, which then maps the forward's
     fallback rows onto its own q blocks; with `dq_block_m` the dQ kernel's q blocks are taller than the dK/dV
-    kernel's, each flagging two of them."""
+    kernel's, each flagging two of them; with `kind_block_m` as well, the forward's map serves both backward
+    kernels (its rows lists at 32 rows for the dQ kernel, its kinds and cols lists at 16 for dK/dV)."""
     if dq_block_m is not None:
         tiles = BackwardConfigs(INTERPRETER_CONFIG, replace(INTERPRETER_CONFIG, block_m=dq_block_m))
         monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: tiles)
@@ -397,9 +399,12 @@ def test_fully_masked_rows(monkeypatch, name, forward_block_m, dq_block_m):
     inputs = case.make_inputs(shape)
     q, k, v, do = make_qkv(shape, f32)
     forward_map = None if forward_block_m is None else build_block_map(
-        case.mod, inputs.aux, shape.batch, shape.q_heads, shape.q_len, shape.kv_len, forward_block_m, 16, DEVICE)
+        case.mod, inputs.aux, shape.batch, shape.q_heads, shape.q_len, shape.kv_len, forward_block_m, 16, DEVICE,
+        kind_block_m=kind_block_m)
+    built = record_block_map_builds(monkeypatch)
     got = run_flash(case, inputs, q, k, v, do, forward_map=forward_map)
     assert_matches(got, reference(case, inputs.ref, q, k, v, do), f32)
+    assert kind_block_m is None or not built  # the forward's map served both backward kernels
 
     fully_masked = ~inputs.ref["key_valid"][:, None, :shape.q_len].expand(-1, shape.q_heads, -1)
     assert torch.equal(got["extra"].fallback_rows.bool(), fully_masked)
