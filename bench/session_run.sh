@@ -5,7 +5,7 @@
 #
 # PARTs, with the time each took on the H200 (2026-11-30):
 #   attention    large and small                                                    ~260 s
-#   large        every case but the learnable T5 table, B2 H16 N8192 D128          ~140 s
+#   large        every case but the learnable T5 table, B2 H16 N8192 D128          ~140 s (past 150 once)
 #   small        the same at B8 H16 N2048 D64 (cut at 110 s once: now 170)         ~120 s
 #   elementwise  the elementwise suite at 2^26 elements                             ~60 s
 #   tests        the GPU tests of tests/attention, kernels, report and elementwise ~190 s
