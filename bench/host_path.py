@@ -68,11 +68,11 @@ class ReplayedEveryCall(LaunchReplays):
         return True
 
     @staticmethod
-    def key(tensors, values) -> tuple:
-        return values, 0, *(tensor_key(t) for t in tensors)  # device 0: torch.cuda may be absent
+    def key(tensors, values, allocated) -> tuple:  # device 0: torch.cuda may be absent
+        return values, 0, *(tensor_key(t) for t in tensors), *(t.data_ptr() for t in allocated)
 
-    def run(self, tensors, values, launches) -> None:
-        self._replays.get(self.key(tensors, values))
+    def run(self, tensors, values, launches, allocated=()) -> None:
+        self._replays.get(self.key(tensors, values, allocated))
 
 
 def main() -> None:

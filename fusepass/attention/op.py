@@ -226,8 +226,9 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
         outputs = forward_outputs(q4, s.mod, s.out_dtype, q.device)
         packed_map = [torch.empty(shape, dtype=torch.int32, device=q.device) for shape in s.map_shapes(q)]
         if s.replay and attention_replays.can_replay(q):
-            attention_replays.run([t for t in (q4, k4, v4, *read, *outputs, *packed_map) if t is not None],
-                                  (s.name, seed_value), lambda: forward(outputs, packed_map))
+            # The outputs' layouts follow from the spec (named by the values) and q, k, v: keyed by pointer.
+            attention_replays.run((q4, k4, v4, *read), (s.name, seed_value), lambda: forward(outputs, packed_map),
+                                  [t for t in (*outputs, *packed_map) if t is not None])
         else:
             forward(outputs, packed_map)
         out, lse, log_sum, fallback_rows = outputs
@@ -320,8 +321,9 @@ def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
     aux_grad = new_aux_grad()
     try:
         if s.replay and attention_replays.can_replay(q):
-            attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, *block_map, *read, *aux_grad,
-                                   *grads), (s.name, seed_value), lambda: backward(aux_grad))
+            # The gradients' layouts follow from q, k, v's (seen through the spec's views) and the aux tensors'.
+            attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, *block_map, *read),
+                                  (s.name, seed_value), lambda: backward(aux_grad), (*aux_grad, *grads))
         else:
             backward(aux_grad)
     except Exception as error:  # as in the forward: the replaced ops take over

@@ -292,7 +292,8 @@ class PointwiseLauncher:
             # Scalars by repr: -0.0 and 0.0, True and 1 are equal keys but other launches.
             tensors = [p for p in pointers if isinstance(p, torch.Tensor)]
             values = (plan.serial, *(repr(p) for p in pointers if not isinstance(p, torch.Tensor)))
-            pointwise_replays.run([*tensors, *outputs], values, lambda: plan.launch(plan.grid, *pointers, *outputs))
+            # The outputs' layouts follow from the plan (its serial among the values).
+            pointwise_replays.run(tensors, values, lambda: plan.launch(plan.grid, *pointers, *outputs), outputs)
         else:
             plan.launch(plan.grid, *pointers, *outputs)
         return outputs

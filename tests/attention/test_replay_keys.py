@@ -1,6 +1,7 @@
 """What a replay repeats is determined by its key: every attention call's launches (kernel, grid, arguments,
 keywords) are traced, and where two calls have the same key (`LaunchReplays.key`: the pointers, shapes, strides
-and dtypes of the tensors the op names, and its host values) their traces must be equal. On any machine: the
+and dtypes of the tensors the op names, the pointers of those it allocated for the call, and its host values)
+their traces must be equal. On any machine: the
 launches run (the interpreter on the CPU), nothing is captured; `tests/kernels/test_replay.py` covers the
 capture policy, `test_replay.py` the graphs on the GPU.
 
@@ -68,9 +69,10 @@ class TracedReplays(LaunchReplays):
         assert not any(base <= p < base + t.untyped_storage().nbytes() for p in self.unnamed), \
             "a launch writes a result the key does not name"
 
-    def run(self, tensors, values, launches):
-        self.named, self.others, self.trace = list(tensors), {}, []
-        key = values, self.described(tuple(tensors))
+    def run(self, tensors, values, launches, allocated=()):
+        self.named, self.others, self.trace = [*tensors, *allocated], {}, []
+        # As LaunchReplays.key: the tensors the caller allocated for the call by their pointers alone.
+        key = values, self.described(tuple(tensors)), tuple(self.pointer(t) for t in allocated)
         launches()
         trace, self.trace = self.trace, None
         self.unnamed |= set(self.others)

@@ -143,17 +143,17 @@ def test_a_pointwise_replay_key_names_every_tensor_of_the_launch(monkeypatch):
         def can_replay(t):
             return True
 
-        def run(self, tensors, values, launches):
-            keys.append((tensors, values))
+        def run(self, tensors, values, launches, allocated=()):
+            keys.append((tensors, values, allocated))
             launches()
 
     monkeypatch.setattr(pointwise, "pointwise_replays", Recording())
     x = random_tensor((5, 7), torch.float32)
     scale = torch.tensor(-0.5, device=x.device)
     out = torch.compile(lambda x, s: torch.relu(x * s) + x, backend=fusepass.backend(strict=True))(x, scale)
-    (named, values), = keys
-    assert [t is expected for t, expected in zip(named, (x, scale, out))] == [True, True, True]
-    assert len(named) == 3 and len(values) == 1  # the plan's serial
+    (named, values, allocated), = keys
+    assert [t is expected for t, expected in zip((*named, *allocated), (x, scale, out))] == [True, True, True]
+    assert (len(named), len(allocated), len(values)) == (2, 1, 1)  # the output by its pointer; the plan's serial
 
 
 def test_clear_drops_every_graph_and_starts_over():
