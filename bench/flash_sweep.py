@@ -1,11 +1,14 @@
-"""Tile configs of the flash kernels, timed on causal attention: what ``flash_config`` should choose.
+"""Tile configs of the flash kernels, timed on causal attention (unmasked with --plain): what ``flash_config``
+should choose.
 
     PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--forward-only] [--chosen]
+        [--plain]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
         [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
 
-Calls the kernels directly (no compile step), with a causal score function written here by hand.
+Calls the kernels directly (no compile step), with a causal score function (or the scale alone) written here
+by hand.
 """
 from __future__ import annotations
 
@@ -57,6 +60,8 @@ CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, kee
                   fill_grad=no_grad)
 # The same, its scale declared (ScoreMod.linear_scale): full tiles fold it into the exponent.
 CAUSAL_LINEAR = replace(CAUSAL, name="sweep_causal_linear", linear_scale=SCALE)
+PLAIN = ScoreMod(name="sweep_plain", score=scaled, score_grad=scaled_grad)
+PLAIN_LINEAR = replace(PLAIN, name="sweep_plain_linear", linear_scale=SCALE)
 
 # Per-tile operands through TMA descriptors; the first config of each list also with pointer loads.
 FORWARD = [FlashConfig(128, 128, 8, 3, descriptors=False)] + [
@@ -92,21 +97,26 @@ def main() -> None:
     parser.add_argument("--dkdv", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dK/dV")
     parser.add_argument("--dq", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dQ")
     parser.add_argument("--forward", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages")
+    parser.add_argument("--plain", action="store_true", help="no mask (the scale alone) instead of causal")
     args = parser.parse_args()
+    causal = not args.plain
+    mod, linear_mod = (CAUSAL, CAUSAL_LINEAR) if causal else (PLAIN, PLAIN_LINEAR)
     forward, backward = (FORWARD[1:2], BACKWARD[1:2]) if args.chosen else (FORWARD, BACKWARD)
     if args.forward is not None:
         forward = [_config(c) for c in args.forward]
+    swept = "" if args.forward is None else "-forward"
     for kernel in ("dkdv", "dq"):
         if getattr(args, kernel) is not None:
-            chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, torch.device("cuda"))
+            swept = f"-{kernel}"
+            chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, causal, torch.device("cuda"))
             forward, backward = [], [replace(chosen, **{kernel: _config(c)}) for c in getattr(args, kernel)]
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
-    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=SCALE)
-    flops = 4 * b * h * n * n * d * (n + 1) / (2 * n)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=SCALE)
+    flops = 4 * b * h * n * n * d * ((n + 1) / (2 * n) if causal else 1)
     rows = []
-    sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+    sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                                                  scale=SCALE))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
@@ -115,32 +125,31 @@ def main() -> None:
     else:
         folded = FORWARD[1:2] + FORWARD[4:5] if forward else []
     flash_fwd.narrow_kv_tiles = lambda config, wide_map: config  # each config at its own tiles
-    for mod, config in [(CAUSAL, c) for c in forward] + [(CAUSAL_LINEAR, c) for c in folded]:
+    for swept, config in [(mod, c) for c in forward] + [(linear_mod, c) for c in folded]:
         flash_fwd.forward_config = lambda *a, c=config: c
-        kernel = "forward" if mod is CAUSAL else "forward, scale folded"
+        kernel = "forward" if swept is mod else "forward, scale folded"
         try:
-            out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, ())
+            out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, swept, ())
             error = relative_error(out, reference)
-            ms = median_ms(lambda: flash_fwd.flash_attention_forward(q, k, v, mod, ()))
+            ms = median_ms(lambda: flash_fwd.flash_attention_forward(q, k, v, swept, ()))
             rows.append({"kernel": kernel, "config": str(config), "ms": ms, "TFLOP/s": flops / ms / 1e9,
                          "error": error, "registers / spills": registers(flash_fwd._flash_forward_kernel)})
         except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
             rows.append({"kernel": kernel, "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
     flash_fwd.forward_config = lambda *a: FlashConfig(128, 128, 8, 3, descriptors=True)
-    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, CAUSAL, ())
+    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, ())
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=SCALE)
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, scale=SCALE)
     sdpa_bwd = median_ms(lambda: torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True))
     rows.append({"kernel": "sdpa backward", "config": "-", "ms": sdpa_bwd, "TFLOP/s": 2.5 * flops / sdpa_bwd / 1e9})
     expected = torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True)
     for config in [] if args.forward_only else backward:
         flash_bwd.backward_configs = lambda *a, c=config: c
         try:
-            grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (), None)
+            grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, mod, (), None)
             error = max(relative_error(g, e) for g, e in zip(grads, expected))
-            ms = median_ms(lambda: flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, CAUSAL, (),
-                                                                      None))
+            ms = median_ms(lambda: flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, mod, (), None))
             rows.append({"kernel": "backward", "config": str(config), "ms": ms,
                          "TFLOP/s": 2.5 * flops / ms / 1e9, "error": error,
                          "registers / spills": ", ".join(registers(k) for k in (
@@ -148,7 +157,8 @@ def main() -> None:
         except Exception as e:
             rows.append({"kernel": "backward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
-    print(keep(f"flash-sweep-d{d}-n{n}", ["kernel", "config", "ms", "TFLOP/s", "error", "registers / spills"], rows))
+    name = f"flash-sweep-d{d}-n{n}" + ("" if causal else "-plain") + swept
+    print(keep(name, ["kernel", "config", "ms", "TFLOP/s", "error", "registers / spills"], rows))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def main() -> None:
     flash_config.has_tma = lambda device: True
     cuda, dtype = torch.device("cuda"), torch.bfloat16
     forward = config(args.forward, flash_config.forward_config(args.head_dim, dtype, mod.has_mask, cuda))
-    defaults = flash_config.backward_configs(args.head_dim, dtype, cuda)
+    defaults = flash_config.backward_configs(args.head_dim, dtype, mod.has_mask, cuda)
     backward = BackwardConfigs(config(args.dkdv, defaults.dkdv), config(args.dq, defaults.dq))
     flash_fwd.forward_config = lambda *_: forward
     flash_bwd.backward_configs = lambda *_: backward

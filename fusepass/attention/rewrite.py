@@ -114,7 +114,7 @@ def _records(replaced: list[torch.fx.Node], spec: AttentionSpec, sources: list[t
     def tiles(config: FlashConfig) -> Tiles:
         return tile_density(features, skips, q_len, shape.kv_len, config.block_m, config.block_n, sms)
 
-    backward = backward_configs(head_dim, dtype, cuda)
+    backward = backward_configs(head_dim, dtype, masked, cuda)
     aux = [AuxRead(bytes=value_bytes(a), itemsize=val(a).element_size(),
                    per_tile=value_bytes(a) // val(a).element_size() >= q_len * shape.kv_len,
                    needs_grad=bool(a.meta.get("requires_grad"))) for a in spec.lifted.aux]

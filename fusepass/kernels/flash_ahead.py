@@ -57,6 +57,6 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     if mod.has_mask and not mod.keep_reads_aux:
         # The backward's maps (cached per shape) built now, while the flash kernels compile: the first backward
         # would otherwise compile and run their kernels before its own launches.
-        configs = backward_configs(head_dim, q.dtype, q.device)
+        configs = backward_configs(head_dim, q.dtype, True, q.device)
         for config in (configs.dq, configs.dkdv):
             block_map_for(mod, read, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)

@@ -371,8 +371,9 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     contiguous."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    configs = backward_configs(head_dim, q.dtype, q.device)
-    assert configs.dq.block_m % configs.dkdv.block_m == 0, "a dQ q block flags whole dK/dV q blocks"
+    configs = backward_configs(head_dim, q.dtype, mod.has_mask, q.device)
+    assert not mod.has_mask or configs.dq.block_m % configs.dkdv.block_m == 0, \
+        "a dQ q block flags whole dK/dV q blocks"
     block_d = head_block(head_dim)
     dq, dk, dv = grads
     # Per (b, h) and dK/dV q block: whether it holds a row the forward recomputed (written by the dQ kernel).

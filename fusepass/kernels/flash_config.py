@@ -1,7 +1,7 @@
 """Tile sizes and launch parameters of the flash-attention kernels.
 
 One `FlashConfig` per kernel (the forward; the backward's dK/dV and dQ kernels, each with a block map at its
-tiles). Chosen by head dim, dtype, the device and (forward) whether a mask is present.
+tiles). Chosen by head dim, dtype, the device and whether a mask is present.
 
 Under Triton's interpreter (CPU) every tile is 16 × 16: the interpreter's cost grows with the number of
 elements a program touches, and 16 is the smallest size `tl.dot` accepts. The GPU numbers are starting
@@ -111,14 +111,14 @@ class BackwardConfigs:
 
 
 @functools.cache  # asked on every call of the kernels
-def backward_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> BackwardConfigs:
+def backward_configs(head_dim: int, dtype: torch.dtype, has_mask: bool, device: torch.device) -> BackwardConfigs:
     if device.type != "cuda":
         return BackwardConfigs(INTERPRETER_CONFIG, INTERPRETER_CONFIG)
-    tiles = _backward_tiles(head_dim, dtype)
+    tiles = _backward_tiles(head_dim, dtype, has_mask)
     return BackwardConfigs(*(replace(config, descriptors=has_tma(device)) for config in (tiles.dkdv, tiles.dq)))
 
 
-def _backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardConfigs:
+def _backward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> BackwardConfigs:
     block_d = head_block(head_dim)
     if dtype == torch.float32:  # fp32 tiles take twice the registers and shared memory
         return BackwardConfigs(FlashConfig(32, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
@@ -126,6 +126,10 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype) -> BackwardConfigs:
     # its sᵀ = K·Qᵀ and dpᵀ = V·dOᵀ products N = 64, where N = 32 reads K or V from shared memory twice as
     # often per FLOP.
     if block_d <= 64:
+        if not has_mask:
+            # bench/results/flash-sweep-d64-n2048-plain-dkdv-2026-11-30-1730, B8 H16 N2048 without a mask: 1.12 ms
+            # (1.21 at the masks' tiles below; -plain-dq-…-1728: dQ 64 × 128 best).
+            return BackwardConfigs(FlashConfig(32, 128, num_warps=4, num_stages=3), FlashConfig(64, 128, 4, 3))
         # bench/results/flash-sweep-d64-n2048-2026-11-30-0909, causal B8 H16 N2048: 0.683 ms (0.918 at 32 × 128
         # and 8 warps, 0.680 at 32 × 64)
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(64, 64, 4, 3))
@@ -142,7 +146,7 @@ def kind_block_m(forward: FlashConfig, head_dim: int, dtype: torch.dtype, device
     mask that reads tensors (mapped on every call, and passed to the backward): the dK/dV kernel's q blocks
     where they divide the forward's and the kv extents agree, so that one map serves the forward and both
     backward kernels (the dQ kernel reads the forward's rows lists); else the forward's."""
-    dkdv = backward_configs(head_dim, dtype, device).dkdv
+    dkdv = backward_configs(head_dim, dtype, True, device).dkdv
     if dkdv.block_n == forward.block_n and forward.block_m % dkdv.block_m == 0:
         return dkdv.block_m
     return forward.block_m
