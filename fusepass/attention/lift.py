@@ -593,9 +593,13 @@ class Lifter:
             chunks.append(self._index_function(f"{self.name}_keep", "b, h, q_idx, kv_idx, aux", [],
                                     f"return {keep_expr}"))
             chunks.append(self._score_function(f"{self.name}_fill", fill_graph))
-            chunks.append(self._grad_function(f"{self.name}_fill_grad", fill_graph))
-            functions.update(keep=f"{self.name}_keep", fill=f"{self.name}_fill",
-                             fill_grad=f"{self.name}_fill_grad")
+            functions.update(keep=f"{self.name}_keep", fill=f"{self.name}_fill")
+            # A fill that no gradient flows through (a constant) has no gradient function: the kernels then add
+            # no zero tile per masked tile (docs/flash-kernel-interface.md, fill_grad=None).
+            fill_grad = self._grad_function(f"{self.name}_fill_grad", fill_graph, optional=True)
+            if fill_grad is not None:
+                chunks.append(fill_grad)
+                functions["fill_grad"] = f"{self.name}_fill_grad"
             fill_bound = fill_value
         features = self._features()
         source = "\n\n".join(chunks + self.table_sources)
@@ -775,13 +779,18 @@ class Lifter:
         return self._index_function(name, "s, b, h, q_idx, kv_idx, aux", lines,
                                     f"return ({result.expr} + {SPLAT_OF_S}).to(tl.float32)")
 
-    def _grad_function(self, name: str, module: torch.fx.GraphModule) -> str:
+    def _grad_function(self, name: str, module: torch.fx.GraphModule, optional: bool = False) -> str | None:
+        """The jit function of `module`'s gradient: d out/d s · ds returned, aux gradients accumulated. When
+        `optional`, None where no gradient flows (a constant; the vector-Jacobian product reads ds wherever
+        one does)."""
         placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
         by_name = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
         differentiable = [i for i, n in enumerate(placeholders)
                           if by_name.get(n.name) is self.s_leaf or isinstance(self.leaves.get(by_name.get(n.name)),
                                                                                GradLeaf)]
         backward = _vjp_graph(module, differentiable)
+        if optional and not _reads_last_input(backward):
+            return None
         lines: list[str] = []
         env = self._bind_leaves(module, lines)
         env_backward = {}
@@ -829,6 +838,16 @@ def _accumulate(leaf: GradLeaf, grad: str) -> list[str]:
                 "else:",
                 f"    fd.add_by_distance(aux_grad[{target}], tl.trans({leaf.offset}), tl.trans({full}))"]
     return [f"tl.atomic_add(aux_grad[{target}] + ({leaf.offset}), {full}, mask={leaf.mask})"]
+
+
+def _reads_last_input(module: torch.fx.GraphModule) -> bool:
+    """Whether any of `module`'s outputs is computed from its last placeholder."""
+    reached = {[n for n in module.graph.nodes if n.op == "placeholder"][-1]}
+    for node in module.graph.nodes:
+        if node.op != "placeholder" and any(arg in reached for arg in node.all_input_nodes):
+            reached.add(node)
+    output = [n for n in module.graph.nodes if n.op == "output"][0]
+    return output in reached
 
 
 def _vjp_graph(module: torch.fx.GraphModule, differentiable: list[int]) -> torch.fx.GraphModule:
