@@ -1,6 +1,6 @@
 """Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
 
-    PYTHONPATH=. python bench/kernel_resources.py [--mask causal|none] [--head-dim 128]
+    PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|none] [--head-dim 128]
         [--forward 128,64,8,3] [--dkdv 32,128,8,3] [--dq 128,64,8,3]
 
 Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
@@ -21,8 +21,9 @@ import tempfile
 
 import torch
 import triton
+import triton.language as tl
 import triton.runtime.jit as jit
-from flash_sweep import CAUSAL, minus_inf, no_grad, scaled, scaled_grad
+from flash_sweep import CAUSAL, PLAIN, minus_inf, no_grad, scaled, scaled_grad
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
@@ -31,7 +32,6 @@ from fusepass.kernels import flash_bwd, flash_config, flash_fwd, launch
 from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
 
 H200 = GPUTarget("cuda", 90, 32)
-PLAIN = ScoreMod(name="resources_plain", score=scaled, score_grad=scaled_grad)
 
 
 class CompileOnlyDriver:
@@ -87,9 +87,18 @@ def window_keep(b, h, q_idx, kv_idx, aux):
     return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
 
 
+@triton.jit
+def document_keep(b, h, q_idx, kv_idx, aux):
+    # aux[0]: the document id of each position, [batch, seq] int64 (as the suite's document case)
+    return tl.load(aux[0] + b * aux[1] + q_idx) == tl.load(aux[0] + b * aux[1] + kv_idx)
+
+
 WINDOW = ScoreMod(name="resources_window", score=scaled, score_grad=scaled_grad, keep=window_keep, fill=minus_inf,
                   fill_grad=no_grad)
-MASKS = {"causal": CAUSAL, "window": WINDOW, "none": PLAIN}
+# A constant fill lifts with no gradient function (fill_grad None), as the document case's does.
+DOCUMENT = ScoreMod(name="resources_document", score=scaled, score_grad=scaled_grad, keep=document_keep,
+                    fill=minus_inf, keep_uses_batch=True, keep_reads_aux=True)
+MASKS = {"causal": CAUSAL, "window": WINDOW, "document": DOCUMENT, "none": PLAIN}
 
 
 def config(text: str | None, default: FlashConfig) -> FlashConfig:
@@ -119,8 +128,9 @@ def main() -> None:
 
     compiled = compile_launches()
     q, k, v = (torch.randn(1, 2, args.seq, args.head_dim, dtype=dtype) for _ in range(3))
-    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, ())
-    flash_bwd.flash_attention_backward(q, q, k, v, out, lse, extra, mod, (), None)
+    aux = (torch.zeros(1, args.seq, dtype=torch.int64), args.seq) if mod.keep_reads_aux else ()
+    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux)
+    flash_bwd.flash_attention_backward(q, q, k, v, out, lse, extra, mod, aux, None)
     print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}: forward {forward}, dK/dV "
           f"{backward.dkdv}, dQ {backward.dq}")
     for name, kernel in compiled:
