@@ -104,10 +104,10 @@ def main() -> None:
     forward, backward = (FORWARD[1:2], BACKWARD[1:2]) if args.chosen else (FORWARD, BACKWARD)
     if args.forward is not None:
         forward = [_config(c) for c in args.forward]
-    swept = "" if args.forward is None else "-forward"
+    swept_kernel = "" if args.forward is None else "-forward"
     for kernel in ("dkdv", "dq"):
         if getattr(args, kernel) is not None:
-            swept = f"-{kernel}"
+            swept_kernel = f"-{kernel}"
             chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, causal, torch.device("cuda"))
             forward, backward = [], [replace(chosen, **{kernel: _config(c)}) for c in getattr(args, kernel)]
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
@@ -157,7 +157,7 @@ def main() -> None:
         except Exception as e:
             rows.append({"kernel": "backward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
-    name = f"flash-sweep-d{d}-n{n}" + ("" if causal else "-plain") + swept
+    name = f"flash-sweep-d{d}-n{n}" + ("" if causal else "-plain") + swept_kernel
     print(keep(name, ["kernel", "config", "ms", "TFLOP/s", "error", "registers / spills"], rows))
 
 
