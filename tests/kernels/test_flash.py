@@ -416,6 +416,22 @@ def test_fully_masked_rows(monkeypatch, name, forward_block_m, dq_block_m, kind_
         assert not got["out"][~fully_masked].isnan().any()
 
 
+@pytest.mark.parametrize("dkdv, dq", [((16, 32), (32, 32)), ((32, 16), (16, 16))], ids=["short-dkdv", "tall-dkdv"])
+def test_unmasked_backward_tiles(monkeypatch, dkdv, dq):
+    """Without a mask the backward's two kernels tile apart (as at D ≤ 64 on the GPU: dK/dV 32 × 128, dQ
+    64 × 128): kv blocks wider than q chunks, and dK/dV q chunks that need not divide the dQ kernel's q blocks
+    (they flag rows a mask recomputed, and there is none), with GQA and sizes no tile divides."""
+    tiles = BackwardConfigs(replace(INTERPRETER_CONFIG, block_m=dkdv[0], block_n=dkdv[1]),
+                            replace(INTERPRETER_CONFIG, block_m=dq[0], block_n=dq[1]))
+    monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: tiles)
+    torch.manual_seed(0)
+    shape = Shape(1, 4, 2, 45, 53, 24)
+    case = CASES["plain"]
+    inputs = case.make_inputs(shape)
+    q, k, v, do = make_qkv(shape, f32)
+    assert_matches(run_flash(case, inputs, q, k, v, do), reference(case, inputs.ref, q, k, v, do), f32)
+
+
 # ---- dropout ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["plain", "causal_min"])
