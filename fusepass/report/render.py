@@ -56,7 +56,9 @@ def _rewrite_lines(r: Rewrite) -> list[str]:
                f"{format_time(r.time_fused_ms):>10}")
     about = [r.location, f"{len(r.ops)} ops", format_count(r.flops, "FLOP")]
     if r.activation_bytes_saved:
-        about.append(f"{format_bytes(r.activation_bytes_saved)} less kept for backward")
+        # Negative where the fused op keeps more (its output and row statistics outweigh small probabilities).
+        fewer = r.activation_bytes_saved > 0
+        about.append(f"{format_bytes(abs(r.activation_bytes_saved))} {'less' if fewer else 'more'} kept for backward")
     if r.measured_speedup is not None:
         about.append(f"measured {format_time(r.measured_unfused_ms)} -> {format_time(r.measured_fused_ms)} "
                      f"({r.measured_speedup:.2f}x)")

@@ -50,6 +50,16 @@ def attention_and_chain(q, k, v, w):
 
 
 class Table(expecttest.TestCase):
+    def test_more_kept_for_backward(self):
+        """A fused op that keeps more for the backward than the ops it replaced (its output and row statistics
+        against a short sequence's probabilities) says so, with the amount."""
+        rewrite = Rewrite(kind="attention", phase="forward", location="model.py:12", ops=("aten.softmax",),
+                          bytes_unfused=1 << 20, bytes_fused=1 << 19, activation_bytes_saved=-(526 << 10))
+        report = Report(graph="graph 0", device="cpu")
+        report.rewrites = [rewrite]
+        roofline.estimate(report)
+        self.assertIn("model.py:12 | 1 ops | 0 FLOP | 526.0 KiB more kept for backward", str(report))
+
     def test_hand_made_report(self):
         text = str(hand_made_report())
         assert_fits(text)
