@@ -51,13 +51,8 @@ def minus_inf(s, b, h, q_idx, kv_idx, aux):
     return tl.full(s.shape, float("-inf"), tl.float32)
 
 
-@triton.jit
-def no_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
-    return tl.zeros(s.shape, tl.float32)
-
-
-CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf,
-                  fill_grad=no_grad)
+# A constant fill has no gradient function (fill_grad None), as the attention pass lifts one.
+CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf)
 # The same, its scale declared (ScoreMod.linear_scale): full tiles fold it into the exponent.
 CAUSAL_LINEAR = replace(CAUSAL, name="sweep_causal_linear", linear_scale=SCALE)
 PLAIN = ScoreMod(name="sweep_plain", score=scaled, score_grad=scaled_grad)
