@@ -205,17 +205,9 @@ def _flash_backward_dkdv_kernel(
             n_full, full_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks, FULL_LIST)
             n_partial, partial_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks,
                                                    PARTIAL_LIST)
-        if KEEP is not None:
-            next_block = list_entry(full_blocks, n_full, 0)
-        for i in range(0, n_full):
-            if KEEP is None:
-                q_block = i
-            else:
-                q_block = next_block
-                next_block = list_entry(full_blocks, n_full, i + 1)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
-                                Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
-                                SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
+        # The PARTIAL loop runs before the FULL loop: in the other order the two pipelines spilled 128 bytes
+        # under triton 3.6 at D128, causal (16 in this one; 112 and 8 for a window, 104 and 8 for a document
+        # mask; bench/kernel_resources.py with triton 3.6).
         # q blocks holding rows the forward recomputed over all tiles (flagged by the dQ kernel) add their EMPTY
         # tiles. Where this (b, h) has any, the PARTIAL loop goes on past its list over every q block, and a
         # block that adds nothing (not flagged, or its tile already listed) is walked as the block past the
@@ -243,6 +235,17 @@ def _flash_backward_dkdv_kernel(
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
+        if KEEP is not None:
+            next_block = list_entry(full_blocks, n_full, 0)
+        for i in range(0, n_full):
+            if KEEP is None:
+                q_block = i
+            else:
+                q_block = next_block
+                next_block = list_entry(full_blocks, n_full, i + 1)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
+                                Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
+                                SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
                dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
