@@ -1,6 +1,6 @@
 """Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
 
-    PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|none] [--head-dim 128]
+    PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|alibi|none] [--head-dim 128]
         [--forward 128,64,8,3] [--dkdv 32,128,8,3] [--dq 128,64,8,3]
 
 Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
@@ -98,10 +98,21 @@ def document_keep(b, h, q_idx, kv_idx, aux):
     return tl.load(aux[0] + b * aux[1] + q_idx) == tl.load(aux[0] + b * aux[1] + kv_idx)
 
 
+@triton.jit
+def alibi_score(s, b, h, q_idx, kv_idx, aux):
+    # aux[0]: the slope of each head, fp32 (as the suite's ALiBi case, under a causal mask)
+    return s * 0.08838834764831845 + tl.load(aux[0] + h) * (kv_idx - q_idx).to(tl.float32)
+
+
 WINDOW = ScoreMod(name="resources_window", score=scaled, score_grad=scaled_grad, keep=window_keep, fill=minus_inf)
 DOCUMENT = ScoreMod(name="resources_document", score=scaled, score_grad=scaled_grad, keep=document_keep,
                     fill=minus_inf, keep_uses_batch=True, keep_reads_aux=True)
-MASKS = {"causal": CAUSAL, "window": WINDOW, "document": DOCUMENT, "none": PLAIN}
+ALIBI = ScoreMod(name="resources_alibi", score=alibi_score, score_grad=scaled_grad, keep=CAUSAL.keep,
+                 fill=minus_inf)
+MASKS = {"causal": CAUSAL, "window": WINDOW, "document": DOCUMENT, "alibi": ALIBI, "none": PLAIN}
+# The aux tensors each stand-in reads, by sequence length.
+AUX = {"document": lambda seq: (torch.zeros(1, seq, dtype=torch.int64), seq),
+       "alibi": lambda seq: (torch.ones(2, dtype=torch.float32),)}
 
 
 def config(text: str | None, default: FlashConfig) -> FlashConfig:
@@ -131,7 +142,7 @@ def main() -> None:
 
     compiled = compile_launches()
     q, k, v = (torch.randn(1, 2, args.seq, args.head_dim, dtype=dtype) for _ in range(3))
-    aux = (torch.zeros(1, args.seq, dtype=torch.int64), args.seq) if mod.keep_reads_aux else ()
+    aux = AUX[args.mask](args.seq) if args.mask in AUX else ()
     out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux)
     flash_bwd.flash_attention_backward(q, q, k, v, out, lse, extra, mod, aux, None)
     print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}: forward {forward}, dK/dV "
