@@ -96,7 +96,11 @@ def main() -> None:
     args = parser.parse_args()
     causal = not args.plain
     mod, linear_mod = (CAUSAL, CAUSAL_LINEAR) if causal else (PLAIN, PLAIN_LINEAR)
-    forward, backward = (FORWARD[1:2], BACKWARD[1:2]) if args.chosen else (FORWARD, BACKWARD)
+    forward, backward = FORWARD, BACKWARD
+    if args.chosen:  # flash_config's choices at this head dim (masks' tiles for causal, unmasked ones with --plain)
+        cuda = torch.device("cuda")
+        forward = [flash_fwd.forward_config(args.head_dim, torch.bfloat16, causal, cuda)]
+        backward = [flash_bwd.backward_configs(args.head_dim, torch.bfloat16, causal, cuda)]
     if args.forward is not None:
         forward = [_config(c) for c in args.forward]
     swept_kernel = "" if args.forward is None else "-forward"
@@ -115,7 +119,7 @@ def main() -> None:
                                                                                  scale=SCALE))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
-    if args.forward is not None:
+    if args.forward is not None or args.chosen:
         folded = forward  # every given config, also with the scale folded
     else:
         folded = FORWARD[1:2] + FORWARD[4:5] if forward else []
