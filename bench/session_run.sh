@@ -14,6 +14,8 @@
 #   host         where a small-shape forward+backward call spends its host time,    (~40 s before --floor)
 #                beside the floor of torch's layers and FlexAttention's call
 #   replay       small-shape calls replayed as CUDA graphs, beside FlexAttention's  (not run yet)
+#   sweep        the kernels at flash_config's tiles, causal B2 H16 N8192 D128,     (not run yet)
+#                forward and backward beside SDPA's, with registers and spills
 # Without PARTs: attention elementwise tests (~480 s); the others make a second call.
 #
 # Each suite writes bench/results/ as it always does; what this run wrote comes back as one archive,
@@ -51,6 +53,8 @@ for part in $parts; do
     replay)
         (cd bench && timeout 150 python graph_replay.py --cases window,document,causal,alibi --shape small 2>&1 \
             | grep "^|") ;;
+    sweep)
+        (cd bench && timeout 150 python flash_sweep.py --chosen 2>&1 | grep "^|") ;;
     *)
         echo "unknown part: $part" ;;
     esac
