@@ -5,7 +5,8 @@ should choose.
         [--plain]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
-        [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
+        [--forward 128,64,4,3[,4] ...]     (these forward tiles, through descriptors, instead of the list below;
+                                            a fifth number groups the programs by (batch, head) pairs)
 
 Calls the kernels directly (no compile step), with a causal score function (or the scale alone) written here
 by hand.
@@ -71,8 +72,9 @@ BACKWARD = [BackwardConfigs(FlashConfig(32, 64, 4, 3), FlashConfig(128, 64, 8, 3
 
 
 def _config(tiles: str) -> FlashConfig:
-    """A config from "block_m,block_n,num_warps,num_stages", through descriptors."""
-    return FlashConfig(*map(int, tiles.split(",")), descriptors=True)
+    """A config from "block_m,block_n,num_warps,num_stages[,head_group]", through descriptors."""
+    block_m, block_n, num_warps, num_stages, *head_group = map(int, tiles.split(","))
+    return FlashConfig(block_m, block_n, num_warps, num_stages, descriptors=True, head_group=(head_group or [1])[0])
 
 
 def registers(kernel) -> str:
@@ -91,7 +93,8 @@ def main() -> None:
     parser.add_argument("--chosen", action="store_true", help="only the configs flash_config chooses")
     parser.add_argument("--dkdv", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dK/dV")
     parser.add_argument("--dq", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dQ")
-    parser.add_argument("--forward", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages")
+    parser.add_argument("--forward", nargs="*", default=None,
+                        help="block_m,block_n,num_warps,num_stages[,head_group] (flash_fwd.grouped_program)")
     parser.add_argument("--plain", action="store_true", help="no mask (the scale alone) instead of causal")
     args = parser.parse_args()
     causal = not args.plain

@@ -118,8 +118,8 @@ AUX = {"document": lambda seq: (torch.zeros(1, seq, dtype=torch.int64), seq),
 def config(text: str | None, default: FlashConfig) -> FlashConfig:
     if not text:
         return default
-    block_m, block_n, num_warps, num_stages, descriptors = map(int, text.split(","))
-    return FlashConfig(block_m, block_n, num_warps, num_stages, bool(descriptors))
+    block_m, block_n, num_warps, num_stages, descriptors, *head_group = map(int, text.split(","))
+    return FlashConfig(block_m, block_n, num_warps, num_stages, bool(descriptors), *head_group)
 
 
 def main() -> None:

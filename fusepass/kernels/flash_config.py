@@ -32,6 +32,9 @@ class FlashConfig:
     # descriptors where their layouts allow (see `flash_fwd.tile_operands`): one copy instruction per tile, no address
     # arithmetic, rows past the end filled with zeros by the copy engine.
     descriptors: bool = False
+    # Programs of this many (batch, head) pairs take their blocks in turn (flash_fwd.grouped_program); 1: the
+    # grid's own order, pair after pair.
+    head_group: int = 1
 
 
 # The interpreter runs descriptor loads too, so CPU tests cover that path.

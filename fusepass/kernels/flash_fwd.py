@@ -162,6 +162,30 @@ def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_he
     return acc, m_new, l
 
 
+@triton.jit
+def grouped_program(HEAD_GROUP: tl.constexpr):
+    """(block rank, head, batch) of this program of a (blocks, heads, batch) grid, the programs taken in launch
+    order: the (batch, head) pairs in groups of HEAD_GROUP, each group's programs block rank by block rank
+    with its pairs in turn (a last group may hold fewer pairs). With HEAD_GROUP 1, the grid's own order.
+
+    The GPU starts programs in launch order as others finish. In the grid's own order each pair's programs
+    run longest first but pair after pair, so the last pairs' long programs start late and end after the
+    others; taking the pairs in groups starts long programs of every group early, while the programs running
+    at once still read the K and V of a few heads only."""
+    if HEAD_GROUP == 1:
+        rank, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    else:
+        n_blocks, n_heads = tl.num_programs(0), tl.num_programs(1)
+        linear = tl.program_id(0) + n_blocks * (tl.program_id(1) + n_heads * tl.program_id(2))
+        group = linear // (n_blocks * HEAD_GROUP)
+        in_group = linear - group * (n_blocks * HEAD_GROUP)
+        pairs = tl.minimum(HEAD_GROUP, n_heads * tl.num_programs(2) - group * HEAD_GROUP)
+        rank = in_group // pairs
+        pair = group * HEAD_GROUP + in_group % pairs
+        h, b = pair % n_heads, pair // n_heads
+    return rank, h, b
+
+
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_forward_kernel(
     Q, K, V, Out, Lse, LogSum, Fallback,
@@ -169,14 +193,13 @@ def _flash_forward_kernel(
     Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DESCRIPTORS: tl.constexpr,
+    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     # Last q blocks first: under a causal mask they hold the most tiles, so the long programs start early
     # and the short ones fill the tail.
-    q_block = n_q_blocks - 1 - tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    rank, h, b = grouped_program(HEAD_GROUP)
+    q_block = n_q_blocks - 1 - rank
     n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
     bh = b.to(tl.int64) * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -371,7 +394,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
             q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p)
     keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
                     HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
-                    DESCRIPTORS=descriptors, num_warps=config.num_warps, num_stages=config.num_stages)
+                    DESCRIPTORS=descriptors, HEAD_GROUP=config.head_group, num_warps=config.num_warps,
+                    num_stages=config.num_stages)
     return _flash_forward_kernel, grid, args, keywords
 
 

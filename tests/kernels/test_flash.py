@@ -25,7 +25,7 @@ from fusepass.attention import blockmap
 from fusepass.attention.blockmap import (
     EMPTY, FULL, PARTIAL, BlockMap, block_map_for, build_block_map, map_shapes, packed_map_numel)
 from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels import flash_bwd
+from fusepass.kernels import flash_bwd, flash_fwd
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_config import (
     INTERPRETER_CONFIG, SHORT_ROWS, BackwardConfigs, FlashConfig, narrow_kv_tiles)
@@ -430,6 +430,23 @@ def test_unmasked_backward_tiles(monkeypatch, dkdv, dq):
     inputs = case.make_inputs(shape)
     q, k, v, do = make_qkv(shape, f32)
     assert_matches(run_flash(case, inputs, q, k, v, do), reference(case, inputs.ref, q, k, v, do), f32)
+
+
+@pytest.mark.parametrize("name", ["plain", "causal_min", "left_pad_min"])
+def test_grouped_programs(monkeypatch, name):
+    """Forward programs taken in groups of (batch, head) pairs (FlashConfig.head_group; 8 pairs in groups of 3,
+    the last of 2) compute what the grid's own order computes, bit for bit: every (q block, head, batch)
+    exactly once."""
+    torch.manual_seed(0)
+    shape = Shape(2, 4, 2, 45, 37, 24)
+    case = CASES[name]
+    inputs = case.make_inputs(shape)
+    q, k, v, do = make_qkv(shape, f32)
+    expected = run_flash(case, inputs, q, k, v, do)
+    monkeypatch.setattr(flash_fwd, "forward_config", lambda *args: replace(INTERPRETER_CONFIG, head_group=3))
+    got = run_flash(case, inputs, q, k, v, do)
+    for output in ("out", "lse", "dq", "dk", "dv"):
+        assert torch.equal(got[output], expected[output]), output
 
 
 # ---- dropout ---------------------------------------------------------------------------------------------
