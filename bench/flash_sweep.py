@@ -5,8 +5,8 @@ should choose.
         [--plain]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
-        [--forward 128,64,4,3[,4] ...]     (these forward tiles, through descriptors, instead of the list below;
-                                            a fifth number groups the programs by (batch, head) pairs)
+        [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
+    A fifth number in a config groups its kernel's programs by (batch, head) pairs (FlashConfig.head_group).
 
 Calls the kernels directly (no compile step), with a causal score function (or the scale alone) written here
 by hand.
@@ -91,8 +91,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--chosen", action="store_true", help="only the configs flash_config chooses")
-    parser.add_argument("--dkdv", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dK/dV")
-    parser.add_argument("--dq", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages of dQ")
+    parser.add_argument("--dkdv", nargs="*", default=None,
+                        help="block_m,block_n,num_warps,num_stages[,head_group] of dK/dV")
+    parser.add_argument("--dq", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages[,head_group] of dQ")
     parser.add_argument("--forward", nargs="*", default=None,
                         help="block_m,block_n,num_warps,num_stages[,head_group] (flash_fwd.grouped_program)")
     parser.add_argument("--plain", action="store_true", help="no mask (the scale alone) instead of causal")

@@ -38,8 +38,8 @@ from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
-    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, load_rows, load_tile, masked_scores,
-    store_rows, tile_operands)
+    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, load_rows, load_tile,
+    masked_scores, store_rows, tile_operands)
 from fusepass.kernels.sizes import cdiv
 
 
@@ -175,11 +175,10 @@ def _flash_backward_dkdv_kernel(
     Nq, Nk, group, q_lists, fallback_blocks, aux, aux_grad, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
-    kv_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    b = tl.program_id(2)
+    # First kv blocks first: under a causal mask they hold the most tiles.
+    kv_block, kv_head, b = grouped_program(HEAD_GROUP)
     n_kv_blocks = tl.num_programs(0)
     n_q_blocks = tl.cdiv(Nq, BLOCK_M)
     n_q_heads = tl.num_programs(1) * group
@@ -281,11 +280,12 @@ def _flash_backward_dq_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
+    HEAD_GROUP: tl.constexpr,
 ):
-    q_block = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
     n_q_blocks = tl.num_programs(0)
+    # Last q blocks first, as the forward: under a causal mask they hold the most tiles.
+    rank, h, b = grouped_program(HEAD_GROUP)
+    q_block = n_q_blocks - 1 - rank
     n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
     bh = b.to(tl.int64) * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -386,7 +386,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     def constants(config: FlashConfig) -> dict:
         return dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
                     FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
-                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, HEAD_GROUP=config.head_group,
                     num_warps=config.num_warps, num_stages=config.num_stages)
 
     config = configs.dq

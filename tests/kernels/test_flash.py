@@ -434,16 +434,18 @@ def test_unmasked_backward_tiles(monkeypatch, dkdv, dq):
 
 @pytest.mark.parametrize("name", ["plain", "causal_min", "left_pad_min"])
 def test_grouped_programs(monkeypatch, name):
-    """Forward programs taken in groups of (batch, head) pairs (FlashConfig.head_group; 8 pairs in groups of 3,
-    the last of 2) compute what the grid's own order computes, bit for bit: every (q block, head, batch)
-    exactly once."""
+    """Programs taken in groups of (batch, head) pairs (FlashConfig.head_group) compute what the grid's own
+    order computes, bit for bit: every (block, head, batch) exactly once. 8 query-head pairs in groups of 3
+    (the last of 2) for the forward and dQ kernels, 4 kv-head pairs (GQA) in groups of 3 and 1 for dK/dV."""
     torch.manual_seed(0)
     shape = Shape(2, 4, 2, 45, 37, 24)
     case = CASES[name]
     inputs = case.make_inputs(shape)
     q, k, v, do = make_qkv(shape, f32)
     expected = run_flash(case, inputs, q, k, v, do)
-    monkeypatch.setattr(flash_fwd, "forward_config", lambda *args: replace(INTERPRETER_CONFIG, head_group=3))
+    grouped = replace(INTERPRETER_CONFIG, head_group=3)
+    monkeypatch.setattr(flash_fwd, "forward_config", lambda *args: grouped)
+    monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: BackwardConfigs(grouped, grouped))
     got = run_flash(case, inputs, q, k, v, do)
     for output in ("out", "lse", "dq", "dk", "dv"):
         assert torch.equal(got[output], expected[output]), output
