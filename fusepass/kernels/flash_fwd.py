@@ -171,7 +171,7 @@ def grouped_program(HEAD_GROUP: tl.constexpr):
     The GPU starts programs in launch order as others finish. In the grid's own order each pair's programs
     run longest first but pair after pair, so the last pairs' long programs start late and end after the
     others; taking the pairs in groups starts long programs of every group early, while the programs running
-    at once still read the K and V of a few heads only."""
+    at once still read the tensors of a few heads only (bench/program_order.py models the tail)."""
     if HEAD_GROUP == 1:
         rank, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     else:
