@@ -17,7 +17,8 @@
 #   sweep        the kernels at flash_config's tiles, causal B2 H16 N8192 D128,     (not run yet)
 #                forward and backward beside SDPA's, with registers and spills
 #   order        the same kernels with their programs in groups of 1, 4 and 8       (not run yet)
-#                (batch, head) pairs (FlashConfig.head_group; bench/program_order.py)
+#                (batch, head) pairs (FlashConfig.head_group; bench/program_order.py), and the small
+#                shape's forward in groups of 1, 8 and 16
 # Without PARTs: attention elementwise tests (~480 s); the others make a second call.
 #
 # Each suite writes bench/results/ as it always does; what this run wrote comes back as one archive,
@@ -59,7 +60,8 @@ for part in $parts; do
         (cd bench && timeout 150 python flash_sweep.py --chosen 2>&1 | grep "^|") ;;
     order)
         (cd bench && for swept in "--forward 128,128,8,3,1 128,128,8,3,4 128,128,8,3,8 --forward-only" \
-                "--dq 128,64,8,3,1 128,64,8,3,4 128,64,8,3,8" "--dkdv 64,64,4,2,1 64,64,4,2,4 64,64,4,2,8"; do
+                "--dq 128,64,8,3,1 128,64,8,3,4 128,64,8,3,8" "--dkdv 64,64,4,2,1 64,64,4,2,4 64,64,4,2,8" \
+                "--head-dim 64 --seq 2048 --batch 8 --forward 64,64,4,3,1 64,64,4,3,8 64,64,4,3,16 --forward-only"; do
             timeout 100 python flash_sweep.py $swept 2>&1 | grep "^| [fb]" | cut -c1-200
         done) ;;
     *)
