@@ -12,6 +12,7 @@ while the call goes on; Inductor in its own worker processes, which this does no
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -40,6 +41,23 @@ def model(name: str, backward: bool):
             "alibi": (alibi.alibi_attention, (q, k, v, slopes))}[name]
 
 
+def short(value) -> str:
+    return hashlib.sha256(str(value).encode()).hexdigest()[:8]
+
+
+def key_differences(cold: list[dict], warm: list[dict]) -> str:
+    """For each kernel the warm process compiled under a hash the cold one did not, the parts of its cache key
+    that no cold compile of that kernel had."""
+    notes = []
+    for kernel in warm:
+        earlier = [c for c in cold if c["name"] == kernel["name"]]
+        if earlier and kernel["hash"] not in {c["hash"] for c in earlier}:
+            differ = sorted(part for part, value in kernel["parts"].items()
+                            if all(c["parts"].get(part) != value for c in earlier))
+            notes.append(f"{kernel['name']}: {', '.join(differ) or '(none)'}")
+    return "; ".join(notes)
+
+
 def child(name: str, backend_name: str, backward: bool) -> None:
     import torch
     import triton.runtime.jit as jit
@@ -50,10 +68,15 @@ def child(name: str, backend_name: str, backward: bool) -> None:
     kernels = []
     do_compile = jit.JITFunction._do_compile
 
-    def timed(self, *a, **kw):
+    def timed(self, key, signature, device, constexprs, options, attrs, warmup):
         start = time.perf_counter()
-        kernel = do_compile(self, *a, **kw)
-        kernels.append((self.fn.__name__, round(time.perf_counter() - start, 3)))
+        kernel = do_compile(self, key, signature, device, constexprs, options, attrs, warmup)
+        # The compiled binary's hash, and short hashes of what its cache key is made of: a kernel the warm
+        # process compiles again under another hash had a key of its own there, and the parts say why.
+        parts = {"fn": short(self.cache_key), "sig": short(signature), "opt": short(options), "attrs": short(attrs),
+                 **{f"const {k}": short(getattr(v, "cache_key", v)) for k, v in constexprs.items()}}
+        kernels.append({"name": self.fn.__name__, "s": round(time.perf_counter() - start, 3),
+                        "hash": getattr(kernel, "hash", "?")[:8], "parts": parts})
         return kernel
 
     jit.JITFunction._do_compile = timed
@@ -61,10 +84,12 @@ def child(name: str, backend_name: str, backward: bool) -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = torch.compile(fn, backend=backend)(*args)
+    torch.cuda.synchronize()
+    forward = time.perf_counter() - start
     if backward:
         out.sum().backward()
     torch.cuda.synchronize()
-    print(json.dumps({"wall s": time.perf_counter() - start, "kernels": kernels}))
+    print(json.dumps({"wall s": time.perf_counter() - start, "forward s": forward, "kernels": kernels}))
 
 
 def main() -> None:
@@ -84,16 +109,23 @@ def main() -> None:
             for backend in args.backends.split(","):
                 with tempfile.TemporaryDirectory() as triton_cache, tempfile.TemporaryDirectory() as inductor_cache:
                     env = {**os.environ, "TRITON_CACHE_DIR": triton_cache, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
+                    compiled = {}
                     for cache_state in ("cold", "warm"):
                         command = [sys.executable, __file__, "--child", name, "--backend", backend,
                                    *(["--backward"] if backward else [])]
                         out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
                         result = json.loads(out.strip().splitlines()[-1])
+                        compiled[cache_state] = result["kernels"]
                         rows.append({"model": name, "pass": "fwd+bwd" if backward else "fwd", "backend": backend,
-                                     "cache": cache_state, "wall s": result["wall s"],
-                                     "kernels (s)": ", ".join(f"{k} {s}" for k, s in result["kernels"])})
+                                     "cache": cache_state, "wall s": result["wall s"], "forward s": result["forward s"],
+                                     "kernels (s, hash)": ", ".join(f"{k['name']} {k['s']} {k['hash']}"
+                                                                    for k in result["kernels"]),
+                                     "keys unlike the cold run's": key_differences(compiled.get("cold", []),
+                                                                                   result["kernels"])
+                                     if cache_state == "warm" else ""})
                         print(rows[-1], flush=True)
-    print(keep("compile-time", ["model", "pass", "backend", "cache", "wall s", "kernels (s)"], rows))
+    print(keep("compile-time", ["model", "pass", "backend", "cache", "wall s", "forward s", "kernels (s, hash)",
+                                  "keys unlike the cold run's"], rows))
 
 
 if __name__ == "__main__":

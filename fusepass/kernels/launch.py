@@ -82,6 +82,8 @@ class BoundLaunch:
         if key in self._compiled or key in self._ahead:
             return
 
+        _settle_cache_keys(self.kernel, self.keywords)
+
         def compile() -> Any:
             torch.cuda.set_device(key[0])  # a thread starts on the first device
             return self.kernel.run(*args, *self.bound_args, grid=(1,), warmup=True, **self.keywords)
@@ -100,6 +102,19 @@ class BoundLaunch:
             return ahead.result()
         except Exception:
             return None
+
+
+def _settle_cache_keys(kernel: JITFunction, keywords: dict) -> None:
+    """Compute the cache keys of `kernel` and of the jit functions among its constexprs on this thread.
+
+    Triton folds a dependency's constexpr globals into a kernel's key only where the dependency's own key was
+    computed before (triton 3.6 `DependenciesFinder._update_hash` reads them first), so a key depends on the
+    order in which keys were computed. Computed on compile threads, that order was whichever the threads ran
+    in: a process repeating the same first call found none of its flash kernels in the warm disk cache and
+    compiled them again (bench/results/compile-time-2026-11-30-1931). On the caller's thread, keys follow the
+    program's order, the same in every run."""
+    for function in (kernel, *(value for value in keywords.values() if isinstance(value, JITFunction))):
+        function.cache_key  # a property: computed on first reading, then kept
 
 
 # The compiled kernels and arguments of the launches made inside `holding()`, or None outside it.
