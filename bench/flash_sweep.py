@@ -6,7 +6,8 @@ should choose.
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
         [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
-    A fifth number in a config groups its kernel's programs by (batch, head) pairs (FlashConfig.head_group).
+    A fifth number in a config groups its kernel's programs by (batch, head) pairs (FlashConfig.head_group;
+    without one, flash_config.GPU_HEAD_GROUP).
 
 Calls the kernels directly (no compile step), with a causal score function (or the scale alone) written here
 by hand.
@@ -24,7 +25,7 @@ from harness import keep, median_ms, relative_error
 
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels import flash_bwd, flash_fwd
-from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
+from fusepass.kernels.flash_config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
 
 
 # 1/sqrt(128) at every head dim (the score functions spell it out: Triton reads no plain globals); the SDPA
@@ -74,7 +75,8 @@ BACKWARD = [BackwardConfigs(FlashConfig(32, 64, 4, 3), FlashConfig(128, 64, 8, 3
 def _config(tiles: str) -> FlashConfig:
     """A config from "block_m,block_n,num_warps,num_stages[,head_group]", through descriptors."""
     block_m, block_n, num_warps, num_stages, *head_group = map(int, tiles.split(","))
-    return FlashConfig(block_m, block_n, num_warps, num_stages, descriptors=True, head_group=(head_group or [1])[0])
+    return FlashConfig(block_m, block_n, num_warps, num_stages, descriptors=True,
+                       head_group=(head_group or [GPU_HEAD_GROUP])[0])
 
 
 def registers(kernel) -> str:

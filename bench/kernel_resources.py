@@ -1,14 +1,14 @@
 """Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
 
     PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|alibi|none] [--head-dim 128]
-        [--forward 128,64,8,3] [--dkdv 32,128,8,3] [--dq 128,64,8,3]
+        [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1] [--dq 128,64,8,3,1]
 
 Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
 through Triton's own compiler and ptxas, no GPU needed: a stand-in driver names the target, and every launch
 becomes a compile. Prints per kernel the registers per thread, the stack frame (spilled registers live
 there), shared memory, and for each pipelined loop its buffers per operand and how many async copies it
 may leave in flight (``async_wait`` num): what decides whether a tile change can pay before it costs GPU
-time. Configs are block_m,block_n,num_warps,num_stages,descriptors (0 or 1); the defaults are
+time. Configs are block_m,block_n,num_warps,num_stages,descriptors (0 or 1)[,head_group]; the defaults are
 ``flash_config``'s for the H200.
 
 Registers depend on Triton's version. With the GPU machine's (``pip install --no-deps --target DIR
@@ -34,7 +34,7 @@ from triton.runtime import driver
 
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels import flash_bwd, flash_config, flash_fwd, launch
-from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
+from fusepass.kernels.flash_config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
 
 H200 = GPUTarget("cuda", 90, 32)
 
@@ -119,7 +119,7 @@ def config(text: str | None, default: FlashConfig) -> FlashConfig:
     if not text:
         return default
     block_m, block_n, num_warps, num_stages, descriptors, *head_group = map(int, text.split(","))
-    return FlashConfig(block_m, block_n, num_warps, num_stages, bool(descriptors), *head_group)
+    return FlashConfig(block_m, block_n, num_warps, num_stages, bool(descriptors), (head_group or [GPU_HEAD_GROUP])[0])
 
 
 def main() -> None:
