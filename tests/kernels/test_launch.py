@@ -162,6 +162,24 @@ def test_a_compile_ahead_that_failed_leaves_the_launch_to_triton(ahead, kernel, 
     assert len(ahead.bound) == 1 and not ahead.direct  # the launch's own compile, through Triton
 
 
+def test_cache_keys_are_computed_before_the_compile_thread_starts(ahead, kernel, monkeypatch):
+    """A kernel's Triton cache key depends on which of its dependencies' keys were computed before it: computed
+    on compile threads, keys would follow the threads' order and differ between runs of one program (a warm
+    disk cache then misses). `compile_ahead` computes the kernel's and its constexpr functions' first."""
+    scale_fn = JITFunction(_identity)
+    computed_first = []
+    pool = launch_module._compiling
+
+    class Checking:
+        def submit(self, fn):
+            computed_first.append((kernel.hash is not None, scale_fn.hash is not None))
+            return pool.submit(fn)
+
+    monkeypatch.setattr(launch_module, "_compiling", Checking())
+    compile_ahead(kernel, torch.empty(0, device="meta"), 100, 7, 0.5, (3, 16), SCALE_FN=scale_fn, num_warps=4)
+    assert computed_first == [(True, True)]
+
+
 def test_bound_arguments_follow_the_passed_ones_and_stay_out_of_the_signature(recorder, kernel):
     bound = BoundLaunch(kernel, 3, bound_args=(0.5, (3, 16)), SCALE_FN=_identity, num_warps=4)
     x = torch.randn(40)
