@@ -6,7 +6,9 @@ program of the tile-kind kernel.
 Compiles each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, then times the tile-kind
 kernel alone, for each warp count and group (kv tiles per program), at the tiles of the map a forward builds
 for a mask read per call (its kinds at the dK/dV kernel's q blocks, each program evaluating the forward's
-taller tiles) and at one kind tile per program. Every variant's kinds are checked against the first one's.
+taller tiles) and at one kind tile per program; for a separable keep (document ids), its ranges kernel too
+(`blockmap.launch_separable_kinds`), which the product takes for it. Every variant's kinds are checked against
+the map the product builds (on sorted document ids the two kernels' kinds agree).
 """
 from __future__ import annotations
 
@@ -41,6 +43,14 @@ def main() -> None:
         for kind_rows, block_n, subtiles in sorted(variants):
             kinds = blockmap.build_block_map(spec.mod, aux, b, h, n, n, kind_rows, block_n, device).kind
             reference = kinds.clone()
+            if spec.mod.separable_keep is not None:
+                def separable_only():
+                    blockmap.launch_separable_kinds(kinds, spec.mod.separable_keep, aux, n, n, kind_rows, block_n)
+
+                rows.append({"case": case.name, "kernel": "separable", "kind tiles": f"{kind_rows}x{block_n}",
+                             "program rows": kind_rows, "warps": 1, "group": blockmap.SEPARABLE_GROUP,
+                             "kind kernel us": median_ms(separable_only) * 1e3})
+                print(rows[-1], flush=True)
             for warps in map(int, args.warps.split(",")):
                 for group in map(int, args.groups.split(",")):
                     def kind_only():
@@ -50,11 +60,12 @@ def main() -> None:
                     kinds.fill_(-1)
                     kind_only()
                     assert torch.equal(kinds, reference), f"{name}: {warps} warps, group {group} map differently"
-                    rows.append({"case": case.name, "kind tiles": f"{kind_rows}x{block_n}",
+                    rows.append({"case": case.name, "kernel": "every element", "kind tiles": f"{kind_rows}x{block_n}",
                                  "program rows": kind_rows * subtiles, "warps": warps, "group": group,
                                  "kind kernel us": median_ms(kind_only) * 1e3})
                     print(rows[-1], flush=True)
-    print(keep("tile-kind-sweep", ["case", "kind tiles", "program rows", "warps", "group", "kind kernel us"], rows))
+    print(keep("tile-kind-sweep", ["case", "kernel", "kind tiles", "program rows", "warps", "group", "kind kernel us"],
+               rows))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 The flash kernels walk the score matrix in BLOCK_M × BLOCK_N tiles. A tile is FULL when KEEP holds on every
 element (the kernel evaluates SCORE only), PARTIAL when it holds on some (KEEP, SCORE and FILL), EMPTY when
 on none (skipped: see the fallback rule in docs/flash-kernel-interface.md). A Triton kernel evaluates KEEP
-over every tile on the device; a second kernel turns the tile kinds into compact, ascending lists, both
-kinds of lists in one launch (two launches in all: a mask that reads tensors is mapped again on every call,
-and torch's sort and friends took ~20 launches, which left the GPU waiting on the host):
+over every tile on the device (or, for a KEEP that compares a value of the query position with one of the key
+position, such as document ids, compares each tile's two ranges of values: `ScoreMod.separable_keep`, where a
+tile whose elements it cannot tell apart is PARTIAL); a second kernel turns the tile kinds into compact,
+ascending lists, both kinds of lists in one launch (two launches in all: a mask that reads tensors is mapped
+again on every call, and torch's sort and friends took ~20 launches, which left the GPU waiting on the host):
 
 - `rows`: per (b, h, q block) the FULL and the PARTIAL kv blocks (forward and dQ kernels);
 - `cols`: per (b, h, kv block) the FULL and the PARTIAL q blocks (dK/dV kernel).
@@ -130,6 +132,52 @@ def launch_tile_kinds(kind: torch.Tensor, keep, aux: tuple, q_len: int, kv_len: 
     launch(_tile_kind_kernel, (cdiv(n_q_blocks, subtiles), cdiv(n_kv_blocks, group), map_batch * map_heads), kind,
            q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, KEEP=keep, BLOCK_M=block_m, BLOCK_N=block_n,
            SUBTILES=subtiles, GROUP=group, num_warps=num_warps)
+
+
+# Kv blocks per `_separable_kind_kernel` program: their loads are issued together (not measured; one tile per
+# program would leave each program waiting on its loads' latency).
+SEPARABLE_GROUP = 8
+
+
+@triton.jit
+def _separable_kind_kernel(Kind, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, ROWS: tl.constexpr,
+                           COLS: tl.constexpr, EQUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           GROUP: tl.constexpr):
+    """Program (q block, kv group, bh): the kinds of KEEP = ``ROWS(q) == COLS(kv)`` (``!=`` where not EQUAL) over
+    one q block and GROUP kv blocks, from each block's least and greatest value. Where both ranges are one and
+    the same value, == holds on every element and != on none; where the ranges do not meet, == holds on none
+    and != on every one; any other tile is PARTIAL, which the flash kernels evaluate element by element, so
+    that only FULL and EMPTY need be exact (they are). Kind is [bh, n_q_blocks, n_kv_blocks]."""
+    q_block, bh = tl.program_id(0), tl.program_id(2)
+    b, h = bh // map_heads, bh % map_heads
+    # Indices past the end are clamped: a repeated value leaves a block's range as it was.
+    q_idx = tl.minimum(q_block * BLOCK_M + tl.arange(0, BLOCK_M), q_len - 1)
+    rows = ROWS(b, h, q_idx, aux).to(tl.int64)
+    rows_min, rows_max = tl.min(rows, 0), tl.max(rows, 0)
+    for t in tl.static_range(GROUP):
+        kv_block = tl.program_id(1) * GROUP + t
+        cols = COLS(b, h, tl.minimum(kv_block * BLOCK_N + tl.arange(0, BLOCK_N), kv_len - 1), aux).to(tl.int64)
+        cols_min, cols_max = tl.min(cols, 0), tl.max(cols, 0)
+        one_value = (rows_min == rows_max) & (cols_min == cols_max) & (rows_min == cols_min)
+        apart = (rows_max < cols_min) | (cols_max < rows_min)
+        # Keys past the end count as masked: a tile holding some is never FULL.
+        all_kept = (one_value if EQUAL else apart) & ((kv_block + 1) * BLOCK_N <= kv_len)
+        none_kept = apart if EQUAL else one_value
+        kind = tl.where(all_kept, FULL, tl.where(none_kept, EMPTY, PARTIAL)).to(tl.int8)
+        tl.store(Kind + (bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block, kind,
+                 mask=kv_block < n_kv_blocks)
+
+
+def launch_separable_kinds(kind: torch.Tensor, separable_keep: tuple, aux: tuple, q_len: int, kv_len: int,
+                           block_m: int, block_n: int) -> None:
+    """Write `kind` (as `launch_tile_kinds` does) for a keep that compares a value of the query position with
+    one of the key position (`ScoreMod.separable_keep`): O(block_m + block_n) loads per tile instead of
+    block_m · block_n evaluations."""
+    equal, rows, cols = separable_keep
+    map_batch, map_heads, n_q_blocks, n_kv_blocks = kind.shape
+    launch(_separable_kind_kernel, (n_q_blocks, cdiv(n_kv_blocks, SEPARABLE_GROUP), map_batch * map_heads), kind,
+           q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, ROWS=rows, COLS=cols, EQUAL=equal,
+           BLOCK_M=block_m, BLOCK_N=block_n, GROUP=SEPARABLE_GROUP, num_warps=1)
 
 
 @dataclass(frozen=True)
@@ -297,18 +345,22 @@ def empty_block_map(mod: ScoreMod, batch: int, heads: int, q_len: int, kv_len: i
 def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int, kv_len: int,
                     block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None,
                     kind_block_m: int | None = None) -> BlockMap:
-    """Evaluate `mod.keep` over every tile (no cache), into `into` (the `empty_block_map` of these arguments)
-    or new tensors. `heads` counts query heads."""
+    """Classify every tile (no cache), into `into` (the `empty_block_map` of these arguments) or new tensors:
+    `mod.keep` evaluated on every element, or, where it is separable, each tile's two ranges compared.
+    `heads` counts query heads."""
     assert mod.has_mask, "an attention without a mask has no block map: every tile is full"
     kind_block_m = kind_block_m or block_m
     block_map = into or empty_block_map(mod, batch, heads, q_len, kv_len, block_m, block_n, device, kind_block_m)
     assert (block_map.block_m, block_map.block_n, block_map.kind_block_m, *block_map.kind.shape[2:]) == \
         (block_m, block_n, kind_block_m, cdiv(q_len, kind_block_m), cdiv(kv_len, block_n)), "a map of other tiles"
-    # Each program evaluates tiles of the rows lists' height (a count per kind tile within): 64-row kinds under
-    # 128-row lists took 38.4 µs for the document mask (tile-kind-sweep-2026-11-30-1625), 128-row kinds alone
-    # 39.4 (-1617), where 64-row kinds in programs of their own took 40.4–62.
-    launch_tile_kinds(block_map.kind, mod.keep, aux, q_len, kv_len, kind_block_m, block_n, block_m // kind_block_m,
-                      TILE_KIND_WARPS, TILE_KIND_GROUP)
+    if mod.separable_keep is not None:
+        launch_separable_kinds(block_map.kind, mod.separable_keep, aux, q_len, kv_len, kind_block_m, block_n)
+    else:
+        # Each program evaluates tiles of the rows lists' height (a count per kind tile within): 64-row kinds
+        # under 128-row lists took 38.4 µs for the document mask (tile-kind-sweep-2026-11-30-1625), 128-row kinds
+        # alone 39.4 (-1617), where 64-row kinds in programs of their own took 40.4–62.
+        launch_tile_kinds(block_map.kind, mod.keep, aux, q_len, kv_len, kind_block_m, block_n,
+                          block_m // kind_block_m, TILE_KIND_WARPS, TILE_KIND_GROUP)
     _write_tile_lists(block_map)
     return block_map
 

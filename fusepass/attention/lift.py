@@ -82,6 +82,11 @@ class Code:
     affine: tuple[int, int, int] | None = None
     # A function of the distance k - q alone (and of b, h and tensors read at them): see `_tabulated`.
     relative: bool = False
+    # A bool that compares an integer of the query position alone with one of the key position alone (document
+    # ids): (equal, the query side's expression, the key side's), the value being ``rows == cols`` where
+    # equal, else ``rows != cols``. The block map then classifies a tile by each side's least and greatest
+    # values instead of evaluating every element (see blockmap.separable_kinds).
+    separable: tuple[bool, str, str] | None = None
 
     @property
     def narrow(self) -> bool:
@@ -121,6 +126,9 @@ class Lifted:
     fill_bound: float
     keep_uses: frozenset[str]
     keep_reads_aux: bool
+    # Where the keep is separable (`Code.separable`): whether it is rows == cols (else rows != cols), the two
+    # sides being the functions keep_rows and keep_cols; else None.
+    keep_equal: bool | None
     features: list[str]
     tables: list[DistanceTable]
     linear_scale: float | None  # see ScoreMod.linear_scale
@@ -515,7 +523,7 @@ class Lifter:
         relative = not nested and all(_of_distance(a) for a in codes) or \
             affine is not None and affine[0] == -affine[1] != 0
         return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span,
-                    as_float=as_float, affine=affine, relative=relative)
+                    as_float=as_float, affine=affine, relative=relative, separable=_separable(target, args))
 
     def _float_form(self, target: Any, args: tuple, kwargs: dict, span: Span | None) -> str | None:
         """The fp32 form of an integer result whose operands have one, where every value stays exact in fp32:
@@ -588,10 +596,18 @@ class Lifter:
         fill_bound = -math.inf
         keep_uses: frozenset[str] = frozenset()
         keep_reads_aux = False
+        keep_equal = None
         if keep is not None:
-            keep_expr, keep_uses, keep_reads_aux = keep
+            keep_expr, keep_uses, keep_reads_aux, separable = keep
             chunks.append(self._index_function(f"{self.name}_keep", "b, h, q_idx, kv_idx, aux", [],
                                     f"return {keep_expr}"))
+            if separable is not None:
+                keep_equal, rows, cols = separable
+                chunks.append(self._index_function(f"{self.name}_keep_rows", "b, h, q_idx, aux", [],
+                                                   f"return {rows}"))
+                chunks.append(self._index_function(f"{self.name}_keep_cols", "b, h, kv_idx, aux", [],
+                                                   f"return {cols}"))
+                functions.update(keep_rows=f"{self.name}_keep_rows", keep_cols=f"{self.name}_keep_cols")
             chunks.append(self._score_function(f"{self.name}_fill", fill_graph))
             functions.update(keep=f"{self.name}_keep", fill=f"{self.name}_fill")
             # A fill that no gradient flows through (a constant) has no gradient function: the kernels then add
@@ -608,7 +624,8 @@ class Lifter:
         return Lifted(source=source, functions=functions, aux=self.aux,
                       aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
                       fill_bound=fill_bound,
-                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, features=features, tables=self.tables,
+                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, keep_equal=keep_equal, features=features,
+                      tables=self.tables,
                       linear_scale=self._linear_scale(score_graph))
 
     def _linear_scale(self, module: torch.fx.GraphModule) -> float | None:
@@ -670,10 +687,11 @@ class Lifter:
         keep_expr = " & ".join(f"({m[0]})" for m in masks)
         keep_uses = frozenset().union(*[m[4] for m in masks])
         reads_aux = self._reads_aux(keep_expr)
+        separable = masks[0][6] if len(masks) == 1 else None
         inner = masks[-1][2]
         score = self._module(replace={masks[0][5]: inner})
         fill_module = self._module(replace={masks[0][5]: ("add", inner, fill) if additive else ("constant", fill)})
-        return (keep_expr, keep_uses, reads_aux), bound, score, fill_module
+        return (keep_expr, keep_uses, reads_aux, separable), bound, score, fill_module
 
     def _reads_aux(self, expr: str) -> bool:
         """Whether the index expression `expr` loads from an aux tensor, itself or through the names it uses.
@@ -692,28 +710,31 @@ class Lifter:
         return [line for line in self.code.lines if line.split(" = ", 1)[0] in seen]
 
     def _mask_at(self, node: torch.fx.Node):
-        """``(keep, fill, inner, additive, uses, node)`` if ``node`` masks ``inner`` with a constant."""
+        """``(keep, fill, inner, additive, uses, node, separable)`` if ``node`` masks ``inner`` with a constant
+        (`separable`: the keep's `Code.separable`, or None)."""
         if node.op != "call_function":
             return None
         kind = packet(node)
         if kind == aten.masked_fill and isinstance(node.args[2], (int, float)):
             condition = self.leaves.get(node.args[1])
             if isinstance(condition, Code) and isinstance(node.args[0], torch.fx.Node):
-                return (f"~{condition.expr}", float(node.args[2]), node.args[0], False, condition.uses, node)
+                return (f"~{condition.expr}", float(node.args[2]), node.args[0], False, condition.uses, node,
+                        _negated(condition.separable))
         if kind == aten.where:
             condition = self.leaves.get(node.args[0])
             a, b = node.args[1], node.args[2]
             if isinstance(condition, Code):
                 if isinstance(a, torch.fx.Node) and isinstance(b, (int, float)):
-                    return (condition.expr, float(b), a, False, condition.uses, node)
+                    return (condition.expr, float(b), a, False, condition.uses, node, condition.separable)
                 if isinstance(b, torch.fx.Node) and isinstance(a, (int, float)):
-                    return (f"~{condition.expr}", float(a), b, False, condition.uses, node)
+                    return (f"~{condition.expr}", float(a), b, False, condition.uses, node,
+                            _negated(condition.separable))
         if kind == aten.add and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
             for x, y in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
                 mask = self.leaves.get(y) if isinstance(y, torch.fx.Node) else None
                 if isinstance(mask, Code) and mask.mask is not None and isinstance(x, torch.fx.Node):
                     keep, fill = mask.mask
-                    return (keep, float(fill), x, True, mask.uses, node)
+                    return (keep, float(fill), x, True, mask.uses, node, None)
         return None
 
     def _module(self, replace: dict | None = None) -> torch.fx.GraphModule:
@@ -919,6 +940,25 @@ def _emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: li
             outs = outs if isinstance(outs, (list, tuple)) else (outs,)
             return [values[o] if isinstance(o, torch.fx.Node) else None for o in outs]
     raise AssertionError("graph without output")
+
+
+def _separable(target: Any, args: tuple) -> tuple[bool, str, str] | None:
+    """`Code.separable` of ``target(*args)``: an equality or inequality of an integer (or bool) of the query
+    position alone with one of the key position alone, or the negation of one."""
+    kind = getattr(target, "overloadpacket", None)
+    if kind in (aten.eq, aten.ne) and len(args) == 2 and \
+            all(isinstance(a, Code) and not a.dtype.is_floating_point and not a.dtype.is_complex for a in args):
+        for rows, cols in ((args[0], args[1]), (args[1], args[0])):
+            if "q" in rows.uses and rows.uses <= {"b", "h", "q"} and "k" in cols.uses and cols.uses <= {"b", "h", "k"}:
+                return kind == aten.eq, rows.expr, cols.expr
+    if kind in (aten.logical_not, aten.bitwise_not) and len(args) == 1 and isinstance(args[0], Code) and \
+            args[0].dtype == torch.bool:
+        return _negated(args[0].separable)
+    return None
+
+
+def _negated(separable: tuple[bool, str, str] | None) -> tuple[bool, str, str] | None:
+    return None if separable is None else (not separable[0], *separable[1:])
 
 
 def _function(name: str, params: str, lines: list[str], ret: str) -> str:

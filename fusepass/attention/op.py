@@ -174,6 +174,8 @@ class AttentionSpec:
                 has_aux_grad=any(self.lifted.aux_needs_grad),
                 keep_uses_batch="b" in self.lifted.keep_uses, keep_uses_head="h" in self.lifted.keep_uses,
                 keep_reads_aux=self.lifted.keep_reads_aux,
+                separable_keep=None if self.lifted.keep_equal is None else (
+                    self.lifted.keep_equal, fns["keep_rows"], fns["keep_cols"]),
                 tables=tuple((getattr(module, t.function),
                               getattr(module, t.offset_function) if t.offset_function else None, t)
                              for t in self.lifted.tables),

@@ -49,6 +49,10 @@ class ScoreMod:
     keep_uses_batch: bool = False
     keep_uses_head: bool = False
     keep_reads_aux: bool = False
+    # Where keep compares a value of the query position alone with one of the key position alone (document
+    # ids): (equal, rows, cols), keep being ``rows(b, h, q_idx, aux) == cols(b, h, kv_idx, aux)`` where equal,
+    # else ``!=``. The block map classifies tiles by each side's range (blockmap.separable_kinds).
+    separable_keep: tuple[bool, Any, Any] | None = None
     # (the value's jit function, the offset's or None, its table), read after aux
     tables: tuple[tuple[Any, Any, DistanceTable], ...] = ()
     # c where SCORE(s) is s · c for a positive constant c: the forward's FULL tiles then fold c into the

@@ -1,0 +1,97 @@
+"""A keep that compares a value of the query position alone with one of the key position alone (document ids)
+is separable (ScoreMod.separable_keep): its block map classifies each tile from the two sides' ranges of values
+instead of evaluating every element. Only FULL and EMPTY must be exact there (a PARTIAL tile is evaluated element
+by element), so such maps are checked against the exact ones, and the attention against eager, on ids that are
+sorted (documents) and ids that are not (the ranges then meet where no pair is equal)."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from support import DEVICE, check, random_tensor
+
+from fusepass.attention import op
+from fusepass.attention.blockmap import EMPTY, FULL, build_block_map
+
+FULL_KIND, EMPTY_KIND = FULL.value, EMPTY.value  # constexprs in the kernels
+
+B, H, N, D = 2, 3, 45, 16
+
+
+def same_document(q, k, v, ids):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(ids[:, None, :, None] != ids[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def same_document_where(q, k, v, ids):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = torch.where(ids[:, None, :, None] == ids[:, None, None, :], s, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def other_documents(q, k, v, ids):
+    """Keys of other documents only (keep = ids differ); a row whose ids are all one value is fully masked."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(ids[:, None, :, None] == ids[:, None, None, :], torch.finfo(s.dtype).min)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def same_document_causal(q, k, v, ids):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    s = s.masked_fill(~causal, float("-inf"))
+    s = s.masked_fill(ids[:, None, :, None] != ids[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def sorted_ids(documents: int) -> torch.Tensor:
+    return torch.sort(torch.randint(0, documents, (B, N), device=DEVICE), dim=-1).values
+
+
+def interleaved_ids() -> torch.Tensor:
+    """Ids that are not sorted: every tile's ranges meet, though some tiles hold no equal pair."""
+    return torch.randint(0, 3, (B, N), device=DEVICE) * 2 + torch.arange(N, device=DEVICE) % 2
+
+
+@pytest.mark.parametrize("fn, equal", [
+    (same_document, True), (same_document_where, True), (other_documents, False), (same_document_causal, None),
+])
+@pytest.mark.parametrize("ids", ["sorted", "interleaved"])
+def test_separable_keeps_compute_what_eager_does(fn, equal, ids):
+    torch.manual_seed(0)
+    q, k, v = (random_tensor((B, H, N, D), torch.float32) for _ in range(3))
+    document_ids = sorted_ids(4) if ids == "sorted" else interleaved_ids()
+    check(fn, q, k, v, document_ids, backward=True, rtol=1e-4, atol=1e-4)
+    mod = list(op._specs.values())[-1].mod
+    # Two masks (a document within a causal mask) are not one comparison: that keep is evaluated per element.
+    assert (None if mod.separable_keep is None else mod.separable_keep[0]) == equal
+
+
+def test_float_ids_are_not_separable():
+    q, k, v = (random_tensor((B, H, N, D), torch.float32) for _ in range(3))
+    check(same_document, q, k, v, sorted_ids(4).float(), rtol=1e-4, atol=1e-4)
+    assert list(op._specs.values())[-1].mod.separable_keep is None
+
+
+@pytest.mark.parametrize("fn", [same_document, other_documents])
+@pytest.mark.parametrize("documents", [1, 3, 40])
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16)])
+def test_separable_maps_are_exact_where_they_say_full_or_empty(fn, documents, block_m, block_n):
+    torch.manual_seed(documents)
+    q, k, v = (random_tensor((B, H, N, D), torch.float32) for _ in range(3))
+    ids = sorted_ids(documents)
+    check(fn, q, k, v, ids, rtol=1e-4, atol=1e-4)
+    mod = list(op._specs.values())[-1].mod
+    assert mod.separable_keep is not None
+    for document_ids in (ids, interleaved_ids()):
+        separable, exact = (build_block_map(m, (document_ids,), B, H, N, N, block_m, block_n, DEVICE).kind
+                            for m in (mod, replace(mod, separable_keep=None)))
+        assert torch.equal(separable == FULL_KIND, exact == FULL_KIND)
+        assert not (separable == EMPTY_KIND)[exact != EMPTY_KIND].any()
+        if document_ids is ids:
+            # Sorted ids: a tile whose ranges meet holds an equal pair, so every kind is exact.
+            assert torch.equal(separable, exact)
