@@ -10,10 +10,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support import DEVICE, check, random_tensor
 
 from fusepass.attention import op
 from fusepass.attention.blockmap import EMPTY, FULL, build_block_map
+from fusepass.attention.score_mod import ScoreMod
 
 FULL_KIND, EMPTY_KIND = FULL.value, EMPTY.value  # constexprs in the kernels
 
@@ -95,3 +100,44 @@ def test_separable_maps_are_exact_where_they_say_full_or_empty(fn, documents, bl
         if document_ids is ids:
             # Sorted ids: a tile whose ranges meet holds an equal pair, so every kind is exact.
             assert torch.equal(separable, exact)
+
+
+# Hand-written separable keeps over ids [batch, n] (aux: the ids and their batch stride), for any shape.
+@triton.jit
+def _query_ids(b, h, q_idx, aux):
+    return tl.load(aux[0] + b * aux[1] + q_idx)
+
+
+@triton.jit
+def _key_ids(b, h, kv_idx, aux):
+    return tl.load(aux[0] + b * aux[1] + kv_idx)
+
+
+@triton.jit
+def _same_ids(b, h, q_idx, kv_idx, aux):
+    return _query_ids(b, h, q_idx, aux) == _key_ids(b, h, kv_idx, aux)
+
+
+@triton.jit
+def _other_ids(b, h, q_idx, kv_idx, aux):
+    return _query_ids(b, h, q_idx, aux) != _key_ids(b, h, kv_idx, aux)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(equal=st.booleans(), n=st.integers(1, 70), tiles=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
+       ids=st.lists(st.integers(0, 4), min_size=140, max_size=140), sort=st.booleans())
+def test_separable_kinds_fuzzed(equal, n, tiles, ids, sort):
+    """On any ids, shape and tiles: FULL where and only where every element is kept, EMPTY only where none is."""
+    document_ids = torch.tensor(ids, device=DEVICE).view(2, 70)[:, :n].contiguous()
+    if sort:
+        document_ids = torch.sort(document_ids, dim=-1).values
+    keep = _same_ids if equal else _other_ids
+    mod = ScoreMod(name=f"fuzzed_{equal}", score=None, score_grad=None, keep=keep, keep_uses_batch=True,
+                   keep_reads_aux=True, separable_keep=(equal, _query_ids, _key_ids))
+    aux = (document_ids, n)
+    separable, exact = (build_block_map(m, aux, 2, 1, n, n, *tiles, DEVICE).kind
+                        for m in (mod, replace(mod, separable_keep=None)))
+    assert torch.equal(separable == FULL_KIND, exact == FULL_KIND)
+    assert not (separable == EMPTY_KIND)[exact != EMPTY_KIND].any()
+    if sort:
+        assert torch.equal(separable, exact)
