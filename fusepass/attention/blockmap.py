@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.attention.score_mod import ScoreMod
+from fusepass.attention.score_mod import ScoreMod, SeparableKeep
 from fusepass.kernels.launch import launch
 from fusepass.kernels.sizes import cdiv, next_power_of_2
 
@@ -140,14 +140,16 @@ SEPARABLE_GROUP = 8
 
 
 @triton.jit
-def _separable_kind_kernel(Kind, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, ROWS: tl.constexpr,
-                           COLS: tl.constexpr, EQUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           GROUP: tl.constexpr):
+def _separable_kind_kernel(Kind, Others, others_b_stride, others_h_stride, q_len, kv_len, n_q_blocks, n_kv_blocks,
+                           map_heads, aux, ROWS: tl.constexpr, COLS: tl.constexpr, EQUAL: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """Program (q block, kv group, bh): the kinds of KEEP = ``ROWS(q) == COLS(kv)`` (``!=`` where not EQUAL) over
     one q block and GROUP kv blocks, from each block's least and greatest value. Where both ranges are one and
     the same value, == holds on every element and != on none; where the ranges do not meet, == holds on none
     and != on every one; any other tile is PARTIAL, which the flash kernels evaluate element by element, so
-    that only FULL and EMPTY need be exact (they are). Kind is [bh, n_q_blocks, n_kv_blocks]."""
+    that only FULL and EMPTY need be exact (they are). Kind is [bh, n_q_blocks, n_kv_blocks]. With Others (the
+    kinds of masks KEEP joins, at the same tiles, batch and head at those strides), the lesser of the two kinds:
+    EMPTY where either is, FULL where both are, else PARTIAL."""
     q_block, bh = tl.program_id(0), tl.program_id(2)
     b, h = bh // map_heads, bh % map_heads
     # Indices past the end are clamped: a repeated value leaves a block's range as it was.
@@ -164,20 +166,28 @@ def _separable_kind_kernel(Kind, q_len, kv_len, n_q_blocks, n_kv_blocks, map_hea
         all_kept = (one_value if EQUAL else apart) & ((kv_block + 1) * BLOCK_N <= kv_len)
         none_kept = apart if EQUAL else one_value
         kind = tl.where(all_kept, FULL, tl.where(none_kept, EMPTY, PARTIAL)).to(tl.int8)
-        tl.store(Kind + (bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block, kind,
-                 mask=kv_block < n_kv_blocks)
+        in_map = kv_block < n_kv_blocks
+        if Others is not None:
+            others = tl.load(Others + b * others_b_stride + h * others_h_stride +
+                             q_block.to(tl.int64) * n_kv_blocks + kv_block, mask=in_map, other=EMPTY)
+            kind = tl.minimum(kind, others)
+        tl.store(Kind + (bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block, kind, mask=in_map)
 
 
-def launch_separable_kinds(kind: torch.Tensor, separable_keep: tuple, aux: tuple, q_len: int, kv_len: int,
-                           block_m: int, block_n: int) -> None:
+def launch_separable_kinds(kind: torch.Tensor, keep: SeparableKeep, aux: tuple, q_len: int, kv_len: int,
+                           block_m: int, block_n: int, others: torch.Tensor | None = None) -> None:
     """Write `kind` (as `launch_tile_kinds` does) for a keep that compares a value of the query position with
     one of the key position (`ScoreMod.separable_keep`): O(block_m + block_n) loads per tile instead of
-    block_m · block_n evaluations."""
-    equal, rows, cols = separable_keep
+    block_m · block_n evaluations. `others`: the kinds of the masks it joins, at the same tiles (a batch or
+    head extent of 1 broadcast)."""
     map_batch, map_heads, n_q_blocks, n_kv_blocks = kind.shape
+    assert others is None or others.shape[2:] == kind.shape[2:] and others.stride()[2:] == (n_kv_blocks, 1)
+    strides = (0, 0) if others is None else \
+        tuple(stride if size > 1 else 0 for stride, size in zip(others.stride()[:2], others.shape[:2]))
     launch(_separable_kind_kernel, (n_q_blocks, cdiv(n_kv_blocks, SEPARABLE_GROUP), map_batch * map_heads), kind,
-           q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, ROWS=rows, COLS=cols, EQUAL=equal,
-           BLOCK_M=block_m, BLOCK_N=block_n, GROUP=SEPARABLE_GROUP, num_warps=1)
+           others, *strides, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, ROWS=keep.rows,
+           COLS=keep.cols, EQUAL=keep.equal, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=SEPARABLE_GROUP,
+           num_warps=1)
 
 
 @dataclass(frozen=True)
@@ -353,8 +363,12 @@ def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: in
     block_map = into or empty_block_map(mod, batch, heads, q_len, kv_len, block_m, block_n, device, kind_block_m)
     assert (block_map.block_m, block_map.block_n, block_map.kind_block_m, *block_map.kind.shape[2:]) == \
         (block_m, block_n, kind_block_m, cdiv(q_len, kind_block_m), cdiv(kv_len, block_n)), "a map of other tiles"
-    if mod.separable_keep is not None:
-        launch_separable_kinds(block_map.kind, mod.separable_keep, aux, q_len, kv_len, kind_block_m, block_n)
+    separable = mod.separable_keep
+    if separable is not None:
+        others = None if separable.others is None else block_map_for(
+            separable.others, aux, batch, heads, q_len, kv_len, block_m, block_n, device,
+            kind_block_m=kind_block_m).kind
+        launch_separable_kinds(block_map.kind, separable, aux, q_len, kv_len, kind_block_m, block_n, others)
     else:
         # Each program evaluates tiles of the rows lists' height (a count per kind tile within): 64-row kinds
         # under 128-row lists took 38.4 µs for the document mask (tile-kind-sweep-2026-11-30-1625), 128-row kinds

@@ -85,7 +85,7 @@ class Code:
     # A bool that compares an integer of the query position alone with one of the key position alone (document
     # ids): (equal, the query side's expression, the key side's), the value being ``rows == cols`` where
     # equal, else ``rows != cols``. The block map then classifies a tile by each side's least and greatest
-    # values instead of evaluating every element (see blockmap.separable_kinds).
+    # values instead of evaluating every element (see blockmap.launch_separable_kinds).
     separable: tuple[bool, str, str] | None = None
 
     @property
@@ -129,6 +129,9 @@ class Lifted:
     # Where the keep is separable (`Code.separable`): whether it is rows == cols (else rows != cols), the two
     # sides being the functions keep_rows and keep_cols; else None.
     keep_equal: bool | None
+    # What the other masks joined with a separable one read ("b", "h", "q", "k"), their conjunction being the
+    # function keep_others; None where there are none.
+    keep_others_uses: frozenset[str] | None
     features: list[str]
     tables: list[DistanceTable]
     linear_scale: float | None  # see ScoreMod.linear_scale
@@ -597,17 +600,23 @@ class Lifter:
         keep_uses: frozenset[str] = frozenset()
         keep_reads_aux = False
         keep_equal = None
+        keep_others_uses = None
         if keep is not None:
             keep_expr, keep_uses, keep_reads_aux, separable = keep
             chunks.append(self._index_function(f"{self.name}_keep", "b, h, q_idx, kv_idx, aux", [],
                                     f"return {keep_expr}"))
             if separable is not None:
-                keep_equal, rows, cols = separable
+                keep_equal, rows, cols, others, others_uses = separable
                 chunks.append(self._index_function(f"{self.name}_keep_rows", "b, h, q_idx, aux", [],
                                                    f"return {rows}"))
                 chunks.append(self._index_function(f"{self.name}_keep_cols", "b, h, kv_idx, aux", [],
                                                    f"return {cols}"))
                 functions.update(keep_rows=f"{self.name}_keep_rows", keep_cols=f"{self.name}_keep_cols")
+                if others is not None:
+                    chunks.append(self._index_function(f"{self.name}_keep_others", "b, h, q_idx, kv_idx, aux", [],
+                                                       f"return {others}"))
+                    functions["keep_others"] = f"{self.name}_keep_others"
+                    keep_others_uses = others_uses
             chunks.append(self._score_function(f"{self.name}_fill", fill_graph))
             functions.update(keep=f"{self.name}_keep", fill=f"{self.name}_fill")
             # A fill that no gradient flows through (a constant) has no gradient function: the kernels then add
@@ -624,8 +633,8 @@ class Lifter:
         return Lifted(source=source, functions=functions, aux=self.aux,
                       aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
                       fill_bound=fill_bound,
-                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, keep_equal=keep_equal, features=features,
-                      tables=self.tables,
+                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, keep_equal=keep_equal,
+                      keep_others_uses=keep_others_uses, features=features, tables=self.tables,
                       linear_scale=self._linear_scale(score_graph))
 
     def _linear_scale(self, module: torch.fx.GraphModule) -> float | None:
@@ -687,7 +696,16 @@ class Lifter:
         keep_expr = " & ".join(f"({m[0]})" for m in masks)
         keep_uses = frozenset().union(*[m[4] for m in masks])
         reads_aux = self._reads_aux(keep_expr)
-        separable = masks[0][6] if len(masks) == 1 else None
+        # One mask separable, the others (a causal mask, a window) reading no tensors: the map is the separable
+        # one's kinds joined with the others' map, cached per shape.
+        separable = None
+        separable_masks = [m for m in masks if m[6] is not None]
+        if len(separable_masks) == 1:
+            others = [m for m in masks if m is not separable_masks[0]]
+            others_expr = " & ".join(f"({m[0]})" for m in others)
+            if not (others and self._reads_aux(others_expr)):
+                separable = (*separable_masks[0][6], others_expr or None,
+                             frozenset().union(*[m[4] for m in others]))
         inner = masks[-1][2]
         score = self._module(replace={masks[0][5]: inner})
         fill_module = self._module(replace={masks[0][5]: ("add", inner, fill) if additive else ("constant", fill)})

@@ -18,7 +18,7 @@ import torch
 from fusepass.attention.blockmap import BlockMap, map_extent, packed_map_numel
 from fusepass.attention.layout import OperandLayout
 from fusepass.attention.lift import Lifted
-from fusepass.attention.score_mod import ScoreMod
+from fusepass.attention.score_mod import ScoreMod, SeparableKeep
 from fusepass.codegen.modules import load_module
 from fusepass.kernels.flash_ahead import compile_attention_ahead
 from fusepass.kernels.flash_bwd import flash_attention_backward
@@ -162,6 +162,14 @@ class AttentionSpec:
         tiles, kinds_at, extent = self.passed_map(q)
         return BlockMap.from_packed(tiles.block_m, tiles.block_n, kinds_at, packed, extent)
 
+    def _others_mod(self, fns: dict) -> ScoreMod | None:
+        """The masks joined with a separable one, as a keep of its own (its map cached per shape), or None."""
+        uses = self.lifted.keep_others_uses
+        if uses is None:
+            return None
+        return ScoreMod(name=f"{self.name}_others", score=None, score_grad=None, keep=fns["keep_others"],
+                        keep_uses_batch="b" in uses, keep_uses_head="h" in uses)
+
     @property
     def mod(self) -> ScoreMod:
         """The score functions, compiled on first use (``triton.jit`` reads them from a file)."""
@@ -174,8 +182,8 @@ class AttentionSpec:
                 has_aux_grad=any(self.lifted.aux_needs_grad),
                 keep_uses_batch="b" in self.lifted.keep_uses, keep_uses_head="h" in self.lifted.keep_uses,
                 keep_reads_aux=self.lifted.keep_reads_aux,
-                separable_keep=None if self.lifted.keep_equal is None else (
-                    self.lifted.keep_equal, fns["keep_rows"], fns["keep_cols"]),
+                separable_keep=None if self.lifted.keep_equal is None else SeparableKeep(
+                    self.lifted.keep_equal, fns["keep_rows"], fns["keep_cols"], self._others_mod(fns)),
                 tables=tuple((getattr(module, t.function),
                               getattr(module, t.offset_function) if t.offset_function else None, t)
                              for t in self.lifted.tables),

@@ -29,6 +29,18 @@ class DistanceTable:
 
 
 @dataclass(frozen=True)
+class SeparableKeep:
+    """keep = ``rows(b, h, q_idx, aux) == cols(b, h, kv_idx, aux)`` (``!=`` where not `equal`), and `others`'s
+    keep where it is given: masks that read no tensors (a causal mask), whose map is cached per shape
+    (blockmap.launch_separable_kinds)."""
+
+    equal: bool
+    rows: Any
+    cols: Any
+    others: ScoreMod | None = None
+
+
+@dataclass(frozen=True)
 class ScoreMod:
     """Generated ``@triton.jit`` functions of one attention's score chain.
 
@@ -49,10 +61,9 @@ class ScoreMod:
     keep_uses_batch: bool = False
     keep_uses_head: bool = False
     keep_reads_aux: bool = False
-    # Where keep compares a value of the query position alone with one of the key position alone (document
-    # ids): (equal, rows, cols), keep being ``rows(b, h, q_idx, aux) == cols(b, h, kv_idx, aux)`` where equal,
-    # else ``!=``. The block map classifies tiles by each side's range (blockmap.separable_kinds).
-    separable_keep: tuple[bool, Any, Any] | None = None
+    # Where keep is, or joins other masks with, a comparison of a value of the query position alone with one of
+    # the key position alone (document ids): the block map then classifies tiles by each side's range.
+    separable_keep: SeparableKeep | None = None
     # (the value's jit function, the offset's or None, its table), read after aux
     tables: tuple[tuple[Any, Any, DistanceTable], ...] = ()
     # c where SCORE(s) is s · c for a positive constant c: the forward's FULL tiles then fold c into the
