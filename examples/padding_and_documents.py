@@ -1,9 +1,11 @@
-"""Masks built from data: a BERT-style padding mask and a document (segment-id) mask.
+"""Masks built from data: a BERT-style padding mask, a document (segment-id) mask, and documents packed into
+one sequence for causal language modelling.
 
     python examples/padding_and_documents.py
 
-Both are loaded per tile from the small tensors they come from ([B, N] lengths or segment ids), never as an
-N×N mask; fully padded rows give exactly what eager gives.
+Each is loaded per tile from the small tensors it comes from ([B, N] lengths or segment ids), never as an
+N×N mask; fully padded rows give exactly what eager gives. A comparison of segment ids is mapped per call from
+each block's range of ids, joined with the causal mask's map.
 """
 from __future__ import annotations
 
@@ -26,6 +28,14 @@ def documents(q, k, v, segments):
     return torch.softmax(scores.masked_fill(~same, float("-inf")), dim=-1) @ v
 
 
+def packed_causal(q, k, v, segments):
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    same = segments[:, None, :, None] == segments[:, None, None, :]
+    return torch.softmax(scores.masked_fill(~(same & causal), float("-inf")), dim=-1) @ v
+
+
 if __name__ == "__main__":
     n = size(4096, 64)
     q, k, v = qkv(batch=4, heads=16, length=n, head_dim=64)
@@ -35,3 +45,5 @@ if __name__ == "__main__":
     segments = torch.sort(torch.randint(0, 8, (4, n), device=DEVICE), dim=-1).values
     compare("document mask", documents, torch.compile(documents, backend="fusepass"), q, k, v, segments,
             backward=True)
+    compare("packed documents, causal", packed_causal, torch.compile(packed_causal, backend="fusepass"), q, k, v,
+            segments, backward=True)

@@ -65,6 +65,35 @@ class Canon:
 
 
 @dataclass(frozen=True)
+class Separable:
+    """A bool that is ``rows == cols`` (``!=`` where not `equal`), `rows` an integer expression of the query
+    position alone and `cols` one of the key position alone (document ids), and `others` where given: index code
+    that reads no tensors (a causal mask), of uses `others_uses`. The block map classifies a tile by each side's
+    least and greatest values instead of evaluating every element, joined with the others' map, cached per
+    shape (blockmap.launch_separable_kinds)."""
+
+    equal: bool
+    rows: str
+    cols: str
+    others: str | None = None
+    others_uses: frozenset[str] = frozenset()
+    # The negation of a conjunction: no keep, until negated again.
+    inverted: bool = False
+
+    def negated(self) -> Separable:
+        if self.others is None:
+            return replace(self, equal=not self.equal)
+        return replace(self, inverted=not self.inverted)
+
+    def joined(self, others: str, uses: frozenset[str]) -> Separable | None:
+        """This and `others` (index code reading no tensors)."""
+        if self.inverted:
+            return None
+        return replace(self, others=others if self.others is None else f"({self.others}) & ({others})",
+                       others_uses=self.others_uses | uses)
+
+
+@dataclass(frozen=True)
 class Code:
     """A value computed by index code: no gradient flows through it."""
 
@@ -82,11 +111,8 @@ class Code:
     affine: tuple[int, int, int] | None = None
     # A function of the distance k - q alone (and of b, h and tensors read at them): see `_tabulated`.
     relative: bool = False
-    # A bool that compares an integer of the query position alone with one of the key position alone (document
-    # ids): (equal, the query side's expression, the key side's), the value being ``rows == cols`` where
-    # equal, else ``rows != cols``. The block map then classifies a tile by each side's least and greatest
-    # values instead of evaluating every element (see blockmap.launch_separable_kinds).
-    separable: tuple[bool, str, str] | None = None
+    # A bool comparing an integer of the query position alone with one of the key position alone: see Separable.
+    separable: Separable | None = None
 
     @property
     def narrow(self) -> bool:
@@ -526,7 +552,31 @@ class Lifter:
         relative = not nested and all(_of_distance(a) for a in codes) or \
             affine is not None and affine[0] == -affine[1] != 0
         return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span,
-                    as_float=as_float, affine=affine, relative=relative, separable=_separable(target, args))
+                    as_float=as_float, affine=affine, relative=relative, separable=self._separable(target, args))
+
+    def _separable(self, target: Any, args: tuple) -> Separable | None:
+        """`Code.separable` of ``target(*args)``: an equality or inequality of an integer (or bool) of the query
+        position alone with one of the key position alone; its negation; its conjunction with index code that
+        reads no tensors."""
+        kind = getattr(target, "overloadpacket", None)
+        codes = [a for a in args if isinstance(a, Code)]
+        if len(codes) != len(args):
+            return None
+        if kind in (aten.eq, aten.ne) and len(args) == 2 and \
+                not any(a.dtype.is_floating_point or a.dtype.is_complex for a in codes):
+            for rows, cols in ((args[0], args[1]), (args[1], args[0])):
+                if "q" in rows.uses and rows.uses <= {"b", "h", "q"} and "k" in cols.uses and \
+                        cols.uses <= {"b", "h", "k"}:
+                    return Separable(kind == aten.eq, rows.expr, cols.expr)
+        if any(a.dtype != torch.bool for a in codes):
+            return None
+        if kind in (aten.logical_not, aten.bitwise_not) and len(args) == 1 and args[0].separable is not None:
+            return args[0].separable.negated()
+        if kind in (aten.logical_and, aten.bitwise_and, aten.__and__) and len(args) == 2:
+            for one, other in ((args[0], args[1]), (args[1], args[0])):
+                if one.separable is not None and other.separable is None and not self._reads_aux(other.expr):
+                    return one.separable.joined(other.expr, other.uses)
+        return None
 
     def _float_form(self, target: Any, args: tuple, kwargs: dict, span: Span | None) -> str | None:
         """The fp32 form of an integer result whose operands have one, where every value stays exact in fp32:
@@ -606,17 +656,17 @@ class Lifter:
             chunks.append(self._index_function(f"{self.name}_keep", "b, h, q_idx, kv_idx, aux", [],
                                     f"return {keep_expr}"))
             if separable is not None:
-                keep_equal, rows, cols, others, others_uses = separable
+                keep_equal = separable.equal
                 chunks.append(self._index_function(f"{self.name}_keep_rows", "b, h, q_idx, aux", [],
-                                                   f"return {rows}"))
+                                                   f"return {separable.rows}"))
                 chunks.append(self._index_function(f"{self.name}_keep_cols", "b, h, kv_idx, aux", [],
-                                                   f"return {cols}"))
+                                                   f"return {separable.cols}"))
                 functions.update(keep_rows=f"{self.name}_keep_rows", keep_cols=f"{self.name}_keep_cols")
-                if others is not None:
+                if separable.others is not None:
                     chunks.append(self._index_function(f"{self.name}_keep_others", "b, h, q_idx, kv_idx, aux", [],
-                                                       f"return {others}"))
+                                                       f"return {separable.others}"))
                     functions["keep_others"] = f"{self.name}_keep_others"
-                    keep_others_uses = others_uses
+                    keep_others_uses = separable.others_uses
             chunks.append(self._score_function(f"{self.name}_fill", fill_graph))
             functions.update(keep=f"{self.name}_keep", fill=f"{self.name}_fill")
             # A fill that no gradient flows through (a constant) has no gradient function: the kernels then add
@@ -699,13 +749,13 @@ class Lifter:
         # One mask separable, the others (a causal mask, a window) reading no tensors: the map is the separable
         # one's kinds joined with the others' map, cached per shape.
         separable = None
-        separable_masks = [m for m in masks if m[6] is not None]
+        separable_masks = [m for m in masks if m[6] is not None and not m[6].inverted]
         if len(separable_masks) == 1:
-            others = [m for m in masks if m is not separable_masks[0]]
-            others_expr = " & ".join(f"({m[0]})" for m in others)
-            if not (others and self._reads_aux(others_expr)):
-                separable = (*separable_masks[0][6], others_expr or None,
-                             frozenset().union(*[m[4] for m in others]))
+            separable = separable_masks[0][6]
+            for other in (m for m in masks if m is not separable_masks[0]):
+                separable = None if self._reads_aux(other[0]) else separable.joined(other[0], other[4])
+                if separable is None:
+                    break
         inner = masks[-1][2]
         score = self._module(replace={masks[0][5]: inner})
         fill_module = self._module(replace={masks[0][5]: ("add", inner, fill) if additive else ("constant", fill)})
@@ -737,7 +787,7 @@ class Lifter:
             condition = self.leaves.get(node.args[1])
             if isinstance(condition, Code) and isinstance(node.args[0], torch.fx.Node):
                 return (f"~{condition.expr}", float(node.args[2]), node.args[0], False, condition.uses, node,
-                        _negated(condition.separable))
+                        condition.separable and condition.separable.negated())
         if kind == aten.where:
             condition = self.leaves.get(node.args[0])
             a, b = node.args[1], node.args[2]
@@ -746,7 +796,7 @@ class Lifter:
                     return (condition.expr, float(b), a, False, condition.uses, node, condition.separable)
                 if isinstance(b, torch.fx.Node) and isinstance(a, (int, float)):
                     return (f"~{condition.expr}", float(a), b, False, condition.uses, node,
-                            _negated(condition.separable))
+                            condition.separable and condition.separable.negated())
         if kind == aten.add and len(node.args) == 2 and node.kwargs.get("alpha", 1) == 1:
             for x, y in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
                 mask = self.leaves.get(y) if isinstance(y, torch.fx.Node) else None
@@ -958,25 +1008,6 @@ def _emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: li
             outs = outs if isinstance(outs, (list, tuple)) else (outs,)
             return [values[o] if isinstance(o, torch.fx.Node) else None for o in outs]
     raise AssertionError("graph without output")
-
-
-def _separable(target: Any, args: tuple) -> tuple[bool, str, str] | None:
-    """`Code.separable` of ``target(*args)``: an equality or inequality of an integer (or bool) of the query
-    position alone with one of the key position alone, or the negation of one."""
-    kind = getattr(target, "overloadpacket", None)
-    if kind in (aten.eq, aten.ne) and len(args) == 2 and \
-            all(isinstance(a, Code) and not a.dtype.is_floating_point and not a.dtype.is_complex for a in args):
-        for rows, cols in ((args[0], args[1]), (args[1], args[0])):
-            if "q" in rows.uses and rows.uses <= {"b", "h", "q"} and "k" in cols.uses and cols.uses <= {"b", "h", "k"}:
-                return kind == aten.eq, rows.expr, cols.expr
-    if kind in (aten.logical_not, aten.bitwise_not) and len(args) == 1 and isinstance(args[0], Code) and \
-            args[0].dtype == torch.bool:
-        return _negated(args[0].separable)
-    return None
-
-
-def _negated(separable: tuple[bool, str, str] | None) -> tuple[bool, str, str] | None:
-    return None if separable is None else (not separable[0], *separable[1:])
 
 
 def _function(name: str, params: str, lines: list[str], ret: str) -> str:

@@ -53,6 +53,15 @@ def same_document_causal(q, k, v, ids):
     return torch.softmax(s, dim=-1) @ v
 
 
+def packed_causal(q, k, v, ids):
+    """Documents packed into one sequence for causal language modelling, as one mask: same document and causal."""
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    return torch.softmax(s.masked_fill(~(same & causal), float("-inf")), dim=-1) @ v
+
+
 def same_document_bias(q, k, v, ids):
     """The ids compared in an additive mask (a bias of 0 or -inf): not lifted as a separable keep."""
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
@@ -72,7 +81,7 @@ def interleaved_ids() -> torch.Tensor:
 
 @pytest.mark.parametrize("fn, equal", [
     (same_document, True), (same_document_where, True), (other_documents, False), (same_document_causal, True),
-    (same_document_bias, None),
+    (packed_causal, True), (same_document_bias, None),
 ])
 @pytest.mark.parametrize("ids", ["sorted", "interleaved"])
 def test_separable_keeps_compute_what_eager_does(fn, equal, ids):
@@ -90,7 +99,7 @@ def test_float_ids_are_not_separable():
     assert list(op._specs.values())[-1].mod.separable_keep is None
 
 
-@pytest.mark.parametrize("fn", [same_document, other_documents, same_document_causal])
+@pytest.mark.parametrize("fn", [same_document, other_documents, same_document_causal, packed_causal])
 @pytest.mark.parametrize("documents", [1, 3, 40])
 @pytest.mark.parametrize("block_m, block_n", [(16, 16), (32, 16)])
 def test_separable_maps_are_exact_where_they_say_full_or_empty(fn, documents, block_m, block_n):
@@ -105,7 +114,7 @@ def test_separable_maps_are_exact_where_they_say_full_or_empty(fn, documents, bl
                             for m in (mod, replace(mod, separable_keep=None)))
         assert torch.equal(separable == FULL_KIND, exact == FULL_KIND)
         assert not (separable == EMPTY_KIND)[exact != EMPTY_KIND].any()
-        if document_ids is ids and fn is not same_document_causal:
+        if document_ids is ids and fn in (same_document, other_documents):
             # Sorted ids: a tile whose ranges meet holds an equal pair, so every kind is exact. (Joined with a
             # causal mask, a tile PARTIAL under both may keep nothing.)
             assert torch.equal(separable, exact)
