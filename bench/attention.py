@@ -1,7 +1,7 @@
 """Attention, side by side: the hand-written code in eager, under Inductor and under fusepass, against
 ``F.scaled_dot_product_attention`` and FlexAttention given the same mask or bias.
 
-    PYTHONPATH=. python bench/attention.py [--quick] [--cases causal,alibi] [--shapes small,large]
+    PYTHONPATH=. python bench/attention.py [--cases causal,alibi] [--shapes small,large]
 
 TFLOP/s count only the unmasked work (4·B·H·Nq·Nk·D per forward, × 2.5 for forward+backward).
 
@@ -114,6 +114,16 @@ def document(q, k, v, segments):
     return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
 
+def packed_causal(q, k, v, segments):
+    """Documents packed into one sequence for causal language modelling."""
+    n = q.shape[-2]
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    same = segments[:, None, :, None] == segments[:, None, None, :]
+    s = s.masked_fill(~(same & causal), float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
 @dataclass
 class Case:
     name: str
@@ -176,6 +186,11 @@ CASES = {
         lambda b, h, n, device: (torch.sort(torch.randint(0, 8, (b, n), device=device), dim=-1).values,), None,
         lambda b, h, n, seg: (None, lambda b, h, q, kv: seg[b, q] == seg[b, kv]), lambda n: 1 / 8,
         mask_reads_inputs=True),
+    "packed": Case(
+        "packed documents, causal", packed_causal,
+        lambda b, h, n, device: (torch.sort(torch.randint(0, 8, (b, n), device=device), dim=-1).values,), None,
+        lambda b, h, n, seg: (None, lambda b, h, q, kv: (seg[b, q] == seg[b, kv]) & (q >= kv)),
+        lambda n: (n / 8 + 1) / (2 * n), mask_reads_inputs=True),
 }
 
 

@@ -7,8 +7,9 @@
 #   attention    large and small                                                    ~260 s
 #   large        every case but the learnable T5 table, B2 H16 N8192 D128          ~140 s (past 150 once)
 #   small        the same at B8 H16 N2048 D64 (cut at 110 s once: now 170)         ~120 s
-#   flexmask     document and padding beside FlexAttention with its block mask     (~100 s, run once
-#                built in each call, as a step with new inputs builds it           by hand at -1925)
+#   flexmask     document, packed causal documents and padding beside            (~150 s; run once
+#                FlexAttention with its block mask built in each call, as a step   by hand at -1925,
+#                with new inputs builds it                                         without packed)
 #   elementwise  the elementwise suite at 2^26 elements                             ~60 s
 #   tests        the GPU tests of tests/attention, kernels, report and elementwise ~190 s
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
@@ -42,7 +43,8 @@ for part in $parts; do
         timeout 170 python bench/attention.py --shapes small --cases causal,plain,alibi,document,window,padding,softcap,t5 \
             2>&1 | grep "^|" | cut -d"|" -f2-13 ;;
     flexmask)
-        timeout 200 python bench/attention.py --shapes large,small --cases document,padding --peers sdpa,flex,flex-mask \
+        timeout 260 python bench/attention.py --shapes large,small --cases document,packed,padding \
+            --peers sdpa,flex,flex-mask \
             2>&1 | grep "^|" | cut -d"|" -f2-4,8,10,12-13,15 ;;
     elementwise)
         timeout 70 python bench/elementwise.py --sizes 26 2>&1 | tail -11 ;;
