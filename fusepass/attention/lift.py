@@ -177,6 +177,10 @@ class Lifter:
         self.memo: dict[tuple[torch.fx.Node, tuple[Idx, ...]], Code | Diff] = {}
         self.chain = set(m.chain)
         self.features: set[str] = set()
+        # The aux tensors read at key positions alone, and those read at query positions: a tensor read on the key
+        # side only is a padding mask (document ids are read on both sides).
+        self.key_side_reads: set[int] = set()
+        self.query_side_reads: set[int] = set()
         self.mask_compares = 0  # the most query-against-key comparisons a mask condition depends on
         self.aux_loads_in_code: set[int] = set()
         self.tables: list[DistanceTable] = []
@@ -467,7 +471,7 @@ class Lifter:
         index = self._aux_index(tensor)
         mask = self._bounds(uses)
         if not gathered:
-            self._note_read(t, uses)
+            self._note_read(t, uses, index)
         if tensor.meta.get("requires_grad", False):
             leaf = self._placeholder("g", t.dtype, t.dim() == 0)
             self.leaves[leaf] = self._gathered_by_distance(index, offset, mask, uses, relative, t.dtype) or \
@@ -626,11 +630,13 @@ class Lifter:
                 if isinstance(a, Code) and a.mask is not None:
                     self.mask_compares = max(self.mask_compares, a.compares)
 
-    def _note_read(self, tensor: torch.Tensor, uses: frozenset[str]) -> None:
+    def _note_read(self, tensor: torch.Tensor, uses: frozenset[str], index: int) -> None:
         if uses and uses <= {"b", "k"} and "k" in uses:
-            self.features.add("padding_mask")
+            self.key_side_reads.add(index)
         elif {"q", "k"} <= uses:
             self.features.add("mask" if tensor.dtype == torch.bool else "bias")
+        if "q" in uses:
+            self.query_side_reads.add(index)
 
     # ---------------------------------------------------------------------------------- output
 
@@ -712,6 +718,8 @@ class Lifter:
 
     def _features(self) -> list[str]:
         features = set(self.features)
+        if self.key_side_reads - self.query_side_reads:
+            features.add("padding_mask")
         if self.mask_compares == 1:
             features.add("causal")
         elif self.mask_compares > 1:

@@ -291,7 +291,9 @@ def document_mask(q, k, v, segments):
 
 def test_document_mask_from_segment_ids():
     segments = torch.sort(torch.randint(0, 4, (B, NQ), device=DEVICE), dim=-1).values
-    check(document_mask, *qkv(nk=NQ), segments, backward=True)
+    report = check(document_mask, *qkv(nk=NQ), segments, backward=True)
+    # The ids are read at key positions and at query positions: a document mask, not a padding mask.
+    assert attention_rewrite(report).features == ("document",)
 
 
 def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypatch):
