@@ -159,3 +159,40 @@ def test_separable_kinds_fuzzed(equal, n, tiles, ids, sort):
     assert not (separable == EMPTY_KIND)[exact != EMPTY_KIND].any()
     if sort:
         assert torch.equal(separable, exact)
+
+
+def cross_documents(q, k, v, q_ids, kv_ids):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(q_ids[:, None, :, None] != kv_ids[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def per_head_documents(q, k, v, ids):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(ids[:, :, :, None] != ids[:, :, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def same_flag(q, k, v, flags):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = torch.where(flags[:, None, :, None] == flags[:, None, None, :], s, float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+@pytest.mark.parametrize("form", ["cross", "per head", "bool"])
+def test_other_separable_forms(form):
+    """Ids of queries and keys from two tensors of their own lengths (cross-attention), ids per head (the map
+    then has a head axis), and bools compared."""
+    torch.manual_seed(0)
+    q = random_tensor((B, H, N, D), torch.float32)
+    kv_len = N + 8 if form == "cross" else N
+    k, v = (random_tensor((B, H, kv_len, D), torch.float32) for _ in range(2))
+    if form == "cross":
+        fn, ids = cross_documents, (sorted_ids(3), torch.sort(torch.randint(0, 3, (B, kv_len), device=DEVICE)).values)
+    elif form == "per head":
+        fn, ids = per_head_documents, (torch.sort(torch.randint(0, 4, (B, H, N), device=DEVICE)).values,)
+    else:
+        fn, ids = same_flag, (torch.rand(B, N, device=DEVICE) > 0.5,)
+    check(fn, q, k, v, *ids, backward=True, rtol=1e-4, atol=1e-4)
+    mod = list(op._specs.values())[-1].mod
+    assert mod.separable_keep is not None and mod.keep_uses_head == (form == "per head")
