@@ -152,12 +152,9 @@ class Lifted:
     fill_bound: float
     keep_uses: frozenset[str]
     keep_reads_aux: bool
-    # Where the keep is separable (`Code.separable`): whether it is rows == cols (else rows != cols), the two
-    # sides being the functions keep_rows and keep_cols; else None.
-    keep_equal: bool | None
-    # What the other masks joined with a separable one read ("b", "h", "q", "k"), their conjunction being the
-    # function keep_others; None where there are none.
-    keep_others_uses: frozenset[str] | None
+    # Where the keep is separable: its two sides are the functions keep_rows and keep_cols, the masks it joins
+    # (`others`, where given) the function keep_others.
+    separable: Separable | None
     features: list[str]
     tables: list[DistanceTable]
     linear_scale: float | None  # see ScoreMod.linear_scale
@@ -655,14 +652,12 @@ class Lifter:
         fill_bound = -math.inf
         keep_uses: frozenset[str] = frozenset()
         keep_reads_aux = False
-        keep_equal = None
-        keep_others_uses = None
+        separable = None
         if keep is not None:
             keep_expr, keep_uses, keep_reads_aux, separable = keep
             chunks.append(self._index_function(f"{self.name}_keep", "b, h, q_idx, kv_idx, aux", [],
                                     f"return {keep_expr}"))
             if separable is not None:
-                keep_equal = separable.equal
                 chunks.append(self._index_function(f"{self.name}_keep_rows", "b, h, q_idx, aux", [],
                                                    f"return {separable.rows}"))
                 chunks.append(self._index_function(f"{self.name}_keep_cols", "b, h, kv_idx, aux", [],
@@ -672,7 +667,6 @@ class Lifter:
                     chunks.append(self._index_function(f"{self.name}_keep_others", "b, h, q_idx, kv_idx, aux", [],
                                                        f"return {separable.others}"))
                     functions["keep_others"] = f"{self.name}_keep_others"
-                    keep_others_uses = separable.others_uses
             chunks.append(self._score_function(f"{self.name}_fill", fill_graph))
             functions.update(keep=f"{self.name}_keep", fill=f"{self.name}_fill")
             # A fill that no gradient flows through (a constant) has no gradient function: the kernels then add
@@ -689,8 +683,8 @@ class Lifter:
         return Lifted(source=source, functions=functions, aux=self.aux,
                       aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
                       fill_bound=fill_bound,
-                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, keep_equal=keep_equal,
-                      keep_others_uses=keep_others_uses, features=features, tables=self.tables,
+                      keep_uses=keep_uses, keep_reads_aux=keep_reads_aux, separable=separable, features=features,
+                      tables=self.tables,
                       linear_scale=self._linear_scale(score_graph))
 
     def _linear_scale(self, module: torch.fx.GraphModule) -> float | None:

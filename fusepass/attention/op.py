@@ -164,9 +164,9 @@ class AttentionSpec:
 
     def _others_mod(self, fns: dict) -> ScoreMod | None:
         """The masks joined with a separable one, as a keep of its own (its map cached per shape), or None."""
-        uses = self.lifted.keep_others_uses
-        if uses is None:
+        if self.lifted.separable.others is None:
             return None
+        uses = self.lifted.separable.others_uses
         return ScoreMod(name=f"{self.name}_others", score=None, score_grad=None, keep=fns["keep_others"],
                         keep_uses_batch="b" in uses, keep_uses_head="h" in uses)
 
@@ -182,8 +182,8 @@ class AttentionSpec:
                 has_aux_grad=any(self.lifted.aux_needs_grad),
                 keep_uses_batch="b" in self.lifted.keep_uses, keep_uses_head="h" in self.lifted.keep_uses,
                 keep_reads_aux=self.lifted.keep_reads_aux,
-                separable_keep=None if self.lifted.keep_equal is None else SeparableKeep(
-                    self.lifted.keep_equal, fns["keep_rows"], fns["keep_cols"], self._others_mod(fns)),
+                separable_keep=None if self.lifted.separable is None else SeparableKeep(
+                    self.lifted.separable.equal, fns["keep_rows"], fns["keep_cols"], self._others_mod(fns)),
                 tables=tuple((getattr(module, t.function),
                               getattr(module, t.offset_function) if t.offset_function else None, t)
                              for t in self.lifted.tables),
