@@ -1,16 +1,18 @@
-"""Tile configs of the flash kernels, timed on causal attention (unmasked with --plain): what ``flash_config``
-should choose.
+"""Tile configs of the flash kernels, timed on causal attention (or unmasked, or documents packed for causal
+language modelling, by --mask): what ``flash_config`` should choose.
 
     PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--forward-only] [--chosen]
-        [--plain]
+        [--mask causal|plain|packed]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
         [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
     A fifth number in a config groups its kernel's programs by (batch, head) pairs (FlashConfig.head_group;
     without one, flash_config.GPU_HEAD_GROUP).
 
-Calls the kernels directly (no compile step), with a causal score function (or the scale alone) written here
-by hand.
+Calls the kernels directly (no compile step), with score functions written here by hand. The packed mask
+(the attention suite's ``packed`` case: 8 documents of random lengths per sequence) is mapped as the product
+maps it, from each block's range of document ids (`ScoreMod.separable_keep`) joined with the causal map, in
+every call, as a step with new ids does.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 from harness import keep, median_ms, relative_error
 
-from fusepass.attention.score_mod import ScoreMod
+from fusepass.attention.score_mod import ScoreMod, SeparableKeep
 from fusepass.kernels import flash_bwd, flash_fwd
 from fusepass.kernels.flash_config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
 
@@ -53,12 +55,27 @@ def minus_inf(s, b, h, q_idx, kv_idx, aux):
     return tl.full(s.shape, float("-inf"), tl.float32)
 
 
+@triton.jit
+def document_id(b, h, idx, aux):
+    # aux[0]: the document id of each position, [batch, seq] int64, aux[1] its batch stride
+    return tl.load(aux[0] + b * aux[1] + idx)
+
+
+@triton.jit
+def packed_keep(b, h, q_idx, kv_idx, aux):
+    return (document_id(b, h, q_idx, aux) == document_id(b, h, kv_idx, aux)) & (q_idx >= kv_idx)
+
+
 # A constant fill has no gradient function (fill_grad None), as the attention pass lifts one.
 CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf)
 # The same, its scale declared (ScoreMod.linear_scale): full tiles fold it into the exponent.
 CAUSAL_LINEAR = replace(CAUSAL, name="sweep_causal_linear", linear_scale=SCALE)
 PLAIN = ScoreMod(name="sweep_plain", score=scaled, score_grad=scaled_grad)
 PLAIN_LINEAR = replace(PLAIN, name="sweep_plain_linear", linear_scale=SCALE)
+PACKED = replace(CAUSAL, name="sweep_packed", keep=packed_keep, keep_uses_batch=True, keep_reads_aux=True,
+                 separable_keep=SeparableKeep(True, document_id, document_id, CAUSAL))
+PACKED_LINEAR = replace(PACKED, name="sweep_packed_linear", linear_scale=SCALE)
+MASKS = {"causal": (CAUSAL, CAUSAL_LINEAR), "plain": (PLAIN, PLAIN_LINEAR), "packed": (PACKED, PACKED_LINEAR)}
 
 # Per-tile operands through TMA descriptors; the first config of each list also with pointer loads.
 FORWARD = [FlashConfig(128, 128, 8, 3, descriptors=False)] + [
@@ -98,12 +115,12 @@ def main() -> None:
     parser.add_argument("--dq", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages[,head_group] of dQ")
     parser.add_argument("--forward", nargs="*", default=None,
                         help="block_m,block_n,num_warps,num_stages[,head_group] (flash_fwd.grouped_program)")
-    parser.add_argument("--plain", action="store_true", help="no mask (the scale alone) instead of causal")
+    parser.add_argument("--mask", choices=MASKS, default="causal")
     args = parser.parse_args()
-    causal = not args.plain
-    mod, linear_mod = (CAUSAL, CAUSAL_LINEAR) if causal else (PLAIN, PLAIN_LINEAR)
+    causal = args.mask != "plain"  # flash_config's tiles for a mask
+    mod, linear_mod = MASKS[args.mask]
     forward, backward = FORWARD, BACKWARD
-    if args.chosen:  # flash_config's choices at this head dim (masks' tiles for causal, unmasked ones with --plain)
+    if args.chosen:  # flash_config's choices at this head dim (masks' tiles, unmasked ones for plain)
         cuda = torch.device("cuda")
         forward = [flash_fwd.forward_config(args.head_dim, torch.bfloat16, causal, cuda)]
         backward = [flash_bwd.backward_configs(args.head_dim, torch.bfloat16, causal, cuda)]
@@ -118,11 +135,18 @@ def main() -> None:
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
-    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=SCALE)
-    flops = 4 * b * h * n * n * d * ((n + 1) / (2 * n) if causal else 1)
+    aux, sdpa_mask = (), {"is_causal": causal}
+    if args.mask == "packed":
+        ids = torch.sort(torch.randint(0, 8, (b, n), device="cuda"), dim=-1).values
+        aux = (ids, ids.stride(0))
+        sdpa_mask = {"attn_mask": ((ids[:, :, None] == ids[:, None, :]) &
+                                   torch.ones(n, n, dtype=torch.bool, device="cuda").tril())[:, None]}
+    # SDPA's forward and backward under the packed mask (a dense one) are no peer: a reference only
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask)
+    density = {"causal": (n + 1) / (2 * n), "plain": 1, "packed": (n / 8 + 1) / (2 * n)}[args.mask]
+    flops = 4 * b * h * n * n * d * density
     rows = []
-    sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                                                 scale=SCALE))
+    sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
     out = lse = extra = None
     if args.forward is not None or args.chosen:
@@ -134,27 +158,27 @@ def main() -> None:
         flash_fwd.forward_config = lambda *a, c=config: c
         kernel = "forward" if swept is mod else "forward, scale folded"
         try:
-            out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, swept, ())
+            out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, swept, aux)
             error = relative_error(out, reference)
-            ms = median_ms(lambda: flash_fwd.flash_attention_forward(q, k, v, swept, ()))
+            ms = median_ms(lambda: flash_fwd.flash_attention_forward(q, k, v, swept, aux))
             rows.append({"kernel": kernel, "config": str(config), "ms": ms, "TFLOP/s": flops / ms / 1e9,
                          "error": error, "registers / spills": registers(flash_fwd._flash_forward_kernel)})
         except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
             rows.append({"kernel": kernel, "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
     flash_fwd.forward_config = lambda *a: FlashConfig(128, 128, 8, 3, descriptors=True)
-    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, ())
+    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, scale=SCALE)
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, scale=SCALE, **sdpa_mask)
     sdpa_bwd = median_ms(lambda: torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True))
     rows.append({"kernel": "sdpa backward", "config": "-", "ms": sdpa_bwd, "TFLOP/s": 2.5 * flops / sdpa_bwd / 1e9})
     expected = torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True)
     for config in [] if args.forward_only else backward:
         flash_bwd.backward_configs = lambda *a, c=config: c
         try:
-            grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, mod, (), None)
+            grads = flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, mod, aux, None)
             error = max(relative_error(g, e) for g, e in zip(grads, expected))
-            ms = median_ms(lambda: flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, mod, (), None))
+            ms = median_ms(lambda: flash_bwd.flash_attention_backward(do, q, k, v, out, lse, extra, mod, aux, None))
             rows.append({"kernel": "backward", "config": str(config), "ms": ms,
                          "TFLOP/s": 2.5 * flops / ms / 1e9, "error": error,
                          "registers / spills": ", ".join(registers(k) for k in (
@@ -162,7 +186,7 @@ def main() -> None:
         except Exception as e:
             rows.append({"kernel": "backward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
-    name = f"flash-sweep-d{d}-n{n}" + ("" if causal else "-plain") + swept_kernel
+    name = f"flash-sweep-d{d}-n{n}" + ("" if args.mask == "causal" else f"-{args.mask}") + swept_kernel
     print(keep(name, ["kernel", "config", "ms", "TFLOP/s", "error", "registers / spills"], rows))
 
 
