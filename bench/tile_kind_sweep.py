@@ -2,13 +2,16 @@
 program of the tile-kind kernel.
 
     PYTHONPATH=. python bench/tile_kind_sweep.py [--cases document,padding] [--warps 1,2,4] [--groups 1,2,4,8]
+        [--separable 1,8,1 8,8,2 ...]
 
 Compiles each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) under fusepass, then times the tile-kind
 kernel alone, for each warp count and group (kv tiles per program), at the tiles of the map a forward builds
 for a mask read per call (its kinds at the dK/dV kernel's q blocks, each program evaluating the forward's
 taller tiles) and at one kind tile per program; for a separable keep (document ids), its ranges kernel too
-(`blockmap.launch_separable_kinds`), which the product takes for it. Every variant's kinds are checked against
-the map the product builds (on sorted document ids the two kernels' kinds agree).
+(`blockmap.launch_separable_kinds`, joined with the map of the masks beside it, as the product takes it), for
+each of its programs' shapes given (q blocks, kv blocks, warps).
+Every variant's kinds are checked against the map the product builds (on sorted document ids the two kernels'
+kinds agree).
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ def main() -> None:
     parser.add_argument("--cases", default="document,padding")
     parser.add_argument("--warps", default="1,2,4")
     parser.add_argument("--groups", default="1,2,4,8")
+    parser.add_argument("--separable", nargs="*", default=[",".join(map(str, blockmap.SEPARABLE_TILES))],
+                        help="q blocks,kv blocks,warps per program of the ranges kernel")
     args = parser.parse_args()
     b, h, n, d, _ = SHAPES["large"]
     device = torch.device("cuda")
@@ -43,14 +48,21 @@ def main() -> None:
         for kind_rows, block_n, subtiles in sorted(variants):
             kinds = blockmap.build_block_map(spec.mod, aux, b, h, n, n, kind_rows, block_n, device).kind
             reference = kinds.clone()
-            if spec.mod.separable_keep is not None:
-                def separable_only():
-                    blockmap.launch_separable_kinds(kinds, spec.mod.separable_keep, aux, n, n, kind_rows, block_n)
+            separable = spec.mod.separable_keep
+            if separable is not None and subtiles == 1:  # its programs span no taller tiles
+                others = None if separable.others is None else blockmap.block_map_for(
+                    separable.others, aux, b, h, n, n, kind_rows, block_n, device).kind
+                for tiles in [tuple(map(int, t.split(","))) for t in args.separable]:
+                    def separable_only():
+                        blockmap.launch_separable_kinds(kinds, separable, aux, n, n, kind_rows, block_n, others, tiles)
 
-                rows.append({"case": case.name, "kernel": "separable", "kind tiles": f"{kind_rows}x{block_n}",
-                             "program rows": kind_rows, "warps": 1, "group": blockmap.SEPARABLE_GROUP,
-                             "kind kernel us": median_ms(separable_only) * 1e3})
-                print(rows[-1], flush=True)
+                    kinds.fill_(-1)
+                    separable_only()
+                    assert torch.equal(kinds, reference), f"{name}: the ranges kernel at {tiles} maps differently"
+                    rows.append({"case": case.name, "kernel": "separable", "kind tiles": f"{kind_rows}x{block_n}",
+                                 "program rows": kind_rows * tiles[0], "warps": tiles[2], "group": tiles[1],
+                                 "kind kernel us": median_ms(separable_only) * 1e3})
+                    print(rows[-1], flush=True)
             for warps in map(int, args.warps.split(",")):
                 for group in map(int, args.groups.split(",")):
                     def kind_only():

@@ -134,60 +134,67 @@ def launch_tile_kinds(kind: torch.Tensor, keep, aux: tuple, q_len: int, kv_len: 
            SUBTILES=subtiles, GROUP=group, num_warps=num_warps)
 
 
-# Kv blocks per `_separable_kind_kernel` program: their loads are issued together (not measured; one tile per
-# program would leave each program waiting on its loads' latency).
-SEPARABLE_GROUP = 8
+# Each `_separable_kind_kernel` program maps SEPARABLE_TILES[0] q blocks × SEPARABLE_TILES[1] kv blocks with
+# SEPARABLE_TILES[2] warps, from one load of their q and one of their kv positions' values. For the document
+# mask at B2 H16 N8192 (64 × 64 kind tiles, tile-kind-sweep-2026-11-30-2130): 8 × 8 blocks per 1-warp program
+# 5.6 µs per call, 10.5 at 1 × 8 (4096 programs: as slow loaded as one tile or block by block, -2106), 6.0–8.2
+# at 8 × 16, 16 × 8, 16 × 16 and 32 × 32 with 2 to 8 warps.
+SEPARABLE_TILES = (8, 8, 1)
 
 
 @triton.jit
 def _separable_kind_kernel(Kind, Others, others_b_stride, others_h_stride, q_len, kv_len, n_q_blocks, n_kv_blocks,
                            map_heads, aux, ROWS: tl.constexpr, COLS: tl.constexpr, EQUAL: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
-    """Program (q block, kv group, bh): the kinds of KEEP = ``ROWS(q) == COLS(kv)`` (``!=`` where not EQUAL) over
-    one q block and GROUP kv blocks, from each block's least and greatest value. Where both ranges are one and
-    the same value, == holds on every element and != on none; where the ranges do not meet, == holds on none
-    and != on every one; any other tile is PARTIAL, which the flash kernels evaluate element by element, so
-    that only FULL and EMPTY need be exact (they are). Kind is [bh, n_q_blocks, n_kv_blocks]. With Others (the
-    kinds of masks KEEP joins, at the same tiles, batch and head at those strides), the lesser of the two kinds:
-    EMPTY where either is, FULL where both are, else PARTIAL."""
-    q_block, bh = tl.program_id(0), tl.program_id(2)
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLOCKS: tl.constexpr,
+                           KV_BLOCKS: tl.constexpr):
+    """Program (q group, kv group, bh): the kinds of KEEP = ``ROWS(q) == COLS(kv)`` (``!=`` where not EQUAL) over
+    Q_BLOCKS q blocks × KV_BLOCKS kv blocks, from each block's least and greatest value. Where both ranges are
+    one and the same value, == holds on every element and != on none; where the ranges do not meet, == holds on
+    none and != on every one; any other tile is PARTIAL, which the flash kernels evaluate element by element,
+    so that only FULL and EMPTY need be exact (they are). Kind is [bh, n_q_blocks, n_kv_blocks]. With Others
+    (the kinds of masks KEEP joins, at the same tiles, batch and head at those strides), the lesser of the two
+    kinds: EMPTY where either is, FULL where both are, else PARTIAL."""
+    bh = tl.program_id(2)
     b, h = bh // map_heads, bh % map_heads
+    q_block = tl.program_id(0) * Q_BLOCKS + tl.arange(0, Q_BLOCKS)
+    kv_block = tl.program_id(1) * KV_BLOCKS + tl.arange(0, KV_BLOCKS)
     # Indices past the end are clamped: a repeated value leaves a block's range as it was.
-    q_idx = tl.minimum(q_block * BLOCK_M + tl.arange(0, BLOCK_M), q_len - 1)
+    q_idx = tl.minimum(q_block[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :], q_len - 1)
+    kv_idx = tl.minimum(kv_block[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], kv_len - 1)
     rows = ROWS(b, h, q_idx, aux).to(tl.int64)
-    rows_min, rows_max = tl.min(rows, 0), tl.max(rows, 0)
-    for t in tl.static_range(GROUP):
-        kv_block = tl.program_id(1) * GROUP + t
-        cols = COLS(b, h, tl.minimum(kv_block * BLOCK_N + tl.arange(0, BLOCK_N), kv_len - 1), aux).to(tl.int64)
-        cols_min, cols_max = tl.min(cols, 0), tl.max(cols, 0)
-        one_value = (rows_min == rows_max) & (cols_min == cols_max) & (rows_min == cols_min)
-        apart = (rows_max < cols_min) | (cols_max < rows_min)
-        # Keys past the end count as masked: a tile holding some is never FULL.
-        all_kept = (one_value if EQUAL else apart) & ((kv_block + 1) * BLOCK_N <= kv_len)
-        none_kept = apart if EQUAL else one_value
-        kind = tl.where(all_kept, FULL, tl.where(none_kept, EMPTY, PARTIAL)).to(tl.int8)
-        in_map = kv_block < n_kv_blocks
-        if Others is not None:
-            others = tl.load(Others + b * others_b_stride + h * others_h_stride +
-                             q_block.to(tl.int64) * n_kv_blocks + kv_block, mask=in_map, other=EMPTY)
-            kind = tl.minimum(kind, others)
-        tl.store(Kind + (bh * n_q_blocks + q_block).to(tl.int64) * n_kv_blocks + kv_block, kind, mask=in_map)
+    cols = COLS(b, h, kv_idx, aux).to(tl.int64)
+    rows_min, rows_max = tl.min(rows, 1)[:, None], tl.max(rows, 1)[:, None]
+    cols_min, cols_max = tl.min(cols, 1)[None, :], tl.max(cols, 1)[None, :]
+    one_value = (rows_min == rows_max) & (cols_min == cols_max) & (rows_min == cols_min)
+    apart = (rows_max < cols_min) | (cols_max < rows_min)
+    # Keys past the end count as masked: a tile holding some is never FULL.
+    all_kept = (one_value if EQUAL else apart) & ((kv_block + 1) * BLOCK_N <= kv_len)[None, :]
+    none_kept = apart if EQUAL else one_value
+    kind = tl.where(all_kept, FULL, tl.where(none_kept, EMPTY, PARTIAL)).to(tl.int8)
+    in_map = (q_block < n_q_blocks)[:, None] & (kv_block < n_kv_blocks)[None, :]
+    at = q_block.to(tl.int64)[:, None] * n_kv_blocks + kv_block[None, :]
+    if Others is not None:
+        others = tl.load(Others + b * others_b_stride + h * others_h_stride + at, mask=in_map, other=EMPTY)
+        kind = tl.minimum(kind, others)
+    tl.store(Kind + bh.to(tl.int64) * n_q_blocks * n_kv_blocks + at, kind, mask=in_map)
 
 
 def launch_separable_kinds(kind: torch.Tensor, keep: SeparableKeep, aux: tuple, q_len: int, kv_len: int,
-                           block_m: int, block_n: int, others: torch.Tensor | None = None) -> None:
+                           block_m: int, block_n: int, others: torch.Tensor | None = None,
+                           tiles: tuple[int, int, int] = SEPARABLE_TILES) -> None:
     """Write `kind` (as `launch_tile_kinds` does) for a keep that compares a value of the query position with
     one of the key position (`ScoreMod.separable_keep`): O(block_m + block_n) loads per tile instead of
     block_m · block_n evaluations. `others`: the kinds of the masks it joins, at the same tiles (a batch or
-    head extent of 1 broadcast)."""
+    head extent of 1 broadcast). `tiles`: q blocks, kv blocks and warps per program."""
     map_batch, map_heads, n_q_blocks, n_kv_blocks = kind.shape
     assert others is None or others.shape[2:] == kind.shape[2:] and others.stride()[2:] == (n_kv_blocks, 1)
     strides = (0, 0) if others is None else \
         tuple(stride if size > 1 else 0 for stride, size in zip(others.stride()[:2], others.shape[:2]))
-    launch(_separable_kind_kernel, (n_q_blocks, cdiv(n_kv_blocks, SEPARABLE_GROUP), map_batch * map_heads), kind,
-           others, *strides, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, ROWS=keep.rows,
-           COLS=keep.cols, EQUAL=keep.equal, BLOCK_M=block_m, BLOCK_N=block_n, GROUP=SEPARABLE_GROUP,
-           num_warps=1)
+    q_blocks, kv_blocks, num_warps = tiles
+    launch(_separable_kind_kernel, (cdiv(n_q_blocks, q_blocks), cdiv(n_kv_blocks, kv_blocks), map_batch * map_heads),
+           kind, others, *strides, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, ROWS=keep.rows,
+           COLS=keep.cols, EQUAL=keep.equal, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCKS=q_blocks,
+           KV_BLOCKS=kv_blocks, num_warps=num_warps)
 
 
 @dataclass(frozen=True)
