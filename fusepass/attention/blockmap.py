@@ -75,6 +75,26 @@ def list_entry(blocks, count, i):
 
 
 @triton.jit
+def walk_start(blocks, count, LISTED: tl.constexpr):
+    """What a walk (`walk_step`) carries into its first iteration."""
+    if LISTED:
+        return list_entry(blocks, count, 0)
+    else:
+        return 0
+
+
+@triton.jit
+def walk_step(blocks, count, i, ahead, first, LISTED: tl.constexpr):
+    """(block, ahead): the i-th block of a walk, and what it carries to the next iteration. With LISTED, entry i
+    of the list `blocks` of `count` entries, carried in as `ahead`, and entry i + 1 read now (`list_entry` says
+    why one ahead); without a list, the blocks from `first` on."""
+    if LISTED:
+        return ahead, list_entry(blocks, count, i + 1)
+    else:
+        return first + i, ahead
+
+
+@triton.jit
 def row_lists(lists, b, h, block, n_blocks, n_other_blocks):
     """(n_full, full, n_partial, partial): both lists of `block` of (b, h) in the row lists `lists`
     (count, index, batch stride, head stride)."""

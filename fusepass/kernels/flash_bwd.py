@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from fusepass.attention.blockmap import (
-    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, list_entry, row_lists)
+    EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, list_entry, row_lists, walk_start,
+    walk_step)
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
@@ -197,7 +198,7 @@ def _flash_backward_dkdv_kernel(
         if KEEP is None:
             # Without a mask only a last kv block reaching past Nk has PARTIAL tiles (all of them).
             n_partial = tl.where((kv_block + 1) * BLOCK_N > Nk, n_q_blocks, 0)
-            n_full = n_q_blocks - n_partial
+            n_full, full_blocks = n_q_blocks - n_partial, None
         else:
             count, index, map_batch_stride, map_head_stride, kind = q_lists
             map_bh = b * map_batch_stride + h * map_head_stride
@@ -234,14 +235,9 @@ def _flash_backward_dkdv_kernel(
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
-        if KEEP is not None:
-            next_block = list_entry(full_blocks, n_full, 0)
+        next_block = walk_start(full_blocks, n_full, KEEP is not None)
         for i in range(0, n_full):
-            if KEEP is None:
-                q_block = i
-            else:
-                q_block = next_block
-                next_block = list_entry(full_blocks, n_full, i + 1)
+            q_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                                 Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
                                 SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
@@ -303,8 +299,8 @@ def _flash_backward_dq_kernel(
     shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
 
     if KEEP is None:
-        n_full = Nk // BLOCK_N
-        n_partial = n_kv_blocks - n_full
+        n_full, full_blocks = Nk // BLOCK_N, None
+        n_partial, partial_blocks = n_kv_blocks - n_full, None
     else:
         n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
                                                                    n_kv_blocks)
@@ -320,25 +316,15 @@ def _flash_backward_dq_kernel(
         tl.store(fallback_blocks + bh * n_sub_blocks + sub_blocks, sub_flags, mask=sub_blocks < n_sub_blocks)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if KEEP is not None:
-        next_block = list_entry(full_blocks, n_full, 0)
+    next_block = walk_start(full_blocks, n_full, KEEP is not None)
     for i in range(0, n_full):
-        if KEEP is None:
-            kv_block = i
-        else:
-            kv_block = next_block
-            next_block = list_entry(full_blocks, n_full, i + 1)
+        kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
-    if KEEP is not None:
-        next_block = list_entry(partial_blocks, n_partial, 0)
+    next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
     for i in range(0, n_partial):
-        if KEEP is None:
-            kv_block = n_full + i
-        else:
-            kv_block = next_block
-            next_block = list_entry(partial_blocks, n_partial, i + 1)
+        kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)

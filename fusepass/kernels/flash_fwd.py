@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusepass.attention.blockmap import BlockMap, block_map_for, list_entry, row_lists
+from fusepass.attention.blockmap import BlockMap, block_map_for, row_lists, walk_start, walk_step
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import distance_tables
 from fusepass.kernels.flash_config import (
@@ -214,8 +214,8 @@ def _flash_forward_kernel(
     q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
 
     if KEEP is None:
-        n_full = Nk // BLOCK_N
-        n_partial = n_kv_blocks - n_full
+        n_full, full_blocks = Nk // BLOCK_N, None
+        n_partial, partial_blocks = n_kv_blocks - n_full, None
     else:
         n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
                                                                    n_kv_blocks)
@@ -223,25 +223,15 @@ def _flash_forward_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if KEEP is not None:
-        next_block = list_entry(full_blocks, n_full, 0)
+    next_block = walk_start(full_blocks, n_full, KEEP is not None)
     for i in range(0, n_full):
-        if KEEP is None:
-            kv_block = i
-        else:
-            kv_block = next_block
-            next_block = list_entry(full_blocks, n_full, i + 1)
+        kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
         acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk,
                                  aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
-    if KEEP is not None:
-        next_block = list_entry(partial_blocks, n_partial, 0)
+    next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
     for i in range(0, n_partial):
-        if KEEP is None:
-            kv_block = n_full + i
-        else:
-            kv_block = next_block
-            next_block = list_entry(partial_blocks, n_partial, i + 1)
+        kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
         acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk,
                                  aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, True, DROPOUT, True,
                                  HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
