@@ -39,7 +39,7 @@ from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
-    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, load_rows, load_tile,
+    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, load_rows, load_tiles,
     masked_scores, store_rows, tile_operands)
 from fusepass.kernels.sizes import cdiv
 
@@ -131,9 +131,9 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                DESCRIPTORS: tl.constexpr):
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    q = load_tile(Q, b, h, q_block * BLOCK_M, Nq, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True, DESCRIPTORS)
-    do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
-                   DESCRIPTORS).to(q.dtype)
+    q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
+                       DESCRIPTORS)
+    do = do.to(q.dtype)
     shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
     # dV's product takes the weights before dp = dO · Vᵀ is computed: fewer tiles live at once.
     s = dot(k, tl.trans(q))
@@ -254,10 +254,8 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
              SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_tile(K, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
-                  DESCRIPTORS)
-    v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
-                  DESCRIPTORS)
+    k, v = load_tiles(K, V, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
+                      PARTIAL, DESCRIPTORS)
     s = dot(q, tl.trans(k))
     dp = dot(do, tl.trans(v))
     p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(

@@ -89,6 +89,16 @@ def load_tile(src, b, head, row0, n_rows, strides, HEAD_DIM: tl.constexpr, BLOCK
 
 
 @triton.jit
+def load_tiles(first, second, b, head, row0, n_rows, first_strides, second_strides, HEAD_DIM: tl.constexpr,
+               BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, DESCRIPTOR: tl.constexpr):
+    """The same rows (`load_tile`) of two tensors of one shape: a tile's K and V, or Q and dO."""
+    return (load_tile(first, b, head, row0, n_rows, first_strides, HEAD_DIM, BLOCK_ROWS, BLOCK_D, CHECK_ROWS,
+                      DESCRIPTOR),
+            load_tile(second, b, head, row0, n_rows, second_strides, HEAD_DIM, BLOCK_ROWS, BLOCK_D, CHECK_ROWS,
+                      DESCRIPTOR))
+
+
+@triton.jit
 def store_rows(base, tile, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr):
     ptrs = base + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :] * d_stride
     tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
@@ -123,10 +133,8 @@ def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_he
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
     """Fold one kv tile into the running (acc, m, l) of a q block."""
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = load_tile(K, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
-                  DESCRIPTORS)
-    v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
-                  DESCRIPTORS)
+    k, v = load_tiles(K, V, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
+                      PARTIAL, DESCRIPTORS)
     s = dot(q, tl.trans(k))
     x_scale = 1.0  # the final scores are x · x_scale
     if PARTIAL:
