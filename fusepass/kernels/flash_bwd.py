@@ -40,7 +40,7 @@ from fusepass.kernels.distance_table import add_distance_gradients, distance_gra
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, load_rows, load_tiles,
-    masked_scores, store_rows, tile_operands)
+    masked_scores, q_block_program, store_rows, tile_operands)
 from fusepass.kernels.sizes import cdiv
 
 
@@ -277,11 +277,8 @@ def _flash_backward_dq_kernel(
     HEAD_GROUP: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
-    # Last q blocks first, as the forward: under a causal mask they hold the most tiles.
-    rank, h, b = grouped_program(HEAD_GROUP)
-    q_block = n_q_blocks - 1 - rank
+    q_block, h, b, bh = q_block_program(HEAD_GROUP)
     n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
-    bh = b.to(tl.int64) * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     Q_bh = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]

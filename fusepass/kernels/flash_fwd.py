@@ -194,6 +194,15 @@ def grouped_program(HEAD_GROUP: tl.constexpr):
     return rank, h, b
 
 
+@triton.jit
+def q_block_program(HEAD_GROUP: tl.constexpr):
+    """(q block, head, batch, batch · heads + head) of a forward or dQ program (`grouped_program`): the last q
+    blocks first, which under a causal mask hold the most tiles, so the long programs start early and the
+    short ones fill the tail."""
+    rank, h, b = grouped_program(HEAD_GROUP)
+    return tl.num_programs(0) - 1 - rank, h, b, b.to(tl.int64) * tl.num_programs(1) + h
+
+
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_forward_kernel(
     Q, K, V, Out, Lse, LogSum, Fallback,
@@ -204,12 +213,8 @@ def _flash_forward_kernel(
     DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
-    # Last q blocks first: under a causal mask they hold the most tiles, so the long programs start early
-    # and the short ones fill the tail.
-    rank, h, b = grouped_program(HEAD_GROUP)
-    q_block = n_q_blocks - 1 - rank
+    q_block, h, b, bh = q_block_program(HEAD_GROUP)
     n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
-    bh = b.to(tl.int64) * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_in = rows < Nq
     offs_d = tl.arange(0, BLOCK_D)
