@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from support import DEVICE, check, random_tensor
 
 from fusepass.attention import op
-from fusepass.attention.blockmap import EMPTY, FULL, build_block_map
+from fusepass.attention.blockmap import EMPTY, FULL, SEPARABLE_TILES, build_block_map, launch_separable_kinds
 from fusepass.attention.score_mod import ScoreMod, SeparableKeep
 
 FULL_KIND, EMPTY_KIND = FULL.value, EMPTY.value  # constexprs in the kernels
@@ -141,23 +141,28 @@ def _other_ids(b, h, q_idx, kv_idx, aux):
     return _query_ids(b, h, q_idx, aux) != _key_ids(b, h, kv_idx, aux)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(equal=st.booleans(), n=st.integers(1, 70), tiles=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(equal=st.booleans(), n=st.integers(1, 70), m=st.integers(1, 70),
+       tiles=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
+       program=st.sampled_from([SEPARABLE_TILES, (1, 1, 1), (2, 4, 1), (4, 2, 2)]),
        ids=st.lists(st.integers(0, 4), min_size=140, max_size=140), sort=st.booleans())
-def test_separable_kinds_fuzzed(equal, n, tiles, ids, sort):
-    """On any ids, shape and tiles: FULL where and only where every element is kept, EMPTY only where none is."""
-    document_ids = torch.tensor(ids, device=DEVICE).view(2, 70)[:, :n].contiguous()
+def test_separable_kinds_fuzzed(equal, n, m, tiles, program, ids, sort):
+    """On any ids, query and key lengths, tiles and blocks per program of the ranges kernel: FULL where and only
+    where every element is kept, EMPTY only where none is."""
+    document_ids = torch.tensor(ids, device=DEVICE).view(2, 70)
     if sort:
         document_ids = torch.sort(document_ids, dim=-1).values
     keep = _same_ids if equal else _other_ids
     mod = ScoreMod(name=f"fuzzed_{equal}", score=None, score_grad=None, keep=keep, keep_uses_batch=True,
                    keep_reads_aux=True, separable_keep=SeparableKeep(equal, _query_ids, _key_ids))
-    aux = (document_ids, n)
-    separable, exact = (build_block_map(m, aux, 2, 1, n, n, *tiles, DEVICE).kind
-                        for m in (mod, replace(mod, separable_keep=None)))
+    aux = (document_ids, 70)
+    exact = build_block_map(replace(mod, separable_keep=None), aux, 2, 1, n, m, *tiles, DEVICE).kind
+    separable = torch.full_like(exact, -1)
+    launch_separable_kinds(separable, mod.separable_keep, aux, n, m, *tiles, tiles=program)
     assert torch.equal(separable == FULL_KIND, exact == FULL_KIND)
     assert not (separable == EMPTY_KIND)[exact != EMPTY_KIND].any()
-    if sort:
+    if sort and n == m:
+        # Sorted, the two sides' ids are the same sequence: a tile whose ranges meet holds an equal pair.
         assert torch.equal(separable, exact)
 
 
