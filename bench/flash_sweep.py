@@ -117,25 +117,25 @@ def main() -> None:
                         help="block_m,block_n,num_warps,num_stages[,head_group] (flash_fwd.grouped_program)")
     parser.add_argument("--mask", choices=MASKS, default="causal")
     args = parser.parse_args()
-    causal = args.mask != "plain"  # flash_config's tiles for a mask
+    masked = args.mask != "plain"
     mod, linear_mod = MASKS[args.mask]
     forward, backward = FORWARD, BACKWARD
     if args.chosen:  # flash_config's choices at this head dim (masks' tiles, unmasked ones for plain)
         cuda = torch.device("cuda")
-        forward = [flash_fwd.forward_config(args.head_dim, torch.bfloat16, causal, cuda)]
-        backward = [flash_bwd.backward_configs(args.head_dim, torch.bfloat16, causal, cuda)]
+        forward = [flash_fwd.forward_config(args.head_dim, torch.bfloat16, masked, cuda)]
+        backward = [flash_bwd.backward_configs(args.head_dim, torch.bfloat16, masked, cuda)]
     if args.forward is not None:
         forward = [_config(c) for c in args.forward]
     swept_kernel = "" if args.forward is None else "-forward"
     for kernel in ("dkdv", "dq"):
         if getattr(args, kernel) is not None:
             swept_kernel = f"-{kernel}"
-            chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, causal, torch.device("cuda"))
+            chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, masked, torch.device("cuda"))
             forward, backward = [], [replace(chosen, **{kernel: _config(c)}) for c in getattr(args, kernel)]
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
-    aux, sdpa_mask = (), {"is_causal": causal}
+    aux, sdpa_mask = (), {"is_causal": masked}
     if args.mask == "packed":
         ids = torch.sort(torch.randint(0, 8, (b, n), device="cuda"), dim=-1).values
         aux = (ids, ids.stride(0))
