@@ -1,8 +1,8 @@
 """Tile configs of the flash kernels, timed on causal attention (or unmasked, or documents packed for causal
 language modelling, by --mask): what ``flash_config`` should choose.
 
-    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--forward-only] [--chosen]
-        [--mask causal|plain|packed]
+    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--heads 16] [--kv-heads 4]
+        [--forward-only] [--chosen] [--mask causal|plain|packed]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
         [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None, help="fewer kv heads than query heads: GQA")
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--chosen", action="store_true", help="only the configs flash_config chooses")
     parser.add_argument("--dkdv", nargs="*", default=None,
@@ -133,14 +134,17 @@ def main() -> None:
             chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, masked, torch.device("cuda"))
             forward, backward = [], [replace(chosen, **{kernel: _config(c)}) for c in getattr(args, kernel)]
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kv_heads = args.kv_heads or h
+    q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, kv_heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
-    aux, sdpa_mask = (), {"is_causal": masked}
+    aux, sdpa_mask = (), {"is_causal": masked, "enable_gqa": kv_heads != h}
     if args.mask == "packed":
         ids = torch.sort(torch.randint(0, 8, (b, n), device="cuda"), dim=-1).values
         aux = (ids, ids.stride(0))
         sdpa_mask = {"attn_mask": ((ids[:, :, None] == ids[:, None, :]) &
-                                   torch.ones(n, n, dtype=torch.bool, device="cuda").tril())[:, None]}
+                                   torch.ones(n, n, dtype=torch.bool, device="cuda").tril())[:, None],
+                     "enable_gqa": kv_heads != h}
     # SDPA's forward and backward under the packed mask (a dense one) are no peer: a reference only
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask)
     density = {"causal": (n + 1) / (2 * n), "plain": 1, "packed": (n / 8 + 1) / (2 * n)}[args.mask]
@@ -186,7 +190,8 @@ def main() -> None:
         except Exception as e:
             rows.append({"kernel": "backward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
-    name = f"flash-sweep-d{d}-n{n}" + ("" if args.mask == "causal" else f"-{args.mask}") + swept_kernel
+    name = (f"flash-sweep-d{d}-n{n}" + ("" if kv_heads == h else f"-kv{kv_heads}") +
+            ("" if args.mask == "causal" else f"-{args.mask}") + swept_kernel)
     print(keep(name, ["kernel", "config", "ms", "TFLOP/s", "error", "registers / spills"], rows))
 
 
