@@ -23,7 +23,9 @@ of BLOCK_N: the kernels' PARTIAL path is the one that masks out-of-range keys.
 The batch and head axes of the map have size 1 when KEEP does not read `b` / `h`; kernels index them with
 `map_bh = b * map_batch_stride + h * map_head_stride`, strides 0 along a broadcast axis. Maps that depend
 only on indices are cached per (mod.name, shape, block sizes); a KEEP that reads aux tensors (padding masks,
-segment ids) is re-evaluated on every call.
+segment ids) is re-evaluated on every call. A cached map is derived from the cached map at base tiles (of at
+most MAP_BASE_TILE each way, `_coarser_kinds`), so the kernels of one mask, each at its own tiles, share one
+tile-kind kernel (one compile on a first call).
 """
 from __future__ import annotations
 
@@ -409,6 +411,29 @@ def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: in
 _CACHE_SIZE = 64
 _cache: OrderedDict[tuple, BlockMap] = OrderedDict()
 
+# The largest kind tile of the maps that cached maps at larger tiles are derived from: the finest tiles the
+# flash kernels take at D128 (dK/dV's 64 × 64), so the forward's 128 × 128 and dQ's 128 × 64 come from it.
+# Each kernel's map took a tile-kind kernel of its own, each compiled on a first call (0.29–1.35 s apiece with
+# an empty Triton cache, bench/results compile_time's run of 2026-11-30-2147).
+MAP_BASE_TILE = 64
+
+
+def _coarser_kinds(kind: torch.Tensor, q_factor: int, kv_factor: int, n_q_blocks: int, n_kv_blocks: int,
+                   kv_len: int, block_n: int) -> torch.Tensor:
+    """The kinds of tiles `q_factor` × `kv_factor` times those of `kind` (which covers the same lengths): FULL
+    where every finer tile is, EMPTY where every one is, PARTIAL otherwise. Finer tiles past the lengths do not
+    exist; a last kv tile reaching past `kv_len` is never FULL (its keys past the end count as masked, as
+    `_tile_kind_kernel` counts them)."""
+    map_batch, map_heads, fine_q, fine_kv = kind.shape
+    pad = (0, n_kv_blocks * kv_factor - fine_kv, 0, n_q_blocks * q_factor - fine_q)
+    shape = (map_batch, map_heads, n_q_blocks, q_factor, n_kv_blocks, kv_factor)
+    least = torch.nn.functional.pad(kind, pad, value=FULL.value).view(shape).amin((3, 5))
+    most = torch.nn.functional.pad(kind, pad, value=EMPTY.value).view(shape).amax((3, 5))
+    coarse = torch.where(least == most, least, PARTIAL.value)
+    if n_kv_blocks * block_n > kv_len:
+        coarse[..., -1].clamp_(max=PARTIAL.value)
+    return coarse
+
 
 def _capturing(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -418,9 +443,10 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
                   block_m: int, block_n: int, device: torch.device, into: BlockMap | None = None,
                   kind_block_m: int | None = None) -> BlockMap:
     """The block map of `mod` at this shape: cached unless KEEP reads aux tensors, in which case it is built
-    into `into` where given (see `build_block_map`). A map built while the stream captures a CUDA graph
-    (`fusepass.kernels.replay`) is not cached: it is written only when the graph replays, and not at all if
-    the capture fails."""
+    into `into` where given (see `build_block_map`). A cached map whose tiles are not the base tiles (of at
+    most MAP_BASE_TILE each way) is derived from the cached map at those. A map built while the stream
+    captures a CUDA graph (`fusepass.kernels.replay`) is not cached: it is written only when the graph
+    replays, and not at all if the capture fails."""
     if mod.keep_reads_aux:
         return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device, into, kind_block_m)
     key = (mod.name, *_batch_head_extent(mod, batch, heads), q_len, kv_len, block_m, block_n, kind_block_m,
@@ -428,8 +454,18 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
     if key in _cache:
         _cache.move_to_end(key)
         return _cache[key]
-    block_map = build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device,
-                                kind_block_m=kind_block_m)
+    kind_m = kind_block_m or block_m
+    base_m, base_n = min(kind_m, MAP_BASE_TILE), min(block_n, MAP_BASE_TILE)
+    if (base_m, base_n) == (block_m, block_n) and kind_m == block_m:
+        block_map = build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device,
+                                    kind_block_m=kind_block_m)
+    else:
+        assert kind_m % base_m == 0 and block_n % base_n == 0, "tiles are powers of two"
+        base = block_map_for(mod, aux, batch, heads, q_len, kv_len, base_m, base_n, device)
+        block_map = empty_block_map(mod, batch, heads, q_len, kv_len, block_m, block_n, device, kind_block_m)
+        block_map.kind.copy_(_coarser_kinds(base.kind, kind_m // base_m, block_n // base_n,
+                                            *block_map.kind.shape[2:], kv_len, block_n))
+        _write_tile_lists(block_map)
     if _capturing(device):
         return block_map
     _cache[key] = block_map

@@ -535,6 +535,37 @@ def test_block_map_matches_dense_mask(monkeypatch, name, group, block_m, kind_bl
                 assert torch.equal(listed, (expected[block] == kind).nonzero().flatten().to(torch.int32))
 
 
+@pytest.mark.parametrize("name", ["causal_min", "window_min"])
+def test_cached_maps_at_larger_tiles_derive_from_one_base_map(monkeypatch, name):
+    """Maps of one mask at several tiles (the forward's, dQ's and dK/dV's) take one tile-kind launch, at the
+    base tiles, and each is what its mask's dense kinds say: 48 keys make a last 32-wide kv tile half past the
+    keys, which must not be FULL though the one of its 16-wide tiles that exists is (causal, queries 64–74)."""
+    monkeypatch.setattr(blockmap, "MAP_BASE_TILE", 16)
+    monkeypatch.setattr(blockmap, "_cache", type(blockmap._cache)())
+    launches = []
+    launch_tile_kinds = blockmap.launch_tile_kinds
+    monkeypatch.setattr(blockmap, "launch_tile_kinds", lambda *a, **k: launches.append(a) or launch_tile_kinds(*a, **k))
+    shape = Shape(2, 2, 1, 75, 48, 24)
+    case = CASES[name]
+    inputs = case.make_inputs(shape)
+    map_shape = (shape.batch if case.mod.keep_uses_batch else 1, shape.q_heads if case.mod.keep_uses_head else 1,
+                 shape.q_len, shape.kv_len)
+    zeros = torch.zeros(map_shape, dtype=torch.float64, device=DEVICE)
+    keep = case.final_scores(zeros, positions(*map_shape), inputs.ref) != F32_MIN
+    for block_m, block_n, kind_block_m in ((32, 32, None), (32, 16, 16), (64, 32, 32), (16, 64, None),
+                                           (16, 16, None)):
+        block_map = block_map_for(case.mod, inputs.aux, shape.batch, shape.q_heads, shape.q_len, shape.kv_len,
+                                  block_m, block_n, DEVICE, kind_block_m=kind_block_m)
+        kinds = dense_tile_kinds(keep, kind_block_m or block_m, block_n)
+        assert torch.equal(block_map.kind, kinds), (block_m, block_n, kind_block_m)
+        for lists, expected in ((block_map.rows, dense_tile_kinds(keep, block_m, block_n)), (block_map.cols, kinds.mT)):
+            for which, kind in enumerate((FULL.value, PARTIAL.value)):
+                for block in itertools.product(*map(range, expected.shape[:3])):
+                    listed = lists.index[block][which][: lists.count[block][which]]
+                    assert torch.equal(listed, (expected[block] == kind).nonzero().flatten().to(torch.int32))
+    assert len(launches) == 1
+
+
 def test_mean_row_tiles():
     # Causal over 37 × 53 at 16 × 16: q block i of 3 lists kv blocks 0..i (1 + 2 + 3 tiles).
     causal_map = block_map_for(CASES["causal_min"].mod, (0.1,), 1, 2, 37, 53, 16, 16, DEVICE)
