@@ -414,7 +414,7 @@ _cache: OrderedDict[tuple, BlockMap] = OrderedDict()
 # The largest kind tile of the maps that cached maps at larger tiles are derived from: the finest tiles the
 # flash kernels take at D128 (dK/dV's 64 × 64), so the forward's 128 × 128 and dQ's 128 × 64 come from it.
 # Each kernel's map took a tile-kind kernel of its own, each compiled on a first call (0.29–1.35 s apiece with
-# an empty Triton cache, bench/results compile_time's run of 2026-11-30-2147).
+# an empty Triton cache; bench/compile_time.py on the GPU machine, 2026-11-30, printed only).
 MAP_BASE_TILE = 64
 
 
