@@ -1,13 +1,14 @@
 """Where the first call of a compiled example goes, fusepass beside Inductor: the call's wall time, and the
-seconds each Triton kernel's compile took.
+seconds each Triton kernel's compile took and when it started.
 
     PYTHONPATH=. python bench/compile_time.py [--models causal,alibi] [--backends fusepass,inductor]
 
 Each model's first call (forward, and forward and backward) runs in a fresh process twice, both processes
 sharing new Triton and Inductor cache directories: the first (cold) compiles every kernel, the second (warm)
 finds them on disk. Per Triton kernel, in the order their compiles ended: the seconds its compile (cold) or
-cache lookup (warm) took on whichever thread ran it (fusepass compiles its flash kernels ahead, on threads,
-while the call goes on; Inductor in its own worker processes, which this does not see).
+cache lookup (warm) took on whichever thread ran it, and how many seconds into the call it started (fusepass
+compiles its flash kernels ahead, on threads, while the call goes on; Inductor in its own worker processes,
+which this does not see).
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def child(name: str, backend_name: str, backward: bool) -> None:
 
     fn, args = model(name, backward)
     kernels = []
+    call_start = [0.0]
     do_compile = jit.JITFunction._do_compile
 
     def timed(self, key, signature, device, constexprs, options, attrs, warmup):
@@ -76,13 +78,14 @@ def child(name: str, backend_name: str, backward: bool) -> None:
         parts = {"fn": short(self.cache_key), "sig": short(signature), "opt": short(options), "attrs": short(attrs),
                  **{f"const {k}": short(getattr(v, "cache_key", v)) for k, v in constexprs.items()}}
         kernels.append({"name": self.fn.__name__, "s": round(time.perf_counter() - start, 3),
+                        "at": round(start - call_start[0], 3),
                         "hash": getattr(kernel, "hash", "?")[:8], "parts": parts})
         return kernel
 
     jit.JITFunction._do_compile = timed
     backend = fusepass.backend(strict=True) if backend_name == "fusepass" else backend_name
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    start = call_start[0] = time.perf_counter()
     out = torch.compile(fn, backend=backend)(*args)
     torch.cuda.synchronize()
     forward = time.perf_counter() - start
@@ -118,13 +121,13 @@ def main() -> None:
                         compiled[cache_state] = result["kernels"]
                         rows.append({"model": name, "pass": "fwd+bwd" if backward else "fwd", "backend": backend,
                                      "cache": cache_state, "wall s": result["wall s"], "forward s": result["forward s"],
-                                     "kernels (s, hash)": ", ".join(f"{k['name']} {k['s']} {k['hash']}"
-                                                                    for k in result["kernels"]),
+                                     "kernels (s at s, hash)": ", ".join(
+                                         f"{k['name']} {k['s']} at {k['at']} {k['hash']}" for k in result["kernels"]),
                                      "keys unlike the cold run's": key_differences(compiled.get("cold", []),
                                                                                    result["kernels"])
                                      if cache_state == "warm" else ""})
                         print(rows[-1], flush=True)
-    print(keep("compile-time", ["model", "pass", "backend", "cache", "wall s", "forward s", "kernels (s, hash)",
+    print(keep("compile-time", ["model", "pass", "backend", "cache", "wall s", "forward s", "kernels (s at s, hash)",
                                   "keys unlike the cold run's"], rows))
 
 

@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
 
     PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|packed|alibi|none] [--head-dim 128]
-        [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1] [--dq 128,64,8,3,1]
+        [--group 4] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1] [--dq 128,64,8,3,1]
 
 Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
 through Triton's own compiler and ptxas, no GPU needed: a stand-in driver names the target, and every launch
@@ -111,9 +111,9 @@ ALIBI = ScoreMod(name="resources_alibi", score=alibi_score, score_grad=scaled_gr
                  fill=minus_inf)
 MASKS = {"causal": CAUSAL, "window": WINDOW, "document": DOCUMENT, "packed": PACKED, "alibi": ALIBI, "none": PLAIN}
 # The aux tensors each stand-in reads, by sequence length.
-AUX = {"document": lambda seq: (torch.zeros(1, seq, dtype=torch.int64), seq),
-       "packed": lambda seq: (torch.zeros(1, seq, dtype=torch.int64), seq),
-       "alibi": lambda seq: (torch.ones(2, dtype=torch.float32),)}
+AUX = {"document": lambda seq, heads: (torch.zeros(1, seq, dtype=torch.int64), seq),
+       "packed": lambda seq, heads: (torch.zeros(1, seq, dtype=torch.int64), seq),
+       "alibi": lambda seq, heads: (torch.ones(heads, dtype=torch.float32),)}
 
 
 def config(text: str | None, default: FlashConfig) -> FlashConfig:
@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--mask", choices=tuple(MASKS), default="causal")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--group", type=int, default=1, help="query heads per kv head (GQA)")
     parser.add_argument("--forward")
     parser.add_argument("--dkdv")
     parser.add_argument("--dq")
@@ -145,12 +146,13 @@ def main() -> None:
     flash_bwd.backward_configs = lambda *_: backward
 
     compiled = compile_launches()
-    q, k, v = (torch.randn(1, 2, args.seq, args.head_dim, dtype=dtype) for _ in range(3))
-    aux = AUX[args.mask](args.seq) if args.mask in AUX else ()
+    q = torch.randn(1, 2 * args.group, args.seq, args.head_dim, dtype=dtype)
+    k, v = (torch.randn(1, 2, args.seq, args.head_dim, dtype=dtype) for _ in range(2))
+    aux = AUX[args.mask](args.seq, 2 * args.group) if args.mask in AUX else ()
     out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux)
     flash_bwd.flash_attention_backward(q, q, k, v, out, lse, extra, mod, aux, None)
-    print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}: forward {forward}, dK/dV "
-          f"{backward.dkdv}, dQ {backward.dq}")
+    print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}, group {args.group}: forward {forward}, "
+          f"dK/dV {backward.dkdv}, dQ {backward.dq}")
     for name, kernel in compiled:
         if name.startswith("_flash"):
             print(f"{name}: {resources(kernel)}")
