@@ -444,7 +444,9 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
                   kind_block_m: int | None = None) -> BlockMap:
     """The block map of `mod` at this shape: cached unless KEEP reads aux tensors, in which case it is built
     into `into` where given (see `build_block_map`). A cached map whose tiles are not the base tiles (of at
-    most MAP_BASE_TILE each way) is derived from the cached map at those. A map built while the stream
+    most MAP_BASE_TILE each way) is derived from the cached map at those. A cached map is built without `aux`
+    (its KEEP reads none), so that callers holding only stand-ins of the tensors build it too
+    (`fusepass.kernels.flash_ahead`). A map built while the stream
     captures a CUDA graph (`fusepass.kernels.replay`) is not cached: it is written only when the graph
     replays, and not at all if the capture fails."""
     if mod.keep_reads_aux:
@@ -457,11 +459,11 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
     kind_m = kind_block_m or block_m
     base_m, base_n = min(kind_m, MAP_BASE_TILE), min(block_n, MAP_BASE_TILE)
     if (base_m, base_n) == (block_m, block_n) and kind_m == block_m:
-        block_map = build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device,
+        block_map = build_block_map(mod, (), batch, heads, q_len, kv_len, block_m, block_n, device,
                                     kind_block_m=kind_block_m)
     else:
         assert kind_m % base_m == 0 and block_n % base_n == 0, "tiles are powers of two"
-        base = block_map_for(mod, aux, batch, heads, q_len, kv_len, base_m, base_n, device)
+        base = block_map_for(mod, (), batch, heads, q_len, kv_len, base_m, base_n, device)
         block_map = empty_block_map(mod, batch, heads, q_len, kv_len, block_m, block_n, device, kind_block_m)
         block_map.kind.copy_(_coarser_kinds(base.kind, kind_m // base_m, block_n // base_n,
                                             *block_map.kind.shape[2:], kv_len, block_n))

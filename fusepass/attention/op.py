@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusepass.attention.blockmap import BlockMap, map_extent, packed_map_numel
 from fusepass.attention.layout import OperandLayout
@@ -225,7 +226,7 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
     def forward(outputs: tuple | None = None, packed_map: Sequence[torch.Tensor] = ()):
         if not s.compiled_ahead:
             s.compiled_ahead = True
-            _compile_ahead(s, (q, k, v), (q4, k4, v4), aux)
+            _compile_ahead(s, (q, k, v), (q4, k4, v4), aux, q.device)
         map_into = s.block_map(packed_map[0], q) if packed_map else None
         return flash_attention_forward(q4, k4, v4, s.mod, read, dropout_p=s.dropout_p, seed=seed_value,
                                        out_dtype=s.out_dtype, outputs=outputs, map_into=map_into)
@@ -253,10 +254,28 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
     return out, lse, log_sum, fallback, packed_map
 
 
+def compile_ahead_of_first_call(spec: AttentionSpec, sources: Sequence[torch.Tensor], aux: Sequence[torch.Tensor]
+                                ) -> None:
+    """At the rewrite: start compiling the op's kernels (`_compile_ahead`) from meta stand-ins of the graph's
+    values of q, k, v and the score functions' inputs (fake tensors of their shapes and strides), for the
+    device they are on. A failure here is left to the first call, which starts them again and reports what
+    fails."""
+    device = sources[0].device
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with unset_fake_temporarily(), on_device:
+        q, k, v, *read = (torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+                          for x in (*sources, *aux))
+        try:
+            _compile_ahead(spec, (q, k, v), _views(spec, q, k, v, read), read, device)
+        except Exception:
+            pass
+
+
 def _compile_ahead(s: AttentionSpec, sources: tuple[torch.Tensor, ...], qkv: tuple[torch.Tensor, ...],
-                   aux: list[torch.Tensor]) -> None:
+                   aux: Sequence[torch.Tensor], device: torch.device) -> None:
     """Start compiling the kernels of the forward and, where a gradient flows, of the backward, the gradients
-    laid out as `run_attention_backward` writes them (their sources' strides, seen through the op's views)."""
+    laid out as `run_attention_backward` writes them (their sources' strides, seen through the op's views), to
+    run on `device`."""
     read = tuple(aux[:len(s.aux_strides)])
     grads = aux_grad = None
     if any(s.unfused.requires_grad):
@@ -265,8 +284,8 @@ def _compile_ahead(s: AttentionSpec, sources: tuple[torch.Tensor, ...], qkv: tup
         aux_grad = tuple(torch.empty(a.shape if n else (0,), dtype=torch.float32 if n else a.dtype, device="meta")
                          for a, n in zip(read, _aux_needs_grad(s, len(read))))
     compile_attention_ahead(*qkv, s.mod, read, dropout_p=s.dropout_p, out_dtype=s.out_dtype,
-                            forward_tiles=s.forward_tiles if qkv[0].is_cuda else None, grads=grads,
-                            aux_grad=aux_grad)
+                            forward_tiles=s.forward_tiles if device.type == "cuda" else None, grads=grads,
+                            aux_grad=aux_grad, device=device)
 
 
 def _unfused_forward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], seed: int):

@@ -17,7 +17,7 @@ from fusepass.attention.dynamic import reads_symbolic_ints, rewrite_dynamic
 from fusepass.attention.layout import OperandView, Unsupported, broadcast_to, canonical, operand_view
 from fusepass.attention.lift import Canon, Lifter
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes, val
-from fusepass.attention.op import AttentionSpec, Unfused, register
+from fusepass.attention.op import AttentionSpec, Unfused, compile_ahead_of_first_call, register
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.context import PassContext, mark_planned
 from fusepass.kernels.flash_config import (
@@ -180,6 +180,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
                                    tuple(val(m.pv).shape), m.values.out_perm, on_failure, records[0],
                                    records[1] if len(records) > 1 else None)
             _replace(graph, m, register(spec), sources, spec, extra)
+            compile_ahead_of_first_call(spec, [val(n) for n in sources], [val(a) for a in spec.lifted.aux])
             changed = True
         else:
             mark_planned(replaced, spec.name)

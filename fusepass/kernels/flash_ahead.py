@@ -3,13 +3,16 @@
 The first call of a masked attention compiles the kernels of its block map (the mask evaluated per tile, its
 lists compacted), runs them, and only then compiles the forward kernel; its first backward compiles the dQ
 and dK/dV kernels, one after the other (~1.2–2.3 s each on the GPU machine, bench/results/compile-time-*).
-On that first call `compile_attention_ahead` starts compiling, on background threads (`launch.compile_ahead`),
-the forward kernel (at the tiles the rewrite's density model expects, else at each tile width it may take)
-and, where a gradient will flow, both backward kernels, from meta stand-ins of everything their launches will
-read but the inputs: the call builds its map meanwhile, and each launch waits for its kernel's compile
-instead of starting its own. Where the mask's maps are cached per shape, the backward's are built then too.
-A stand-in that differs from what a launch reads in its signature (a gradient of the output in another
-layout) only costs a compile that is not used.
+`compile_attention_ahead` starts compiling, on background threads (`launch.compile_ahead`), the forward
+kernel (at the tiles the rewrite's density model expects, else at each tile width it may take) and, where a
+gradient will flow, both backward kernels, from meta stand-ins of everything their launches will read: each
+launch then waits for its kernel's compile instead of starting its own. Where the mask's maps are cached per
+shape, the backward's are built then too. The rewrite starts it from stand-ins of the graph's values, so that
+the kernels compile while AOTAutograd traces and partitions the graph (a forward+backward's first call came
+2.7–2.9 s into its compile on the GPU machine, a forward's 0.5–1.1, compile-time-2026-11-30-2300), and the
+first call again from its own inputs, which starts nothing where their signatures agree. A stand-in that
+differs from what a launch reads in its signature (a gradient of the output in another layout) only costs a
+compile that is not used.
 """
 from __future__ import annotations
 
@@ -27,21 +30,22 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
                             dropout_p: float, out_dtype: torch.dtype | None,
                             forward_tiles: FlashConfig | None = None,
                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            aux_grad: tuple | None = None) -> None:
+                            aux_grad: tuple | None = None, device: torch.device | None = None) -> None:
     """Start compiling what `flash_attention_forward(q, k, v, mod, aux, ...)` will launch (at `forward_tiles`
     where the caller knows them, else at each tile width it may take) and, given `grads` (meta tensors laid
     out as the backward will write dq, dk, dv), what its backward will launch; `aux_grad`: stand-ins of the
-    backward's aux gradients where `mod.has_aux_grad`."""
+    backward's aux gradients where `mod.has_aux_grad`. `device`: where the kernels will run, where q, k, v
+    and `aux` are meta stand-ins too (q's device otherwise)."""
+    device = device or q.device
     batch, q_heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
-    read = aux  # the tensors the score functions read, before the distance tables join them
     aux = aux + meta_distance_tables(mod)
     out, lse, log_sum, fallback_rows = forward_outputs(q, mod, out_dtype, "meta")
 
     def map_at(config: FlashConfig, cols: bool = False) -> BlockMap:
         return empty_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, "meta")
 
-    for config in (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, q.device):
+    for config in (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, device):
         kernel, _, args, keywords = forward_launch(q, k, v, mod, aux, config,
                                                    map_at(config) if mod.has_mask else None, out, lse, log_sum,
                                                    fallback_rows, 0, dropout_p)
@@ -52,11 +56,12 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     do = torch.empty(out.shape, dtype=out.dtype, device="meta")
     for kernel, _, args, keywords in backward_launches(
             do, q, k, v, out, lse, log_sum, fallback_rows, mod, aux, aux_grad, torch.empty_like(lse), grads,
-            dropout_p, 0, map_at):
+            dropout_p, 0, map_at, device):
         compile_fitting_ahead(kernel, *args, **keywords)
     if mod.has_mask and not mod.keep_reads_aux:
-        # The backward's maps (cached per shape) built now, while the flash kernels compile: the first backward
-        # would otherwise compile and run their kernels before its own launches.
-        configs = backward_configs(head_dim, q.dtype, True, q.device)
+        # The backward's maps (cached per shape, built without the tensors `aux` stands in for) built now, while
+        # the flash kernels compile: the first backward would otherwise compile and run their kernels before its
+        # own launches.
+        configs = backward_configs(head_dim, q.dtype, True, device)
         for config in (configs.dq, configs.dkdv):
-            block_map_for(mod, read, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
+            block_map_for(mod, (), batch, q_heads, q_len, kv_len, config.block_m, config.block_n, device)

@@ -347,15 +347,15 @@ def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.
 def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, mod: ScoreMod,
                       aux: tuple, aux_grad: tuple | None, delta: torch.Tensor, grads: tuple, dropout_p: float,
-                      seed: int, map_at: Callable[[FlashConfig, bool], BlockMap]
+                      seed: int, map_at: Callable[[FlashConfig, bool], BlockMap], device: torch.device | None = None
                       ) -> Iterator[tuple[Any, tuple, tuple, dict]]:
     """(kernel, grid, arguments, keywords) of the dQ kernel's launch, then of the dK/dV kernel's: in that order,
     each map (`map_at` a kernel's config and whether it reads the cols lists, masks only) asked for just before
     its launch. `aux` includes the distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum`
-    contiguous."""
+    contiguous. `device`: where the kernels will run, where the tensors are meta stand-ins (q's otherwise)."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
-    configs = backward_configs(head_dim, q.dtype, mod.has_mask, q.device)
+    configs = backward_configs(head_dim, q.dtype, mod.has_mask, device or q.device)
     assert not mod.has_mask or configs.dq.block_m % configs.dkdv.block_m == 0, \
         "a dQ q block flags whole dK/dV q blocks"
     block_d = head_block(head_dim)

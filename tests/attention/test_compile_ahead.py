@@ -1,7 +1,7 @@
-"""The first call of a compiled attention launches the flash kernels it started compiling ahead
+"""The first call of a compiled attention launches the flash kernels the rewrite started compiling ahead
 (`fusepass.kernels.flash_ahead`): the forward's and, where a gradient flows, the backward's two. On any machine:
-what it compiles ahead has the argument signatures of the launches that follow; on the GPU: each launch finds
-its kernel compiled instead of compiling it."""
+what the rewrite compiles ahead, from meta stand-ins of the graph's values, has the argument signatures of the
+launches that follow; on the GPU: each launch finds its kernel compiled instead of compiling it."""
 from itertools import repeat
 
 import pytest
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from support import SUMMED_GRADIENT_FP32, assert_close, check, random_tensor, record_block_map_builds
 
 import fusepass
+from fusepass.attention import op
 from fusepass.kernels import flash_ahead, flash_bwd, flash_config, flash_fwd
 from fusepass.kernels.launch import BoundLaunch
 from fusepass.kernels.signature import CONSTANT, SPECIALIZED, signature
@@ -37,11 +38,20 @@ def _t5_learnable(q, k, v, table):
     return torch.softmax(q @ k.transpose(-1, -2) + F.embedding(buckets, table).permute(2, 0, 1), dim=-1) @ v
 
 
-@pytest.mark.parametrize("case", ["alibi", "t5"])
-def test_what_is_compiled_ahead_has_the_signatures_of_the_launches(monkeypatch, case):
-    ahead, launched = set(), []
+@pytest.mark.parametrize("case", ["alibi", "t5", "alibi, q k v transposed"])
+def test_what_the_rewrite_compiles_ahead_has_the_signatures_of_the_launches(monkeypatch, case):
+    ahead, launched, starts = set(), [], []
     monkeypatch.setattr(flash_ahead, "compile_fitting_ahead",
                         lambda kernel, *args, **keywords: ahead.add(_launch_signature(kernel, args, keywords)))
+    start = op._compile_ahead
+
+    def from_the_rewrite_only(s, sources, qkv, aux, device):
+        # The first call starts compiling again, from its tensors: what it starts is not counted.
+        starts.append(qkv[0].device.type)
+        if qkv[0].device.type == "meta":
+            start(s, sources, qkv, aux, device)
+
+    monkeypatch.setattr(op, "_compile_ahead", from_the_rewrite_only)
 
     def recording(kernel, grid, *args, **keywords):
         launched.append(_launch_signature(kernel, args, keywords))
@@ -50,12 +60,15 @@ def test_what_is_compiled_ahead_has_the_signatures_of_the_launches(monkeypatch, 
     monkeypatch.setattr(flash_fwd, "launch_fitting", recording)
     monkeypatch.setattr(flash_bwd, "launch_fitting", recording)
     q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
-    if case == "alibi":
+    if case.endswith("transposed"):  # inputs the op reads through views of their own
+        q, k, v = (random_tensor((2, 37, 3, 16), torch.float32).transpose(1, 2) for _ in range(3))
+    if case.startswith("alibi"):
         check(_alibi_learnable, q, k, v, random_tensor((3,), torch.float32), backward=True, **SUMMED_GRADIENT_FP32)
     else:
         check(_t5_learnable, q, k, v, random_tensor((16, 3), torch.float32), backward=True, **SUMMED_GRADIENT_FP32)
     names = [signature[0].__name__ for signature in launched]
     assert names == ["_flash_forward_kernel", "_flash_backward_dq_kernel", "_flash_backward_dkdv_kernel"]
+    assert starts == ["meta", q.device.type]
     assert all(signature in ahead for signature in launched)
 
 
