@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from fusepass.attention.score_mod import ScoreMod, SeparableKeep
-from fusepass.kernels.launch import launch
+from fusepass.kernels.launch import compile_ahead, launch
 from fusepass.kernels.sizes import cdiv, next_power_of_2
 
 # Warps and kv tiles per `_tile_kind_kernel` program (bench/results/tile-kind-sweep-2026-11-30-1625, B2 N8192): the
@@ -146,14 +146,24 @@ def _tile_kind_kernel(Kind, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, a
                      mask=(q_block < n_q_blocks) & (kv_block < n_kv_blocks))
 
 
+def _launch_map_kernel(kernel, grid: tuple[int, ...], kind: torch.Tensor, *args, **keywords) -> None:
+    """`launch`, or where the map's kinds are a meta stand-in, `compile_ahead`: the kernel starts compiling on a
+    thread and nothing is evaluated (the rewrite starts the compiles of the maps a first call builds)."""
+    if kind.is_meta:
+        compile_ahead(kernel, kind, *args, **keywords)
+    else:
+        launch(kernel, grid, kind, *args, **keywords)
+
+
 def launch_tile_kinds(kind: torch.Tensor, keep, aux: tuple, q_len: int, kv_len: int, block_m: int, block_n: int,
                       subtiles: int, num_warps: int, group: int) -> None:
     """Write `kind` ([map batch, map heads, q blocks, kv blocks] int8, tiles of block_m × block_n) by evaluating
     `keep` over every tile: `subtiles` q blocks × `group` kv blocks per program of `num_warps` warps."""
     map_batch, map_heads, n_q_blocks, n_kv_blocks = kind.shape
-    launch(_tile_kind_kernel, (cdiv(n_q_blocks, subtiles), cdiv(n_kv_blocks, group), map_batch * map_heads), kind,
-           q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, KEEP=keep, BLOCK_M=block_m, BLOCK_N=block_n,
-           SUBTILES=subtiles, GROUP=group, num_warps=num_warps)
+    grid = (cdiv(n_q_blocks, subtiles), cdiv(n_kv_blocks, group), map_batch * map_heads)
+    _launch_map_kernel(_tile_kind_kernel, grid, kind, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux,
+                       KEEP=keep, BLOCK_M=block_m, BLOCK_N=block_n, SUBTILES=subtiles, GROUP=group,
+                       num_warps=num_warps)
 
 
 # Each `_separable_kind_kernel` program maps SEPARABLE_TILES[0] q blocks × SEPARABLE_TILES[1] kv blocks with
@@ -213,10 +223,10 @@ def launch_separable_kinds(kind: torch.Tensor, keep: SeparableKeep, aux: tuple, 
     strides = (0, 0) if others is None else \
         tuple(stride if size > 1 else 0 for stride, size in zip(others.stride()[:2], others.shape[:2]))
     q_blocks, kv_blocks, num_warps = tiles
-    launch(_separable_kind_kernel, (cdiv(n_q_blocks, q_blocks), cdiv(n_kv_blocks, kv_blocks), map_batch * map_heads),
-           kind, others, *strides, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, ROWS=keep.rows,
-           COLS=keep.cols, EQUAL=keep.equal, BLOCK_M=block_m, BLOCK_N=block_n, Q_BLOCKS=q_blocks,
-           KV_BLOCKS=kv_blocks, num_warps=num_warps)
+    grid = (cdiv(n_q_blocks, q_blocks), cdiv(n_kv_blocks, kv_blocks), map_batch * map_heads)
+    _launch_map_kernel(_separable_kind_kernel, grid, kind, others, *strides, q_len, kv_len, n_q_blocks, n_kv_blocks,
+                       map_heads, aux, ROWS=keep.rows, COLS=keep.cols, EQUAL=keep.equal, BLOCK_M=block_m,
+                       BLOCK_N=block_n, Q_BLOCKS=q_blocks, KV_BLOCKS=kv_blocks, num_warps=num_warps)
 
 
 @dataclass(frozen=True)
@@ -352,10 +362,11 @@ def _write_tile_lists(block_map: BlockMap) -> None:
     built on every call, where each launch costs host time)."""
     n_kind_q_blocks, n_kv_blocks = block_map.kind.shape[2:]
     n_q_blocks = block_map.rows.count.shape[2]
-    launch(_tile_lists_kernel, (max(n_q_blocks, n_kv_blocks), block_map.kind[..., 0, 0].numel(), 2),
-           block_map.kind, block_map.rows.count, block_map.rows.index, block_map.cols.count, block_map.cols.index,
-           n_q_blocks, n_kind_q_blocks, n_kv_blocks, ROW_GROUP=block_map.block_m // block_map.kind_block_m,
-           BLOCK=next_power_of_2(max(n_kind_q_blocks, n_kv_blocks)))
+    grid = (max(n_q_blocks, n_kv_blocks), block_map.kind[..., 0, 0].numel(), 2)
+    _launch_map_kernel(_tile_lists_kernel, grid, block_map.kind, block_map.rows.count, block_map.rows.index,
+                       block_map.cols.count, block_map.cols.index, n_q_blocks, n_kind_q_blocks, n_kv_blocks,
+                       ROW_GROUP=block_map.block_m // block_map.kind_block_m,
+                       BLOCK=next_power_of_2(max(n_kind_q_blocks, n_kv_blocks)))
 
 
 def _batch_head_extent(mod: ScoreMod, batch: int, heads: int) -> tuple[int, int]:
@@ -445,8 +456,8 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
     """The block map of `mod` at this shape: cached unless KEEP reads aux tensors, in which case it is built
     into `into` where given (see `build_block_map`). A cached map whose tiles are not the base tiles (of at
     most MAP_BASE_TILE each way) is derived from the cached map at those. A cached map is built without `aux`
-    (its KEEP reads none), so that callers holding only stand-ins of the tensors build it too
-    (`fusepass.kernels.flash_ahead`). A map built while the stream
+    (its KEEP reads none). On "meta" nothing is evaluated: the kernels that build the map start compiling
+    (`compile_ahead`; `fusepass.kernels.flash_ahead` at the rewrite). A map built while the stream
     captures a CUDA graph (`fusepass.kernels.replay`) is not cached: it is written only when the graph
     replays, and not at all if the capture fails."""
     if mod.keep_reads_aux:

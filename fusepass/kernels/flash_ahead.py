@@ -6,11 +6,11 @@ and dK/dV kernels, one after the other (~1.2–2.3 s each on the GPU machine, be
 `compile_attention_ahead` starts compiling, on background threads (`launch.compile_ahead`), the forward
 kernel (at the tiles the rewrite's density model expects, else at each tile width it may take) and, where a
 gradient will flow, both backward kernels, from meta stand-ins of everything their launches will read: each
-launch then waits for its kernel's compile instead of starting its own. Where the mask's maps are cached per
-shape, the backward's are built then too. The rewrite starts it from stand-ins of the graph's values, so that
-the kernels compile while AOTAutograd traces and partitions the graph (a forward+backward's first call came
-2.7–2.9 s into its compile on the GPU machine, a forward's 0.5–1.1, compile-time-2026-11-30-2300), and the
-first call again from its own inputs, which starts nothing where their signatures agree. A stand-in that
+launch then waits for its kernel's compile instead of starting its own. The rewrite starts it from stand-ins
+of the graph's values, the kernels of the maps cached per shape included, so that they compile while
+AOTAutograd traces and partitions the graph (a forward+backward's first call came 2.7–2.9 s into its compile on
+the GPU machine, a forward's 0.5–1.1, compile-time-2026-11-30-2300); the first call again from its own inputs,
+which starts nothing where their signatures agree, and builds the backward's cached maps. A stand-in that
 differs from what a launch reads in its signature (a gradient of the output in another layout) only costs a
 compile that is not used.
 """
@@ -45,11 +45,19 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     def map_at(config: FlashConfig, cols: bool = False) -> BlockMap:
         return empty_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, "meta")
 
-    for config in (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, device):
+    forward_configs = (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, device)
+    for config in forward_configs:
         kernel, _, args, keywords = forward_launch(q, k, v, mod, aux, config,
                                                    map_at(config) if mod.has_mask else None, out, lse, log_sum,
                                                    fallback_rows, 0, dropout_p)
         compile_fitting_ahead(kernel, *args, **keywords)
+    # The maps cached per shape, on q's device: their kernels only start compiling on meta stand-ins (the
+    # rewrite's); a first call builds the backward's while the flash kernels compile (its first backward would
+    # otherwise compile and run their kernels before its own launches), its forward its own.
+    cached_maps = mod.has_mask and not mod.keep_reads_aux
+    if cached_maps and q.is_meta:
+        for config in forward_configs:
+            block_map_for(mod, (), batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
     if grads is None:
         return
     aux_grad = aux_grad + distance_gradients(mod, torch.device("meta")) if mod.has_aux_grad else None
@@ -58,10 +66,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
             do, q, k, v, out, lse, log_sum, fallback_rows, mod, aux, aux_grad, torch.empty_like(lse), grads,
             dropout_p, 0, map_at, device):
         compile_fitting_ahead(kernel, *args, **keywords)
-    if mod.has_mask and not mod.keep_reads_aux:
-        # The backward's maps (cached per shape, built without the tensors `aux` stands in for) built now, while
-        # the flash kernels compile: the first backward would otherwise compile and run their kernels before its
-        # own launches.
+    if cached_maps:
         configs = backward_configs(head_dim, q.dtype, True, device)
         for config in (configs.dq, configs.dkdv):
-            block_map_for(mod, (), batch, q_heads, q_len, kv_len, config.block_m, config.block_n, device)
+            block_map_for(mod, (), batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)

@@ -133,8 +133,9 @@ def holding() -> Iterator[list]:
         _held = outer
 
 
-# Threads for `compile_ahead`: a first call compiles up to three flash kernels besides its block map's.
-_compiling = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fusepass-compile")
+# Threads for `compile_ahead`: a rewrite starts up to three flash kernels' compiles and its block maps' (a
+# tile-kind kernel and a lists kernel per tile shape).
+_compiling = ThreadPoolExecutor(max_workers=8, thread_name_prefix="fusepass-compile")
 _pending: set[Future] = set()
 
 
