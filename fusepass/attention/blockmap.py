@@ -456,8 +456,8 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
     """The block map of `mod` at this shape: cached unless KEEP reads aux tensors, in which case it is built
     into `into` where given (see `build_block_map`). A cached map whose tiles are not the base tiles (of at
     most MAP_BASE_TILE each way) is derived from the cached map at those. A cached map is built without `aux`
-    (its KEEP reads none). On "meta" nothing is evaluated: the kernels that build the map start compiling
-    (`compile_ahead`; `fusepass.kernels.flash_ahead` at the rewrite). A map built while the stream
+    (its KEEP reads none). On "meta" nothing is evaluated or cached: the kernels that build the map start
+    compiling (`compile_ahead`; `fusepass.kernels.flash_ahead` at the rewrite). A map built while the stream
     captures a CUDA graph (`fusepass.kernels.replay`) is not cached: it is written only when the graph
     replays, and not at all if the capture fails."""
     if mod.keep_reads_aux:
@@ -479,7 +479,7 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
         block_map.kind.copy_(_coarser_kinds(base.kind, kind_m // base_m, block_n // base_n,
                                             *block_map.kind.shape[2:], kv_len, block_n))
         _write_tile_lists(block_map)
-    if _capturing(device):
+    if _capturing(device) or torch.device(device).type == "meta":
         return block_map
     _cache[key] = block_map
     if len(_cache) > _CACHE_SIZE:

@@ -22,7 +22,7 @@ from fusepass.attention.blockmap import BlockMap, block_map_for, empty_block_map
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import distance_gradients, meta_distance_tables
 from fusepass.kernels.flash_bwd import backward_launches
-from fusepass.kernels.flash_config import FlashConfig, backward_configs, compile_fitting_ahead
+from fusepass.kernels.flash_config import FlashConfig, backward_configs, compile_fitting_ahead, forward_config
 from fusepass.kernels.flash_fwd import forward_launch, forward_outputs, forward_tile_configs
 
 
@@ -56,8 +56,10 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     # otherwise compile and run their kernels before its own launches), its forward its own.
     cached_maps = mod.has_mask and not mod.keep_reads_aux
     if cached_maps and q.is_meta:
-        for config in forward_configs:
-            block_map_for(mod, (), batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
+        # The forward maps the mask at its widest tiles first, to see whether its rows are short.
+        widest = forward_config(head_dim, q.dtype, True, device)
+        for block_m, block_n in dict.fromkeys((c.block_m, c.block_n) for c in (widest, *forward_configs)):
+            block_map_for(mod, (), batch, q_heads, q_len, kv_len, block_m, block_n, q.device)
     if grads is None:
         return
     aux_grad = aux_grad + distance_gradients(mod, torch.device("meta")) if mod.has_aux_grad else None
