@@ -18,6 +18,7 @@ for that compile instead of starting its own.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -25,6 +26,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from triton.runtime import driver
+from triton.runtime.cache import triton_key
 from triton.runtime.jit import JITFunction
 
 from fusepass.kernels.signature import CONSTANT, SPECIALIZED, UNSPECIALIZED, SignatureOf
@@ -86,6 +89,7 @@ class BoundLaunch:
 
         def compile() -> Any:
             torch.cuda.set_device(key[0])  # a thread starts on the first device
+            _start_triton()
             return self.kernel.run(*args, *self.bound_args, grid=(1,), warmup=True, **self.keywords)
 
         self._ahead[key] = future = _compiling.submit(compile)
@@ -115,6 +119,20 @@ def _settle_cache_keys(kernel: JITFunction, keywords: dict) -> None:
     program's order, the same in every run."""
     for function in (kernel, *(value for value in keywords.values() if isinstance(value, JITFunction))):
         function.cache_key  # a property: computed on first reading, then kept
+
+
+_starting = threading.Lock()
+
+
+def _start_triton() -> None:
+    """Triton's start in a process, by one compile thread while the others wait: the hash of its own library
+    (`triton_key`, 0.5–0.7 s on the CPU, computed once and kept, but by every thread that asks before the first
+    has it) and its driver. Compile threads that each started Triton took ~0.5 s more for three warm kernels
+    offline (triton 3.6, 2 cores: 1.14 s against 0.64), and six cached kernels 1.9 s each on the GPU machine
+    where each took 0.4 alone (compile-time-2026-11-30-2328)."""
+    with _starting:
+        triton_key()
+        driver.active.get_current_target()
 
 
 # The compiled kernels and arguments of the launches made inside `holding()`, or None outside it.

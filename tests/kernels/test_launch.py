@@ -1,6 +1,11 @@
 """`launch`: the first call of an argument signature goes through Triton's ``kernel[grid]``, later calls
 straight to the compiled kernel it returned, with every parameter's value in order. Triton's own launch is
 replaced by a recorder, so this runs on any machine; the GPU suite runs the real launcher."""
+import functools
+import threading
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 import triton.language as tl
@@ -117,8 +122,10 @@ def test_a_bound_launch_looks_at_its_positional_arguments_only(recorder, kernel)
 
 @pytest.fixture
 def ahead(recorder, monkeypatch):
-    """`compile_ahead` on this thread (the pool's thread runs the same function), on the recorder's device."""
+    """`compile_ahead` on this thread (the pool's thread runs the same function), on the recorder's device,
+    Triton already started (its driver needs a GPU)."""
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(launch_module, "_start_triton", lambda: None)
 
     class Now:
         def submit(self, fn):
@@ -202,3 +209,22 @@ def test_holding_collects_each_launch_with_its_compiled_kernel(recorder, kernel)
     assert [args[2] for _, args in held] == [1, 3] and [args[2] for _, args in inner] == [2]
     assert all(args[0] is x for _, args in held + inner)
     assert launch_module._held is None
+
+
+def test_triton_starts_once_however_many_threads_compile(monkeypatch):
+    hashed = []
+
+    @functools.lru_cache  # as Triton keeps its key: computed by every caller that asks before the first has it
+    def slow_key():
+        hashed.append(threading.get_ident())
+        time.sleep(0.05)
+        return "key"
+
+    monkeypatch.setattr(launch_module, "triton_key", slow_key)
+    monkeypatch.setattr(launch_module, "driver", SimpleNamespace(active=SimpleNamespace(get_current_target=tuple)))
+    threads = [threading.Thread(target=launch_module._start_triton) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(hashed) == 1
