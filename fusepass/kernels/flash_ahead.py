@@ -7,7 +7,7 @@ and dK/dV kernels, one after the other (~1.2–2.3 s each on the GPU machine, be
 kernel (at the tiles the rewrite's density model expects, else at each tile width it may take) and, where a
 gradient will flow, both backward kernels, from meta stand-ins of everything their launches will read: each
 launch then waits for its kernel's compile instead of starting its own. The rewrite starts it from stand-ins
-of the graph's values, the kernels of the maps cached per shape included, so that they compile while
+of the graph's values, the kernels of the forward's block maps included, so that they compile while
 AOTAutograd traces and partitions the graph (a forward+backward's first call came 2.7–2.9 s into its compile on
 the GPU machine, a forward's 0.5–1.1, compile-time-2026-11-30-2300); the first call again from its own inputs,
 which starts nothing where their signatures agree, and builds the backward's cached maps. A stand-in that
@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from fusepass.attention.blockmap import BlockMap, block_map_for, empty_block_map
+from fusepass.attention.blockmap import BlockMap, block_map_for, build_block_map, empty_block_map
 from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import distance_gradients, meta_distance_tables
 from fusepass.kernels.flash_bwd import backward_launches
-from fusepass.kernels.flash_config import FlashConfig, backward_configs, compile_fitting_ahead, forward_config
+from fusepass.kernels.flash_config import (FlashConfig, backward_configs, compile_fitting_ahead, forward_config,
+                                            kind_block_m)
 from fusepass.kernels.flash_fwd import forward_launch, forward_outputs, forward_tile_configs
 
 
@@ -60,6 +61,10 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         widest = forward_config(head_dim, q.dtype, True, device)
         for block_m, block_n in dict.fromkeys((c.block_m, c.block_n) for c in (widest, *forward_configs)):
             block_map_for(mod, (), batch, q_heads, q_len, kv_len, block_m, block_n, q.device)
+    elif mod.has_mask and q.is_meta:  # mapped in each call, at the forward's tiles, its kinds at dK/dV's rows
+        config, = forward_configs
+        build_block_map(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device,
+                        kind_block_m=kind_block_m(config, head_dim, q.dtype, device))
     if grads is None:
         return
     aux_grad = aux_grad + distance_gradients(mod, torch.device("meta")) if mod.has_aux_grad else None

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from support import SUMMED_GRADIENT_FP32, assert_close, check, random_tensor, record_block_map_builds
 
 import fusepass
-from fusepass.attention import op
+from fusepass.attention import blockmap, op
 from fusepass.kernels import flash_ahead, flash_bwd, flash_config, flash_fwd
-from fusepass.kernels.launch import BoundLaunch
+from fusepass.kernels.launch import BoundLaunch, launch
 from fusepass.kernels.signature import CONSTANT, SPECIALIZED, signature
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernels compile on the GPU machine only")
@@ -77,6 +77,44 @@ def _attention(q, k, v):
     scores = q @ k.transpose(-1, -2) * 0.0917  # a scale of its own: kernels no other test compiled
     mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def _packed_causal(q, k, v, ids):
+    n = q.shape[-2]
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    return torch.softmax((q @ k.transpose(-1, -2) * 0.25).masked_fill(~(same & causal), float("-inf")), dim=-1) @ v
+
+
+def _padded(q, k, v, lengths):
+    keys = torch.arange(k.shape[-2], device=q.device)[None, :] < lengths[:, None]
+    return torch.softmax((q @ k.transpose(-1, -2) * 0.25).masked_fill(~keys[:, None, None, :], float("-inf")),
+                         dim=-1) @ v
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("case", ["causal (maps cached)", "packed documents (ranges, causal cached)",
+                                  "padding (mapped per call)"])
+def test_the_rewrite_compiles_ahead_the_kernels_of_the_maps_the_calls_build(monkeypatch, case, backward):
+    ahead, launched = set(), []
+    monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
+    monkeypatch.setattr(blockmap, "compile_ahead",
+                        lambda kernel, *args, **keywords: ahead.add(_launch_signature(kernel, args, keywords)))
+
+    def recording(kernel, grid, *args, **keywords):
+        launched.append(_launch_signature(kernel, args, keywords))
+        launch(kernel, grid, *args, **keywords)
+
+    monkeypatch.setattr(blockmap, "launch", recording)
+    q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
+    if case.startswith("causal"):
+        check(_attention, q, k, v, backward=backward)
+    elif case.startswith("packed"):
+        ids = torch.tensor([0] * 11 + [1] * 20 + [2] * 6, device=q.device).repeat(2, 1)
+        check(_packed_causal, q, k, v, ids, backward=backward)
+    else:
+        check(_padded, q, k, v, torch.tensor([37, 23], device=q.device), backward=backward)
+    assert launched and all(signature in ahead for signature in launched)
 
 
 @cuda_only
