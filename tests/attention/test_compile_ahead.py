@@ -163,3 +163,20 @@ def test_the_first_backward_builds_no_block_map(monkeypatch):
     after_forward = list(built)
     out.backward(torch.randn_like(out))
     assert after_forward and built == after_forward
+
+
+def test_a_compile_ahead_that_fails_at_the_rewrite_leaves_it_to_the_first_call(monkeypatch):
+    start, starts = op._compile_ahead, []
+
+    def failing_at_the_rewrite(s, sources, qkv, aux, device):
+        starts.append(qkv[0].device.type)
+        if qkv[0].device.type == "meta":
+            raise RuntimeError("planted failure at the rewrite")
+        start(s, sources, qkv, aux, device)
+
+    monkeypatch.setattr(op, "_compile_ahead", failing_at_the_rewrite)
+    q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
+    report = check(_alibi_learnable, q, k, v, random_tensor((3,), torch.float32), backward=True,
+                   **SUMMED_GRADIENT_FP32)
+    assert starts == ["meta", q.device.type]
+    assert [r.kind for r in report.rewrites] == ["attention", "attention"] and not report.hotspots
