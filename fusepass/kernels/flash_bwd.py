@@ -296,10 +296,13 @@ def _flash_backward_dq_kernel(
     if KEEP is None:
         n_full, full_blocks = Nk // BLOCK_N, None
         n_partial, partial_blocks = n_kv_blocks - n_full, None
+        n_all = 0
     else:
         n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
                                                                    n_kv_blocks)
-        # A q block holding a row the forward recomputed over all tiles walks every kv tile instead.
+        # A q block holding a row the forward recomputed over all tiles walks every kv tile instead, in the
+        # PARTIAL loop: in a loop of its own, a third copy of the tile body, ptxas took ~1.5× as long on the
+        # kernel (offline, triton 3.6; bench/NOTES.md).
         recomputed = tl.load(fallback_rows + bh * Nq + rows, mask=rows < Nq, other=0)
         n_all = tl.max(recomputed.to(tl.int32), 0) * n_kv_blocks
         n_full = tl.where(n_all > 0, 0, n_full)
@@ -318,16 +321,13 @@ def _flash_backward_dq_kernel(
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
     next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
-    for i in range(0, n_partial):
+    for i in range(0, n_partial + n_all):  # one of the two is 0
         kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
+        if KEEP is not None:
+            kv_block = tl.where(n_all > 0, i, kv_block)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
-    if KEEP is not None:
-        for kv_block in range(0, n_all):
-            dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h,
-                          kv_head, bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD,
-                          True, DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
 
     store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
