@@ -1,7 +1,7 @@
 """Where the first call of a compiled example goes, fusepass beside Inductor: the call's wall time, and the
 seconds each Triton kernel's compile took and when it started.
 
-    PYTHONPATH=. python bench/compile_time.py [--models causal,alibi] [--backends fusepass,inductor]
+    PYTHONPATH=. python bench/compile_time.py [--models causal,alibi,documents] [--backends fusepass,inductor]
 
 Each model's first call (forward, and forward and backward) runs in a fresh process twice, both processes
 sharing new Triton and Inductor cache directories: the first (cold) compiles every kernel, the second (warm)
@@ -34,12 +34,16 @@ def model(name: str, backward: bool):
     sys.path.insert(0, str(EXAMPLES))
     import alibi
     import causal_attention
+    import padding_and_documents
 
     q, k, v = (torch.randn(2, 16, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
                for _ in range(3))
     slopes = torch.tensor([2 ** (-8 * (i + 1) / 16) for i in range(16)], device="cuda")
+    # Documents packed for causal language modelling: a map built in each call, from the ids.
+    segments = torch.sort(torch.randint(0, 8, (2, 2048), device="cuda"), dim=-1).values
     return {"causal": (causal_attention.causal_attention, (q, k, v)),
-            "alibi": (alibi.alibi_attention, (q, k, v, slopes))}[name]
+            "alibi": (alibi.alibi_attention, (q, k, v, slopes)),
+            "documents": (padding_and_documents.packed_causal, (q, k, v, segments))}[name]
 
 
 def short(value) -> str:
