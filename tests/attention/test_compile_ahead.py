@@ -38,7 +38,19 @@ def _t5_learnable(q, k, v, table):
     return torch.softmax(q @ k.transpose(-1, -2) + F.embedding(buckets, table).permute(2, 0, 1), dim=-1) @ v
 
 
-@pytest.mark.parametrize("case", ["alibi", "t5", "alibi, q k v transposed"])
+def _gqa_packed_documents(q, k, v, ids):
+    """GQA through repeat_interleave, documents packed for causal language modelling, the output laid out
+    [B, N, H, D] by its einsum."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    n = q.shape[-2]
+    keep = (ids[:, None, :, None] == ids[:, None, None, :]) & torch.ones(n, n, dtype=torch.bool,
+                                                                           device=q.device).tril()
+    s = torch.einsum("bhqd,bhkd->bhqk", q * 0.25, k).masked_fill(~keep, float("-inf"))
+    return torch.einsum("bhqk,bhkd->bqhd", torch.softmax(s, dim=-1), v)
+
+
+@pytest.mark.parametrize("case", ["alibi", "t5", "alibi, q k v transposed", "gqa, packed documents"])
 def test_what_the_rewrite_compiles_ahead_has_the_signatures_of_the_launches(monkeypatch, case):
     ahead, launched, starts = set(), [], []
     monkeypatch.setattr(flash_ahead, "compile_fitting_ahead",
@@ -64,6 +76,10 @@ def test_what_the_rewrite_compiles_ahead_has_the_signatures_of_the_launches(monk
         q, k, v = (random_tensor((2, 37, 3, 16), torch.float32).transpose(1, 2) for _ in range(3))
     if case.startswith("alibi"):
         check(_alibi_learnable, q, k, v, random_tensor((3,), torch.float32), backward=True, **SUMMED_GRADIENT_FP32)
+    elif case.startswith("gqa"):
+        q = random_tensor((2, 6, 37, 16), torch.float32)
+        ids = torch.tensor([0] * 11 + [1] * 20 + [2] * 6, device=q.device).repeat(2, 1)
+        check(_gqa_packed_documents, q, k, v, ids, backward=True, **SUMMED_GRADIENT_FP32)
     else:
         check(_t5_learnable, q, k, v, random_tensor((16, 3), torch.float32), backward=True, **SUMMED_GRADIENT_FP32)
     names = [signature[0].__name__ for signature in launched]
