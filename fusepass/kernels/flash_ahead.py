@@ -43,7 +43,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     aux = aux + meta_distance_tables(mod)
     out, lse, log_sum, fallback_rows = forward_outputs(q, mod, out_dtype, "meta")
 
-    def map_at(config: FlashConfig, cols: bool = False) -> BlockMap:
+    def map_at(config: FlashConfig) -> BlockMap:
         return empty_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, "meta")
 
     forward_configs = (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, device)
@@ -56,6 +56,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     # rewrite's); a first call builds the backward's while the flash kernels compile (its first backward would
     # otherwise compile and run their kernels before its own launches), its forward its own.
     cached_maps = mod.has_mask and not mod.keep_reads_aux
+    passed_map = None  # the forward's map, mapped in each call and passed to the backward
     if cached_maps and q.is_meta:
         # The forward maps the mask at its widest tiles first, to see whether its rows are short.
         widest = forward_config(head_dim, q.dtype, True, device)
@@ -63,17 +64,27 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
             block_map_for(mod, (), batch, q_heads, q_len, kv_len, block_m, block_n, q.device)
     elif mod.has_mask and q.is_meta:  # mapped in each call, at the forward's tiles, its kinds at dK/dV's rows
         config, = forward_configs
-        build_block_map(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device,
-                        kind_block_m=kind_block_m(config, head_dim, q.dtype, device))
+        passed_map = build_block_map(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
+                                     q.device, kind_block_m=kind_block_m(config, head_dim, q.dtype, device))
     if grads is None:
         return
+
+    def backward_map_at(config: FlashConfig, cols: bool) -> BlockMap:
+        # On stand-ins, the maps the backward builds (cached, or in each call where the forward's does not
+        # serve its tiles) start their kernels' compiles, as `flash_bwd._backward_map` asks for them.
+        if not (q.is_meta and mod.has_mask):
+            return map_at(config)
+        if passed_map is not None and passed_map.serves(config.block_m, config.block_n, cols):
+            return passed_map
+        return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
+
     aux_grad = aux_grad + distance_gradients(mod, torch.device("meta")) if mod.has_aux_grad else None
     do = torch.empty(out.shape, dtype=out.dtype, device="meta")
     for kernel, _, args, keywords in backward_launches(
             do, q, k, v, out, lse, log_sum, fallback_rows, mod, aux, aux_grad, torch.empty_like(lse), grads,
-            dropout_p, 0, map_at, device):
+            dropout_p, 0, backward_map_at, device):
         compile_fitting_ahead(kernel, *args, **keywords)
-    if cached_maps:
+    if cached_maps and not q.is_meta:
         configs = backward_configs(head_dim, q.dtype, True, device)
         for config in (configs.dq, configs.dkdv):
             block_map_for(mod, (), batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
