@@ -6,6 +6,7 @@
 from importlib.metadata import entry_points
 
 from fusepass.pipeline import Backend, backend, fusepass_backend
+from fusepass.kernels.launch import start_triton_in_background
 from fusepass.options import Options
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.report.report import Report, last_report, reports, reset
@@ -27,3 +28,6 @@ def _register() -> None:
 
 
 _register()
+# Triton's start takes ~0.6 s of hashing, which crawls on a compile thread beside a busy caller: begun now, it
+# is usually done by the first compiled call (fusepass.kernels.launch).
+start_triton_in_background()

@@ -18,6 +18,7 @@ for that compile instead of starting its own.
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -86,10 +87,10 @@ class BoundLaunch:
             return
 
         _settle_cache_keys(self.kernel, self.keywords)
+        _start_triton()
 
         def compile() -> Any:
             torch.cuda.set_device(key[0])  # a thread starts on the first device
-            _start_triton()
             return self.kernel.run(*args, *self.bound_args, grid=(1,), warmup=True, **self.keywords)
 
         self._ahead[key] = future = _compiling.submit(compile)
@@ -125,14 +126,42 @@ _starting = threading.Lock()
 
 
 def _start_triton() -> None:
-    """Triton's start in a process, by one compile thread while the others wait: the hash of its own library
-    (`triton_key`, 0.5–0.7 s on the CPU, computed once and kept, but by every thread that asks before the first
-    has it) and its driver. Compile threads that each started Triton took ~0.5 s more for three warm kernels
-    offline (triton 3.6, 2 cores: 1.14 s against 0.64), and six cached kernels 1.9 s each on the GPU machine
-    where each took 0.4 alone (compile-time-2026-11-30-2328)."""
+    """Triton's start in a process: the hash of its own library (`triton_key`, 0.5–0.7 s on the CPU, computed
+    once and kept) and its driver, on the thread that asks for the first compile ahead, before any compile
+    thread runs.
+
+    On a compile thread, while the caller's thread went on tracing (AOTAutograd's joint graph and partition,
+    ~1.3 s on the GPU machine), the hash crawled: it reads Triton's files one at a time, and each read gives up
+    Python's lock, which a thread gets back only once the busy thread lets go of it (every 5 ms). Offline,
+    beside a busy Python loop, it took 6.7 s against 0.58 alone (triton 3.6, 2 cores), and a forward+backward's
+    first call started its compiles 2.37 s in, against 1.09 for a forward (compile-time-2026-12-01-0110). The
+    hash may have been computed already (`start_triton_in_background`); every caller waits for the one that
+    computes it."""
     with _starting:
         triton_key()
         driver.active.get_current_target()
+
+
+def _hash_triton() -> None:
+    with _starting:
+        triton_key()
+
+
+def start_triton_in_background() -> None:
+    """Compute Triton's hash (see `_start_triton`) on a thread of its own, where a GPU may run kernels: a
+    program that imports fusepass usually spends the time before its first compiled call where Python's lock
+    is free often (loading data, starting CUDA). Nothing of CUDA is touched here. A child forked meanwhile gets
+    a lock of its own."""
+    if torch.cuda.is_available():
+        threading.Thread(target=_hash_triton, name="fusepass-triton-start", daemon=True).start()
+
+
+def _new_start_lock() -> None:
+    global _starting
+    _starting = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_start_lock)
 
 
 # The compiled kernels and arguments of the launches made inside `holding()`, or None outside it.

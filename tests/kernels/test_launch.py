@@ -187,6 +187,48 @@ def test_cache_keys_are_computed_before_the_compile_thread_starts(ahead, kernel,
     assert computed_first == [(True, True)]
 
 
+def test_triton_starts_on_the_callers_thread_before_the_compile_thread(ahead, kernel, monkeypatch):
+    """On a compile thread, Triton's start (hashing its files) crawled while the caller's thread traced on:
+    `compile_ahead` starts it on the caller's thread, before it submits the compile."""
+    events = []
+    monkeypatch.setattr(launch_module, "_start_triton", lambda: events.append(("start", threading.get_ident())))
+    pool = launch_module._compiling
+
+    class Checking:
+        def submit(self, fn):
+            events.append(("submit", threading.get_ident()))
+            return pool.submit(fn)
+
+    monkeypatch.setattr(launch_module, "_compiling", Checking())
+    compile_ahead(kernel, torch.empty(0, device="meta"), 100, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
+    assert events == [("start", threading.get_ident()), ("submit", threading.get_ident())]
+
+
+def _slow_triton_key(hashed: list):
+    @functools.lru_cache  # as Triton keeps its key: computed by every caller that asks before the first has it
+    def slow_key():
+        hashed.append(threading.get_ident())
+        time.sleep(0.05)
+        return "key"
+
+    return slow_key
+
+
+def test_triton_hashed_in_the_background_is_hashed_once(monkeypatch):
+    """Where a GPU may run kernels, importing fusepass starts hashing Triton on a thread of its own; a compile
+    ahead asking meanwhile waits for it instead of hashing again."""
+    hashed = []
+    monkeypatch.setattr(launch_module, "triton_key", _slow_triton_key(hashed))
+    monkeypatch.setattr(launch_module, "driver", SimpleNamespace(active=SimpleNamespace(get_current_target=tuple)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    launch_module.start_triton_in_background()
+    deadline = time.monotonic() + 10
+    while not launch_module._starting.locked() and not hashed and time.monotonic() < deadline:
+        time.sleep(0.001)  # until the background thread holds the lock
+    launch_module._start_triton()
+    assert len(hashed) == 1 and hashed[0] != threading.get_ident()
+
+
 def test_bound_arguments_follow_the_passed_ones_and_stay_out_of_the_signature(recorder, kernel):
     bound = BoundLaunch(kernel, 3, bound_args=(0.5, (3, 16)), SCALE_FN=_identity, num_warps=4)
     x = torch.randn(40)
@@ -213,14 +255,7 @@ def test_holding_collects_each_launch_with_its_compiled_kernel(recorder, kernel)
 
 def test_triton_starts_once_however_many_threads_compile(monkeypatch):
     hashed = []
-
-    @functools.lru_cache  # as Triton keeps its key: computed by every caller that asks before the first has it
-    def slow_key():
-        hashed.append(threading.get_ident())
-        time.sleep(0.05)
-        return "key"
-
-    monkeypatch.setattr(launch_module, "triton_key", slow_key)
+    monkeypatch.setattr(launch_module, "triton_key", _slow_triton_key(hashed))
     monkeypatch.setattr(launch_module, "driver", SimpleNamespace(active=SimpleNamespace(get_current_target=tuple)))
     threads = [threading.Thread(target=launch_module._start_triton) for _ in range(4)]
     for thread in threads:
