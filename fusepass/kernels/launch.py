@@ -54,6 +54,11 @@ class BoundLaunch:
                                                   for p in params[n_args + len(bound_args):])]
         self._compiled: dict[tuple, Any] = {}  # signature -> (compiled kernel, what it holds alive)
         self._ahead: dict[tuple, Future] = {}  # signature -> its compile on a background thread
+        # Compiles ahead of one kernel and keywords run one at a time: signatures that differ where Triton does
+        # not specialize (sizes other than 1 and multiples of 16) are one compiled kernel, which the second
+        # then finds in Triton's cache (the maps' lists kernel was compiled twice at once, 0.3–0.6 s each,
+        # bench/results/compile-time-2026-12-01-0041).
+        self._compiling_one = threading.Lock()
 
     def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
         if not self.direct:
@@ -91,7 +96,8 @@ class BoundLaunch:
 
         def compile() -> Any:
             torch.cuda.set_device(key[0])  # a thread starts on the first device
-            return self.kernel.run(*args, *self.bound_args, grid=(1,), warmup=True, **self.keywords)
+            with self._compiling_one:
+                return self.kernel.run(*args, *self.bound_args, grid=(1,), warmup=True, **self.keywords)
 
         self._ahead[key] = future = _compiling.submit(compile)
         _pending.add(future)

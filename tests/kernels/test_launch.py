@@ -204,6 +204,27 @@ def test_triton_starts_on_the_callers_thread_before_the_compile_thread(ahead, ke
     assert events == [("start", threading.get_ident()), ("submit", threading.get_ident())]
 
 
+def test_compiles_ahead_of_one_kernel_and_keywords_run_one_at_a_time(recorder, kernel, monkeypatch):
+    """Two signatures that Triton specializes alike are one compiled kernel: compiled at once, it was compiled
+    twice; one after the other, the second finds it in Triton's cache."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(launch_module, "_start_triton", lambda: None)
+    running, overlapped = [], []
+
+    def slow(self, *args, **keywords):
+        overlapped.append(bool(running))
+        running.append(1)
+        time.sleep(0.05)
+        running.pop()
+        return recorder.run(self, *args, **keywords)
+
+    monkeypatch.setattr(JITFunction, "run", slow)
+    for n in (100, 200):  # the same bound launch, two signatures
+        compile_ahead(kernel, torch.empty(0, device="meta"), n, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
+    launch_module.finish_compiles_ahead()
+    assert overlapped == [False, False]
+
+
 def _slow_triton_key(hashed: list):
     @functools.lru_cache  # as Triton keeps its key: computed by every caller that asks before the first has it
     def slow_key():
