@@ -14,6 +14,7 @@
 #   tests        the GPU tests of tests/attention, kernels, report and elementwise ~190 s
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
+#   compile-documents  the same for packed causal documents (a map built per call)  ~150 s (2026-12-01)
 #   host         where a small-shape forward+backward call spends its host time,    (~40 s before --floor)
 #                beside the floor of torch's layers and FlexAttention's call
 #   replay       small-shape calls replayed as CUDA graphs, beside FlexAttention's  (not run yet)
@@ -57,6 +58,8 @@ for part in $parts; do
         (cd bench && timeout 80 python overhead.py 2>&1 | tail -10) ;;
     compile)
         (cd bench && timeout 170 python compile_time.py --models causal 2>&1 | tail -10) ;;
+    compile-documents)
+        (cd bench && timeout 200 python compile_time.py --models documents 2>&1 | tail -10) ;;
     host)
         (cd bench && timeout 170 python launch_cost.py --cases window,document --backward --shape small --layers \
             --floor 2>&1 | tail -6) ;;
