@@ -154,11 +154,11 @@ def _hash_triton() -> None:
 
 
 def start_triton_in_background() -> None:
-    """Compute Triton's hash (see `_start_triton`) on a thread of its own, where a GPU may run kernels: a
+    """Compute Triton's hash (see `_start_triton`) on a thread of its own where torch is built for CUDA: a
     program that imports fusepass usually spends the time before its first compiled call where Python's lock
-    is free often (loading data, starting CUDA). Nothing of CUDA is touched here. A child forked meanwhile gets
-    a lock of its own."""
-    if torch.cuda.is_available():
+    is free often (loading data, starting CUDA). Nothing of CUDA is touched here (asking whether a device is
+    there would start CUDA's driver before a fork). A child forked meanwhile gets a lock of its own."""
+    if torch.version.cuda is not None:
         threading.Thread(target=_hash_triton, name="fusepass-triton-start", daemon=True).start()
 
 

@@ -236,12 +236,12 @@ def _slow_triton_key(hashed: list):
 
 
 def test_triton_hashed_in_the_background_is_hashed_once(monkeypatch):
-    """Where a GPU may run kernels, importing fusepass starts hashing Triton on a thread of its own; a compile
+    """Where torch is built for CUDA, importing fusepass starts hashing Triton on a thread of its own; a compile
     ahead asking meanwhile waits for it instead of hashing again."""
     hashed = []
     monkeypatch.setattr(launch_module, "triton_key", _slow_triton_key(hashed))
     monkeypatch.setattr(launch_module, "driver", SimpleNamespace(active=SimpleNamespace(get_current_target=tuple)))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     launch_module.start_triton_in_background()
     deadline = time.monotonic() + 10
     while not launch_module._starting.locked() and not hashed and time.monotonic() < deadline:
