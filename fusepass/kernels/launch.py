@@ -167,7 +167,8 @@ def _new_start_lock() -> None:
     _starting = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_start_lock)
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_new_start_lock)
 
 
 # The compiled kernels and arguments of the launches made inside `holding()`, or None outside it.
