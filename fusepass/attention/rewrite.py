@@ -84,6 +84,10 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
         raise Unsupported(f"head dim {q.size[3]} outside 16..256")
     canon = Canon(batch=B, heads=H, q_len=q_len, kv_len=kv_len)
     lifted = Lifter(m, canon, name).lift()
+    if any(lifted.aux_needs_grad) and torch.are_deterministic_algorithms_enabled():
+        # Dynamo recompiles where the setting changes (it guards on it).
+        raise Unsupported("deterministic algorithms are requested: the kernel would sum the gradient of a score "
+                          "input (a learnable bias) with atomic adds, in no fixed order")
     spec = AttentionSpec(name=name, q=q, k=k, v=v, lifted=lifted, out_dtype=val(m.pv).dtype,
                          dropout_p=m.dropout_p, aux_strides=[tuple(val(a).stride()) for a in lifted.aux])
     features = list(lifted.features)
