@@ -73,7 +73,7 @@ def _run(fn: Callable[..., object], inputs: Sequence[object], backward: bool, gr
     return tensors, input_grads, grads or []
 
 
-def _relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
+def relative_error(actual: torch.Tensor, reference: torch.Tensor) -> float:
     a, r = actual.double(), reference.double()
     finite = torch.isfinite(r)
     assert torch.equal(finite, torch.isfinite(a)), "non-finite values differ"
@@ -108,7 +108,7 @@ def check(fn: Callable[..., object], *inputs: object, backward: bool = False,
         reference, reference_grads, _ = _run(fn, wide, backward, grads)
         for a, e, r in zip(actual + actual_grads, expected + expected_grads, reference + reference_grads):
             assert a.dtype == e.dtype and a.shape == e.shape
-            ours, eagers = _relative_error(a, r), _relative_error(e, r)
+            ours, eagers = relative_error(a, r), relative_error(e, r)
             assert ours <= 2 * eagers + 2e-3, f"fusepass is {ours:.2e} from float64, eager {eagers:.2e}"
     report = fusepass.last_report()
     assert report is not None
