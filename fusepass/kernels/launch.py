@@ -97,7 +97,13 @@ class BoundLaunch:
         def compile() -> Any:
             torch.cuda.set_device(key[0])  # a thread starts on the first device
             with self._compiling_one:
-                return self.kernel.run(*args, *self.bound_args, grid=(1,), warmup=True, **self.keywords)
+                compiled = self.kernel.run(*args, *self.bound_args, grid=(1,), warmup=True, **self.keywords)
+            if compiled is not None:
+                # Triton builds a kernel's launcher (C, compiled by the system's compiler; cached on disk) and
+                # loads its binary at its first launch, on the caller's thread: here instead. A kernel that does
+                # not fit raises here, and the launch raises it again (`flash_config.launch_fitting`).
+                compiled._init_handles()
+            return compiled
 
         self._ahead[key] = future = _compiling.submit(compile)
         _pending.add(future)

@@ -31,6 +31,12 @@ class _Recorder:
         recorder = self
 
         class Compiled:
+            def __init__(self):
+                self.handles_on = None  # the thread that built its launcher and loaded it (Triton: on first launch)
+
+            def _init_handles(self):
+                self.handles_on = threading.get_ident()
+
             def __getitem__(self, grid):
                 return lambda *values: recorder.direct.append((grid, values))
 
@@ -223,6 +229,19 @@ def test_compiles_ahead_of_one_kernel_and_keywords_run_one_at_a_time(recorder, k
         compile_ahead(kernel, torch.empty(0, device="meta"), n, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
     launch_module.finish_compiles_ahead()
     assert overlapped == [False, False]
+
+
+def test_a_compile_ahead_builds_the_launcher_on_the_compile_thread(recorder, kernel, monkeypatch):
+    """Triton builds a kernel's launcher (a C module, compiled) and loads its binary on its first launch; a
+    kernel compiled ahead has them built on the compile thread, off the caller's."""
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(launch_module, "_start_triton", lambda: None)
+    compiled = []
+    run = recorder.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: compiled.append(run(self, *a, **k)) or compiled[-1])
+    compile_ahead(kernel, torch.empty(0, device="meta"), 100, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
+    launch_module.finish_compiles_ahead()
+    assert compiled[0].handles_on not in (None, threading.get_ident())
 
 
 def _slow_triton_key(hashed: list):
