@@ -18,6 +18,7 @@ for that compile instead of starting its own.
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 from collections import OrderedDict
@@ -163,8 +164,10 @@ def start_triton_in_background() -> None:
     """Compute Triton's hash (see `_start_triton`) on a thread of its own where torch is built for CUDA: a
     program that imports fusepass usually spends the time before its first compiled call where Python's lock
     is free often (loading data, starting CUDA). Nothing of CUDA is touched here (asking whether a device is
-    there would start CUDA's driver before a fork). A child forked meanwhile gets a lock of its own."""
-    if torch.version.cuda is not None:
+    there would start CUDA's driver before a fork). Not in processes that `multiprocessing` started (data
+    loader workers import the program's modules too, and compile nothing). A child forked meanwhile gets a
+    lock of its own."""
+    if torch.version.cuda is not None and multiprocessing.parent_process() is None:
         threading.Thread(target=_hash_triton, name="fusepass-triton-start", daemon=True).start()
 
 

@@ -244,6 +244,16 @@ def test_a_compile_ahead_builds_the_launcher_on_the_compile_thread(recorder, ker
     assert compiled[0].handles_on not in (None, threading.get_ident())
 
 
+def test_triton_is_not_hashed_in_processes_multiprocessing_started(monkeypatch):
+    started = []
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(launch_module.threading, "Thread",
+                        lambda **kwargs: started.append(kwargs) or SimpleNamespace(start=lambda: None))
+    monkeypatch.setattr(launch_module.multiprocessing, "parent_process", lambda: object())
+    launch_module.start_triton_in_background()
+    assert not started
+
+
 def _slow_triton_key(hashed: list):
     @functools.lru_cache  # as Triton keeps its key: computed by every caller that asks before the first has it
     def slow_key():
