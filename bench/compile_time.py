@@ -8,7 +8,8 @@ sharing new Triton and Inductor cache directories: the first (cold) compiles eve
 finds them on disk. Per Triton kernel, in the order their compiles ended: the seconds its compile (cold) or
 cache lookup (warm) took on whichever thread ran it, and how many seconds into the call it started (fusepass
 compiles its flash kernels ahead, on threads, while the call goes on; Inductor in its own worker processes,
-which this does not see).
+which this does not see). Per kernel loaded, the same for its launcher's build and its binary's load, which
+Triton does at a kernel's first launch (fusepass on the compile thread), and on which thread.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -87,6 +89,26 @@ def child(name: str, backend_name: str, backward: bool) -> None:
         return kernel
 
     jit.JITFunction._do_compile = timed
+    # Triton builds a kernel's launcher (C, compiled) and loads its binary at its first launch, unless a compile
+    # ahead did it on its thread (fusepass.kernels.launch): when, how long, and on which thread.
+    from triton.compiler.compiler import CompiledKernel
+
+    init_handles = CompiledKernel._init_handles
+    main_thread = threading.get_ident()
+    launchers = []
+
+    def timed_handles(self):
+        if self.module is not None:
+            return init_handles(self)
+        start = time.perf_counter()
+        try:
+            return init_handles(self)
+        finally:
+            launchers.append({"name": self.name, "s": round(time.perf_counter() - start, 3),
+                              "at": round(start - call_start[0], 3),
+                              "thread": "caller" if threading.get_ident() == main_thread else "compile"})
+
+    CompiledKernel._init_handles = timed_handles
     backend = fusepass.backend(strict=True) if backend_name == "fusepass" else backend_name
     torch.cuda.synchronize()
     start = call_start[0] = time.perf_counter()
@@ -96,7 +118,8 @@ def child(name: str, backend_name: str, backward: bool) -> None:
     if backward:
         out.sum().backward()
     torch.cuda.synchronize()
-    print(json.dumps({"wall s": time.perf_counter() - start, "forward s": forward, "kernels": kernels}))
+    print(json.dumps({"wall s": time.perf_counter() - start, "forward s": forward, "kernels": kernels,
+                      "launchers": launchers}))
 
 
 def main() -> None:
@@ -129,10 +152,13 @@ def main() -> None:
                                          f"{k['name']} {k['s']} at {k['at']} {k['hash']}" for k in result["kernels"]),
                                      "keys unlike the cold run's": key_differences(compiled.get("cold", []),
                                                                                    result["kernels"])
-                                     if cache_state == "warm" else ""})
+                                     if cache_state == "warm" else "",
+                                     "launchers (s at s, thread)": ", ".join(
+                                         f"{k['name']} {k['s']} at {k['at']} {k['thread']}"
+                                         for k in result["launchers"])})
                         print(rows[-1], flush=True)
     print(keep("compile-time", ["model", "pass", "backend", "cache", "wall s", "forward s", "kernels (s at s, hash)",
-                                  "keys unlike the cold run's"], rows))
+                                  "keys unlike the cold run's", "launchers (s at s, thread)"], rows))
 
 
 if __name__ == "__main__":
