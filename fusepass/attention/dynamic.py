@@ -208,7 +208,10 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 def _backward(ctx: Any, grad: torch.Tensor):
     grads = attention_dynamic_backward(grad.contiguous(), list(ctx.saved_tensors), ctx.sizes, ctx.spec)
-    return [g if needs else None for g, needs in zip(grads, _specs[ctx.spec].requires_grad)], None, None
+    # torch checks the gradients' structure against the inputs': a list of ints is one leaf, whose gradient is
+    # None, but an empty list (no size read, as in unmasked attention) is a list, whose gradient is one too.
+    return [g if needs else None for g, needs in zip(grads, _specs[ctx.spec].requires_grad)], \
+        (None if ctx.sizes else []), None
 
 
 attention_dynamic.register_autograd(_backward, setup_context=_setup_context)

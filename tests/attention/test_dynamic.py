@@ -108,3 +108,23 @@ def test_a_symbolic_float_is_declined_with_the_reason():
             torch.testing.assert_close(out, scaled(scale)(q, q, q), rtol=1e-5, atol=1e-5)
     (hotspot,) = [h for h in fusepass.last_report().hotspots if h.kind == "attention"]
     assert "symbolic" in hotspot.reason and "dynamic=False" in hotspot.reason
+
+
+def unmasked(q, k, v):
+    return torch.softmax((q * 0.3) @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def test_unmasked_attention_reading_no_size_trains_under_symbolic_sizes():
+    """An attention that reads no size (no mask, no position) passes the dynamic op an empty list of sizes,
+    whose gradient torch wants as a list: the backward failed and the graph ran unfused (strict: raised)."""
+    fusepass.reset()
+    compiled = torch.compile(unmasked, backend=fusepass.backend(strict=True))
+    for n in (13, 21, 37):  # the second size recompiles with symbolic sizes
+        q, k, v = (random_tensor((1, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
+        out, expected = compiled(q, k, v), unmasked(q, k, v)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        grad = torch.randn_like(out)
+        for a, e in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    assert any("symbolic" in r.detail.get("sizes", "")
+               for r in rewrites(fusepass.last_report(), kind="attention", phase="forward"))
