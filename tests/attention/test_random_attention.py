@@ -1,0 +1,150 @@
+"""Attention written at random from the forms the rewrite accepts, combined: the products as matmul, einsum or
+bmm, the scale on q, on the scores or divided out, GQA through repeat_interleave, cross-attention lengths,
+position masks (causal, sliding window), tensor masks (padding lengths, document ids), biases (ALiBi with fixed
+or learnable slopes, a learnable bias tensor), softcap, and the masks' fills. Each program computes what eager
+computes, forward and backward, and its softmax is either rewritten or reported as a hotspot with a reason:
+nothing is left out silently. Sizes are drawn off the kernels' tile sizes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import DEVICE, SUMMED_GRADIENT_FP32, check, random_tensor
+
+
+@dataclass(frozen=True)
+class Program:
+    batch: int
+    heads: int
+    group: int  # query heads per kv head
+    q_len: int
+    kv_len: int
+    head_dim: int
+    product: str  # "matmul", "einsum", "bmm"
+    scale: str  # "q", "scores", "divide"
+    mask: str  # "none", "causal", "window", "padding", "documents", "causal documents"
+    fill: str  # "masked_fill", "where", "finfo.min"
+    bias: str  # "none", "alibi", "learnable alibi", "learnable tensor"
+    softcap: bool
+
+
+@st.composite
+def programs(draw) -> Program:
+    cross = draw(st.booleans())
+    q_len = draw(st.integers(5, 40))
+    kv_len = draw(st.integers(5, 40).filter(lambda n: n != q_len)) if cross else q_len
+    masks = ["none", "padding"] if cross else ["none", "causal", "window", "padding", "documents",
+                                                 "causal documents"]
+    # Position biases need one position per query and key: self-attention only.
+    biases = ["none", "learnable tensor"] if cross else ["none", "alibi", "learnable alibi", "learnable tensor"]
+    return Program(batch=draw(st.integers(1, 2)), heads=draw(st.sampled_from([2, 4])),
+                   group=draw(st.sampled_from([1, 2])), q_len=q_len, kv_len=kv_len,
+                   head_dim=draw(st.sampled_from([16, 24, 32])),
+                   product=draw(st.sampled_from(["matmul", "einsum", "bmm"])),
+                   scale=draw(st.sampled_from(["q", "scores", "divide"])), mask=draw(st.sampled_from(masks)),
+                   fill=draw(st.sampled_from(["masked_fill", "where", "finfo.min"])),
+                   bias=draw(st.sampled_from(biases)), softcap=draw(st.booleans()))
+
+
+def _scores(p: Program, q, k):
+    if p.product == "matmul":
+        return q @ k.transpose(-1, -2)
+    if p.product == "einsum":
+        return torch.einsum("bhqd,bhkd->bhqk", q, k)
+    flat = p.batch * p.heads
+    return torch.bmm(q.reshape(flat, p.q_len, p.head_dim),
+                     k.reshape(flat, p.kv_len, p.head_dim).transpose(1, 2)).view(p.batch, p.heads, p.q_len, p.kv_len)
+
+
+def _values(p: Program, weights, v):
+    if p.product == "matmul":
+        return weights @ v
+    if p.product == "einsum":
+        return torch.einsum("bhqk,bhkd->bhqd", weights, v)
+    flat = p.batch * p.heads
+    return torch.bmm(weights.reshape(flat, p.q_len, p.kv_len),
+                     v.reshape(flat, p.kv_len, p.head_dim)).view(p.batch, p.heads, p.q_len, p.head_dim)
+
+
+def _keep(p: Program, q, extra):
+    """Where the mask keeps a score ([B or 1, 1, Nq, Nk]), or None."""
+    rows = torch.arange(p.q_len, device=q.device)[:, None]
+    cols = torch.arange(p.kv_len, device=q.device)[None, :]
+    if p.mask == "causal":
+        return (rows >= cols)[None, None]
+    if p.mask == "window":
+        return ((rows >= cols) & (rows - cols < 7))[None, None]
+    if p.mask == "padding":
+        return (cols < extra["lengths"][:, None, None])[:, None]
+    ids = extra.get("ids")
+    if ids is None:
+        return None
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    return same & (rows >= cols) if p.mask == "causal documents" else same
+
+
+def attention_of(p: Program):
+    def attention(q, k, v, extra):
+        if p.group > 1:
+            k, v = k.repeat_interleave(p.group, dim=1), v.repeat_interleave(p.group, dim=1)
+        if p.scale == "q":
+            q = q * 0.3
+        s = _scores(p, q, k)
+        if p.scale == "scores":
+            s = s * 0.3
+        elif p.scale == "divide":
+            s = s / 3.0
+        if p.bias in ("alibi", "learnable alibi"):
+            slopes = extra["slopes"] if p.bias == "learnable alibi" else \
+                2.0 ** -torch.arange(1, p.heads + 1, device=q.device, dtype=q.dtype)
+            positions = torch.arange(p.q_len, device=q.device)
+            distance = positions[None, :] - positions[:, None]
+            s = s + slopes[:, None, None] * distance
+        elif p.bias == "learnable tensor":
+            s = s + extra["bias"]
+        if p.softcap:
+            s = torch.tanh(s / 5.0) * 5.0
+        keep = _keep(p, q, extra)
+        if keep is not None:
+            if p.fill == "where":
+                s = torch.where(keep, s, float("-inf"))
+            else:
+                s = s.masked_fill(~keep, float("-inf") if p.fill == "masked_fill" else torch.finfo(s.dtype).min)
+        return _values(p, torch.softmax(s, dim=-1), v)
+
+    return attention
+
+
+def _extra(p: Program) -> dict:
+    extra = {}
+    if p.mask == "padding":
+        extra["lengths"] = torch.randint(1, p.kv_len + 1, (p.batch,), device=DEVICE)
+    if "documents" in p.mask:
+        extra["ids"] = torch.sort(torch.randint(0, 3, (p.batch, p.q_len), device=DEVICE), dim=-1).values
+    if p.bias == "learnable alibi":
+        extra["slopes"] = random_tensor((p.heads,), torch.float32, low=0.05, high=0.5)
+    if p.bias == "learnable tensor":
+        extra["bias"] = random_tensor((p.heads, p.q_len, p.kv_len), torch.float32)
+    return extra
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=programs())
+def test_random_attention_is_exact_and_fused_or_reported(p):
+    torch._dynamo.reset()  # each program compiled at its sizes (symbolic sizes: test_dynamic.py)
+    kv_heads = p.heads // p.group
+    q = random_tensor((p.batch, p.heads, p.q_len, p.head_dim), torch.float32)
+    k, v = (random_tensor((p.batch, kv_heads, p.kv_len, p.head_dim), torch.float32) for _ in range(2))
+    extra = _extra(p)
+    names = sorted(extra)
+    attention = attention_of(p)
+
+    def program(q, k, v, *values):
+        return attention(q, k, v, dict(zip(names, values)))
+
+    report = check(program, q, k, v, *(extra[n] for n in names), backward=True, **SUMMED_GRADIENT_FP32)
+    fused = [r for r in report.rewrites if r.kind == "attention"]
+    reported = [h for h in report.hotspots if h.kind == "attention" and h.reason]
+    assert fused or reported, f"{p}: neither rewritten nor reported"
