@@ -172,9 +172,14 @@ def operand_view(operand: torch.fx.Node) -> OperandView:
             shape = out_shape
             continue  # read the unrepeated tensor; the group stands for the repeat
         if group_dim is not None:
+            if _batch_reshape(op, shape, out_shape):
+                # [B, H] → [B·H] for bmm: meta keeps its dims, the repeated one apart (see `canonical`).
+                shape = out_shape
+                continue
             if _packet(op) not in (aten.transpose, aten.permute, aten.t):
                 raise Unsupported("a view after repeating K/V heads")
-            group_dim = _moved_dim(op, group_dim, meta.dim())
+            if meta.dim() == len(shape):  # else only the last two dims may swap (`_replay_on_finer`)
+                group_dim = _moved_dim(op, group_dim, meta.dim())
         if tuple(meta.shape) == shape:
             replayed = _replay(op, meta)
             if replayed is not None:
@@ -185,13 +190,21 @@ def operand_view(operand: torch.fx.Node) -> OperandView:
     return OperandView(source, meta, shape[:-2], group, group_dim)
 
 
+def _batch_reshape(op: torch.fx.Node, shape: tuple[int, ...], out_shape: tuple[int, ...],
+                   finer: tuple[int, ...] | None = None) -> bool:
+    """Whether ``op`` reshapes leading dims only, into dims that merge whole dims of ``finer`` (``shape``'s
+    leading dims unless given)."""
+    return out_shape[-2:] == shape[-2:] and _packet(op) in (
+        aten.reshape, aten.view, aten._unsafe_view, aten.flatten, aten.unflatten, aten.unsqueeze, aten.squeeze) \
+        and math.prod(out_shape[:-2]) == math.prod(shape[:-2]) \
+        and _nests(out_shape[:-2], shape[:-2] if finer is None else finer)
+
+
 def _replay_on_finer(op: torch.fx.Node, meta: torch.Tensor, shape: tuple[int, ...], out_shape: tuple[int, ...]
                      ) -> torch.Tensor:
     """An op on an operand whose leading dims no stride merges: a reshape of its batch dims only, or a
     swap of its last two dims."""
-    if out_shape[-2:] == shape[-2:] and _packet(op) in (aten.reshape, aten.view, aten._unsafe_view, aten.flatten,
-                                                         aten.unflatten, aten.unsqueeze, aten.squeeze) \
-            and math.prod(out_shape[:-2]) == math.prod(shape[:-2]) and _nests(out_shape[:-2], meta.shape[:-2]):
+    if _batch_reshape(op, shape, out_shape, tuple(meta.shape[:-2])):
         return meta
     if _packet(op) in (aten.transpose, aten.t, aten.permute):
         rank = len(shape)

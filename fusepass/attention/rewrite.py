@@ -66,8 +66,11 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
     if math.prod(pv_batch) != flat:
         raise Unsupported("the matmul with V has another batch than the scores")
     v_view = _operand_view(m.values.right, m.values.right_perm, pv_batch, swap=True)
-    # The kernel's batch: the first of Q's leading dims (finer than the scores' where a reshape merged them).
+    # The kernel's batch: the first of Q's leading dims (finer than the scores' where a reshape merged them),
+    # or where K's heads are repeated, K's dims before them (bmm's [B·H] merges Q's batch and heads into one).
     B = q_view.meta.shape[0] if q_view.meta.dim() > 2 else 1
+    if k_view.group_dim is not None:
+        B = math.prod(k_view.meta.shape[:k_view.group_dim])
     H = flat // B
     q, k, v = (canonical(view, B, H) for view in (q_view, k_view, v_view))
     q_src, k_src, v_src = q_view.source, k_view.source, v_view.source

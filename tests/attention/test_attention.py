@@ -107,7 +107,16 @@ def llama_style_gqa(q, k, v):
     return torch.matmul(F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
-@pytest.mark.parametrize("fn", [einsum_gqa_interleave, llama_style_gqa])
+def bmm_gqa(q, k, v):
+    """GQA through bmm: K and V repeated, then batch and heads folded into bmm's batch."""
+    b, h, n, d = q.shape
+    group = h // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1).reshape(b * h, -1, d) for x in (k, v))
+    s = torch.bmm(q.reshape(b * h, n, d), k.transpose(1, 2)) * d ** -0.5
+    return torch.bmm(torch.softmax(s, dim=-1), v).view(b, h, n, d)
+
+
+@pytest.mark.parametrize("fn", [einsum_gqa_interleave, llama_style_gqa, bmm_gqa])
 def test_grouped_query_attention_reads_shared_heads(fn):
     q, k, v = qkv(h=4, kv_heads=2)
     report = check(fn, q, k, v, backward=True)
