@@ -127,11 +127,16 @@ def test_a_bound_launch_looks_at_its_positional_arguments_only(recorder, kernel)
 
 
 @pytest.fixture
-def ahead(recorder, monkeypatch):
-    """`compile_ahead` on this thread (the pool's thread runs the same function), on the recorder's device,
-    Triton already started (its driver needs a GPU)."""
+def compiling(recorder, monkeypatch):
+    """`compile_ahead` on the recorder's device, Triton already started (its driver needs a GPU)."""
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(launch_module, "_start_triton", lambda: None)
+    return recorder
+
+
+@pytest.fixture
+def ahead(compiling, monkeypatch):
+    """`compile_ahead` on this thread (the pool's thread runs the same function)."""
 
     class Now:
         def submit(self, fn):
@@ -143,7 +148,7 @@ def ahead(recorder, monkeypatch):
             return future
 
     monkeypatch.setattr(launch_module, "_compiling", Now())
-    return recorder
+    return compiling
 
 
 def test_a_launch_compiled_ahead_goes_straight_to_the_compiled_kernel(ahead, kernel):
@@ -210,11 +215,9 @@ def test_triton_starts_on_the_callers_thread_before_the_compile_thread(ahead, ke
     assert events == [("start", threading.get_ident()), ("submit", threading.get_ident())]
 
 
-def test_compiles_ahead_of_one_kernel_and_keywords_run_one_at_a_time(recorder, kernel, monkeypatch):
+def test_compiles_ahead_of_one_kernel_and_keywords_run_one_at_a_time(compiling, kernel, monkeypatch):
     """Two signatures that Triton specializes alike are one compiled kernel: compiled at once, it was compiled
     twice; one after the other, the second finds it in Triton's cache."""
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(launch_module, "_start_triton", lambda: None)
     running, overlapped = [], []
 
     def slow(self, *args, **keywords):
@@ -222,7 +225,7 @@ def test_compiles_ahead_of_one_kernel_and_keywords_run_one_at_a_time(recorder, k
         running.append(1)
         time.sleep(0.05)
         running.pop()
-        return recorder.run(self, *args, **keywords)
+        return compiling.run(self, *args, **keywords)
 
     monkeypatch.setattr(JITFunction, "run", slow)
     for n in (100, 200):  # the same bound launch, two signatures
@@ -231,13 +234,11 @@ def test_compiles_ahead_of_one_kernel_and_keywords_run_one_at_a_time(recorder, k
     assert overlapped == [False, False]
 
 
-def test_a_compile_ahead_builds_the_launcher_on_the_compile_thread(recorder, kernel, monkeypatch):
+def test_a_compile_ahead_builds_the_launcher_on_the_compile_thread(compiling, kernel, monkeypatch):
     """Triton builds a kernel's launcher (a C module, compiled) and loads its binary on its first launch; a
     kernel compiled ahead has them built on the compile thread, off the caller's."""
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(launch_module, "_start_triton", lambda: None)
     compiled = []
-    run = recorder.run
+    run = compiling.run
     monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: compiled.append(run(self, *a, **k)) or compiled[-1])
     compile_ahead(kernel, torch.empty(0, device="meta"), 100, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
     launch_module.finish_compiles_ahead()
