@@ -129,12 +129,11 @@ def int_remainder(a, b):
 @triton.jit
 def pow(x, y):
     # x ** y for float x, y: exact signs for negative bases with integral exponents, C's special cases.
-    x = x + tl.zeros_like(y)  # one shape for both (either may be a 0-d value)
-    y = y + tl.zeros_like(x)
+    x, y = tl.broadcast(x, y)  # one shape for both (either may be a 0-d value); -0.0 + 0 would lose its sign
     mag = tl.exp2(y * tl.log2(tl.abs(x)))
     y_is_int = tl.floor(y) == y
     y_is_odd = y_is_int & ((y - 2.0 * tl.floor(y * 0.5)) != 0.0)
-    r = tl.where((x < 0) & y_is_odd, -mag, mag)
+    r = tl.where(_sign_bit(x) & y_is_odd, -mag, mag)  # (-0.0) ** -1 is -inf
     r = tl.where((x < 0) & (~y_is_int), float("nan"), r)
     return tl.where((y == 0.0) | (x == 1.0), 1.0, r)
 
@@ -143,8 +142,7 @@ def pow(x, y):
 def int_pow(x, y):
     # Integer power by repeated squaring (exponents of int tensors are small); negative exponents give 0
     # except for bases 1 and -1, as in eager.
-    x = x + tl.zeros_like(y)
-    y = y + tl.zeros_like(x)
+    x, y = tl.broadcast(x, y)  # one shape for both (either may be a 0-d value)
     result = tl.full(x.shape, 1, x.dtype)
     base = x
     e = tl.where(y < 0, 0, y)
@@ -215,3 +213,175 @@ def elu(x, alpha, scale, input_scale):
 @triton.jit
 def mish(x):
     return x * tanh(softplus(x, 1.0, 20.0))
+
+
+# The inverse trigonometric and hyperbolic functions are computed in float64 and rounded once to the held
+# dtype: their formulas cancel or reduce arguments, which float64 absorbs for float32 and half inputs (the
+# special-function unit has none of them, so each is a handful of float64 ops on values the kernel streams).
+PI = tl.constexpr(3.141592653589793)
+SQRT3 = tl.constexpr(1.7320508075688772)
+TAN_PI_12 = tl.constexpr(0.2679491924311227)
+# Terms of atan's series at |t| <= tan(pi/12): the last one left out is below 2^-60 of t.
+ATAN_TERMS = tl.constexpr(14)
+# Past this magnitude x² would overflow float64; asinh(x) and acosh(x) are log(2x) there to float64 precision.
+HUGE = tl.constexpr(1e150)
+LN2_64 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _odd(x, magnitude):
+    """The odd function of x whose value at |x| is `magnitude`, ±0 and NaN as they came."""
+    return tl.where(x < 0, -magnitude, tl.where(x > 0, magnitude, x)).to(x.dtype)
+
+
+@triton.jit
+def _atan64(a):
+    """atan(a) for float64 a >= 0 (or NaN): a > 1 through pi/2 - atan(1/a), then arguments past tan(pi/12)
+    shifted by pi/6 (tan's addition formula), then the alternating series."""
+    inverted = a > 1.0
+    r = tl.where(inverted, 1.0 / a, a)
+    shifted = r > TAN_PI_12
+    t = tl.where(shifted, (r * SQRT3 - 1.0) / (r + SQRT3), r)
+    z = t * t
+    p = tl.zeros_like(z)
+    for i in tl.static_range(ATAN_TERMS):  # Horner, from the last term's (-1)^k / (2k + 1) down
+        p = p * z + (1.0 - 2.0 * ((ATAN_TERMS - 1 - i) % 2)) / (2 * (ATAN_TERMS - 1 - i) + 1)
+    y = t * p
+    y = tl.where(shifted, PI / 6 + y, y)
+    return tl.where(inverted, PI / 2 - y, y)
+
+
+@triton.jit
+def atan(x):
+    return _odd(x, _atan64(tl.abs(x).to(tl.float64)))
+
+
+@triton.jit
+def asin(x):
+    a = tl.abs(x).to(tl.float64)
+    return _odd(x, _atan64(a / tl.sqrt((1.0 - a) * (1.0 + a))))  # NaN past 1
+
+
+@triton.jit
+def acos(x):
+    # 2·atan(sqrt((1 - x) / (1 + x))): no cancellation at either end (pi at -1, 0 at 1).
+    x64 = x.to(tl.float64)
+    return (2.0 * _atan64(tl.sqrt((1.0 - x64) / (1.0 + x64)))).to(x.dtype)
+
+
+@triton.jit
+def _sign_bit(x):
+    """Whether float x has its sign bit set (-0.0 and negative NaNs too)."""
+    if x.dtype == tl.float64:
+        negative = x.to(tl.int64, bitcast=True) < 0
+    else:
+        negative = x.to(tl.float32).to(tl.int32, bitcast=True) < 0
+    return negative
+
+
+@triton.jit
+def atan2(y, x):
+    # C's atan2, special cases included: both zero gives 0 or pi by x's sign bit, both infinite pi/4 or 3pi/4.
+    y, x = tl.broadcast(y, x)
+    ay = tl.abs(y).to(tl.float64)
+    ax = tl.abs(x).to(tl.float64)
+    both_infinite = (ay == float("inf")) & (ax == float("inf"))
+    r = _atan64(tl.where(both_infinite, 1.0, ay / ax))
+    r = tl.where((ay == 0.0) & (ax == 0.0), 0.0, r)
+    r = tl.where(_sign_bit(x), PI - r, r)
+    return tl.where(_sign_bit(y), -r, r).to(y.dtype)
+
+
+@triton.jit
+def sinh(x):
+    a = tl.abs(x).to(tl.float64)
+    e = expm1(a)
+    h = tl.exp(0.5 * a)
+    # e + e / (e + 1) = e^a - e^-a without cancellation; past 20, e^a / 2 alone, as h² / 2 (no overflow of e^a
+    # where the result still fits).
+    return _odd(x, tl.where(a > 20.0, (0.5 * h) * h, 0.5 * (e + e / (e + 1.0))))
+
+
+@triton.jit
+def cosh(x):
+    a = tl.abs(x).to(tl.float64)
+    e = tl.exp(a)
+    h = tl.exp(0.5 * a)
+    return tl.where(a > 20.0, (0.5 * h) * h, 0.5 * (e + 1.0 / e)).to(x.dtype)
+
+
+@triton.jit
+def asinh(x):
+    a = tl.abs(x).to(tl.float64)
+    # log(a + sqrt(a² + 1)) written as log1p(a + a² / (1 + sqrt(a² + 1))): exact near 0.
+    r = log1p(a + a * a / (1.0 + tl.sqrt(a * a + 1.0)))
+    return _odd(x, tl.where(a > HUGE, tl.log(a) + LN2_64, r))
+
+
+@triton.jit
+def acosh(x):
+    x64 = x.to(tl.float64)
+    t = x64 - 1.0
+    r = log1p(t + tl.sqrt(t * (x64 + 1.0)))
+    r = tl.where(x64 > HUGE, tl.log(x64) + LN2_64, r)
+    return tl.where(x64 < 1.0, float("nan"), r).to(x.dtype)
+
+
+@triton.jit
+def atanh(x):
+    a = tl.abs(x).to(tl.float64)
+    r = tl.where(a == 1.0, float("inf"), 0.5 * log1p(2.0 * a / (1.0 - a)))  # NaN past 1
+    return _odd(x, r)
+
+
+@triton.jit
+def hypot(a, b):
+    # C's hypot: infinite where either is (even beside NaN); scaled by the larger magnitude, so float64 inputs
+    # do not overflow in the squares.
+    a, b = tl.broadcast(a, b)
+    aa = tl.abs(a).to(tl.float64)
+    ab = tl.abs(b).to(tl.float64)
+    big = tl.where(aa > ab, aa, ab)
+    small = tl.where(aa > ab, ab, aa)
+    q = tl.where(big == 0.0, 0.0, small / big)
+    r = big * tl.sqrt(1.0 + q * q)
+    r = tl.where((a != a) | (b != b), float("nan"), r)
+    return tl.where((aa == float("inf")) | (ab == float("inf")), float("inf"), r).to(a.dtype)
+
+
+@triton.jit
+def logaddexp(a, b):
+    # ATen's: the larger plus log1p(exp(-|a - b|)), and a itself where both are the same infinity.
+    m = tl.where(a > b, a, b)
+    r = m + log1p(tl.exp(-tl.abs(a - b)))
+    return tl.where((tl.abs(a) == float("inf")) & (a == b), a, r)
+
+
+@triton.jit
+def logaddexp2(a, b):
+    m = tl.where(a > b, a, b)
+    r = m + log1p(tl.exp2(-tl.abs(a - b))) * 1.4426950408889634
+    return tl.where((tl.abs(a) == float("inf")) & (a == b), a, r)
+
+
+@triton.jit
+def xlogy(x, y):
+    # 0 where x is 0 (even where log(y) is infinite), NaN wherever y is.
+    r = tl.where(x == 0, 0.0, x * tl.log(y))
+    return tl.where(y != y, float("nan"), r)
+
+
+@triton.jit
+def fmax(a, b):
+    # The larger, NaN only where both are.
+    return tl.where(a != a, b, tl.where((b != b) | (a > b), a, b))
+
+
+@triton.jit
+def fmin(a, b):
+    return tl.where(a != a, b, tl.where((b != b) | (a < b), a, b))
+
+
+@triton.jit
+def copysign(a, b):
+    return tl.where(_sign_bit(b), -tl.abs(a), tl.abs(a))

@@ -263,11 +263,7 @@ def _pow(c, self, exponent):
     if c.is_float and isinstance(base, (int, float)) and not isinstance(base, bool) and base > 0:
         # a constant base: one exp2 (exact for powers of two, as ALiBi's slopes are)
         return f"tl.exp2({exponent} * {c.lit(math.log2(base))})"
-    # The math functions take tensors: a literal operand is broadcast against the other one.
-    if _is_literal(self):
-        self = f"(tl.zeros_like({exponent}) + {self})"
-    elif _is_literal(exponent):
-        exponent = f"(tl.zeros_like({self}) + {exponent})"
+    self, exponent = _tensors(self, exponent)
     return f"fm.pow({self}, {exponent})" if c.is_float else f"fm.int_pow({self}, {exponent})"
 
 
@@ -288,9 +284,55 @@ for _packet, _fn in (
     (aten.exp, "tl.exp"), (aten.exp2, "tl.exp2"), (aten.log, "tl.log"), (aten.log2, "tl.log2"),
     (aten.sqrt, "tl.sqrt"), (aten.rsqrt, "tl.rsqrt"), (aten.sin, "tl.sin"), (aten.cos, "tl.cos"),
     (aten.sigmoid, "tl.sigmoid"), (aten.erf, "tl.erf"), (aten.tanh, "fm.tanh"), (aten.log1p, "fm.log1p"),
-    (aten.expm1, "fm.expm1"),
+    (aten.expm1, "fm.expm1"), (aten.atan, "fm.atan"), (aten.asin, "fm.asin"), (aten.acos, "fm.acos"),
+    (aten.sinh, "fm.sinh"), (aten.cosh, "fm.cosh"), (aten.asinh, "fm.asinh"), (aten.acosh, "fm.acosh"),
+    (aten.atanh, "fm.atanh"),
 ):
     rule(_packet, kind=Kind.INT_TO_FLOAT)(_unary_float(_fn))
+
+
+def _tensors(self: str, other: str) -> tuple[str, str]:
+    """Two operands for a math function, which takes tensors: a literal one broadcast against the other."""
+    # A select, not a sum: -0.0 + 0.0 would lose the sign atan2 and pow read.
+    if _is_literal(self):
+        self = f"tl.where(tl.zeros_like({other}) == 0, {self}, {other})"
+    elif _is_literal(other):
+        other = f"tl.where(tl.zeros_like({self}) == 0, {other}, {self})"
+    return self, other
+
+
+def _binary_float(fn: str) -> Callable[..., str]:
+    return lambda c, self, other: f"{fn}({', '.join(_tensors(self, other))})"
+
+
+for _packet, _fn in ((aten.atan2, "fm.atan2"), (aten.hypot, "fm.hypot"), (aten.logaddexp, "fm.logaddexp"),
+                     (aten.logaddexp2, "fm.logaddexp2"), (aten.xlogy, "fm.xlogy"), (aten.copysign, "fm.copysign")):
+    rule(_packet, operands=BINARY, kind=Kind.INT_TO_FLOAT)(_binary_float(_fn))
+
+
+@rule(aten.fmax, operands=BINARY)
+def _fmax(c, self, other):
+    return f"fm.fmax({', '.join(_tensors(self, other))})" if c.is_float else f"tl.maximum({self}, {other})"
+
+
+@rule(aten.fmin, operands=BINARY)
+def _fmin(c, self, other):
+    return f"fm.fmin({', '.join(_tensors(self, other))})" if c.is_float else f"tl.minimum({self}, {other})"
+
+
+@rule(aten.deg2rad, kind=Kind.INT_TO_FLOAT)
+def _deg2rad(c, self):
+    return f"({self} * {c.lit(math.pi / 180)})"
+
+
+@rule(aten.rad2deg, kind=Kind.INT_TO_FLOAT)
+def _rad2deg(c, self):
+    return f"({self} * {c.lit(180 / math.pi)})"
+
+
+@rule(aten.frac)
+def _frac(c, self):
+    return f"({self} - fm.trunc({self}))"
 
 
 @rule(aten.log10, kind=Kind.INT_TO_FLOAT)
@@ -308,7 +350,7 @@ def _abs(c, self):
     return f"tl.abs({self})" if c.compute != torch.bool else self
 
 
-@rule(aten.sign)
+@rule(aten.sign, aten.sgn)  # sgn is sign on real numbers (abs's gradient takes it)
 def _sign(c, self):
     return f"fm.sign({self})" if c.compute != torch.bool else self
 
@@ -363,6 +405,17 @@ def _leaky_relu(c, self, negative_slope=0.01):
 @rule(aten.elu)
 def _elu(c, self, alpha=1, scale=1, input_scale=1):
     return f"fm.elu({self}, {c.lit(alpha)}, {c.lit(scale)}, {c.lit(input_scale)})"
+
+
+@rule(aten.celu)
+def _celu(c, self, alpha=1.0):
+    # ATen's celu is its elu with input_scale 1 / alpha.
+    return _elu(c, self, alpha, 1, 1.0 / alpha)
+
+
+@rule(aten.threshold)
+def _threshold(c, self, threshold, value):
+    return f"tl.where({self} <= {c.lit(threshold)}, {c.lit(value)}, {self})"
 
 
 @rule(aten.softplus)

@@ -43,6 +43,7 @@ def check_op(fn, *inputs, reference=None, **tol):
 
 
 POSITIVE = dict(low=0.1, high=4)
+UNIT = dict(low=-0.99, high=0.99)
 UNARY_FLOAT = {
     "exp": (torch.exp, {}), "exp2": (torch.exp2, {}), "log": (torch.log, POSITIVE),
     "log2": (torch.log2, POSITIVE), "log10": (torch.log10, POSITIVE), "log1p": (torch.log1p, dict(low=-0.9)),
@@ -64,6 +65,12 @@ UNARY_FLOAT = {
     "isinf": (torch.isinf, {}), "isfinite": (torch.isfinite, {}), "logical_not": (torch.logical_not, {}),
     "nan_to_num": (lambda x: torch.nan_to_num(torch.log(x)), {}),
     "nan_to_num_values": (lambda x: torch.nan_to_num(torch.log(x), nan=1.0, posinf=2.0, neginf=-2.0), {}),
+    "sgn": (torch.sgn, {}), "atan": (torch.atan, dict(low=-6, high=6)), "asin": (torch.asin, UNIT),
+    "acos": (torch.acos, UNIT),
+    "sinh": (torch.sinh, {}), "cosh": (torch.cosh, {}), "asinh": (torch.asinh, dict(low=-9, high=9)),
+    "acosh": (torch.acosh, dict(low=1, high=9)), "atanh": (torch.atanh, UNIT), "deg2rad": (torch.deg2rad, {}),
+    "rad2deg": (torch.rad2deg, {}), "frac": (torch.frac, dict(low=-9, high=9)),
+    "celu": (lambda x: F.celu(x, alpha=0.7), {}), "threshold": (lambda x: F.threshold(x, 0.5, -2.0), {}),
 }
 
 
@@ -99,7 +106,7 @@ def test_round_is_half_to_even():
 
 
 UNARY_INT = {
-    "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "bitwise_not": torch.bitwise_not,
+    "neg": torch.neg, "abs": torch.abs, "sign": torch.sign, "sgn": torch.sgn, "bitwise_not": torch.bitwise_not,
     "relu": torch.relu, "clamp": lambda x: torch.clamp(x, -2, 1), "square": lambda x: x ** 2,
     "pow_int": lambda x: x ** 5, "floor": torch.floor, "logical_not": torch.logical_not,
     "isnan": torch.isnan, "to_float": lambda x: x.float(),
@@ -123,8 +130,12 @@ BINARY = {
     "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
     "logical_and": torch.logical_and, "logical_or": torch.logical_or, "logical_xor": torch.logical_xor,
     "where": lambda a, b: torch.where(a > b, a, b), "masked_fill": lambda a, b: a.masked_fill(b > 0, -7),
-    "lerp_ish": lambda a, b: a + 0.25 * (b - a),
+    "lerp_ish": lambda a, b: a + 0.25 * (b - a), "atan2": torch.atan2, "hypot": torch.hypot,
+    "logaddexp": torch.logaddexp, "logaddexp2": torch.logaddexp2, "xlogy": lambda a, b: torch.xlogy(a, b.abs()),
+    "copysign": torch.copysign, "fmax": torch.fmax, "fmin": torch.fmin,
 }
+# Eager implements these for floating dtypes only.
+FLOAT_ONLY = {"hypot", "logaddexp", "logaddexp2"}
 
 
 def _nonzero(x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +149,8 @@ def test_binary(name, dtype):
     b = _nonzero(random_tensor(SHAPE, dtype, low=-9, high=9))
     if name == "div" and not dtype.is_floating_point:
         pytest.skip("eager integer true division is float; covered by test_mixed_dtypes")
+    if name in FLOAT_ONLY and not dtype.is_floating_point:
+        pytest.skip("eager has no integer kernel")
     reference = None
     if name in ("add_alpha", "sub_alpha") and dtype in (torch.float16, torch.bfloat16):
         # Eager's CPU kernel computes these in float32, except in the scalar tail of its vectorized loop
@@ -238,3 +251,49 @@ def test_infinities_and_nans_propagate():
                lambda x: torch.maximum(x, torch.zeros_like(x)), lambda x: torch.minimum(x, -x)):
         check_op(fn, x)
     assert math.isnan(run_one_kernel(lambda x: torch.exp(x) * 0, x)[1].item())
+
+
+SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1.0, -1.0, 0.5, -0.5, 1e-30, -1e-30, 30.0, -30.0,
+           100.0, 1e30, -1e30]
+# Computed in float64 and rounded once: within an ulp or two of eager in float32, and at float64 precision.
+FLOAT64_MATH = {
+    "atan": torch.atan, "asin": torch.asin, "acos": torch.acos, "sinh": torch.sinh, "cosh": torch.cosh,
+    "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT64_MATH))
+def test_float64_math_special_values_and_precision(name):
+    fn = FLOAT64_MATH[name]
+    special = torch.tensor(SPECIAL, device=DEVICE)
+    check_op(fn, special, rtol=3e-7, atol=0)  # ±0, infinities and NaN exactly where eager has them
+    wide = torch.cat([torch.logspace(-20, 2.5, 300), -torch.logspace(-20, 2.5, 300),
+                      torch.linspace(-1, 1, 301)]).to(DEVICE)
+    check_op(fn, wide.float(), rtol=3e-7, atol=0)
+    check_op(fn, wide.double(), rtol=1e-14, atol=0)
+
+
+BINARY_SPECIAL = {"atan2": torch.atan2, "hypot": torch.hypot, "logaddexp": torch.logaddexp,
+                  "logaddexp2": torch.logaddexp2, "xlogy": torch.xlogy, "copysign": torch.copysign,
+                  "fmax": torch.fmax, "fmin": torch.fmin}
+
+
+@pytest.mark.parametrize("name", sorted(BINARY_SPECIAL))
+def test_binary_special_values(name):
+    values = torch.tensor(SPECIAL, device=DEVICE)
+    a, b = torch.meshgrid(values, values, indexing="ij")
+    fn = BINARY_SPECIAL[name]
+    # Eager's float32 logaddexp2(-1, -1) is -1.06e-8 (a fused multiply-add), where 0 is exact.
+    check_op(fn, a.contiguous(), b.contiguous(), rtol=3e-7, atol=2e-8)
+    check_op(fn, a.double().contiguous(), b.double().contiguous(), rtol=1e-14, atol=1e-16)
+    if name in ("atan2", "copysign"):  # the sign of a zero result too
+        actual, expected = run_one_kernel(fn, a.contiguous(), b.contiguous()), fn(a, b)
+        numbers = ~expected.isnan()
+        assert torch.equal(torch.signbit(actual[numbers]), torch.signbit(expected[numbers]))
+
+
+def test_pow_keeps_the_sign_of_a_zero_base():
+    base = torch.tensor([-0.0, 0.0, -0.0, 0.0, -2.0], device=DEVICE)
+    exponent = torch.tensor([-1.0, -1.0, 3.0, -2.0, 3.0], device=DEVICE)
+    check_op(torch.pow, base, exponent, rtol=0, atol=0)
+    assert torch.equal(torch.signbit(run_one_kernel(torch.pow, base, exponent)), torch.signbit(base ** exponent))
