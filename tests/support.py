@@ -113,8 +113,14 @@ def check(fn: Callable[..., object], *inputs: object, backward: bool = False,
                 else w for w in wide]
         reference, reference_grads, _ = _run(fn, wide, backward, grads)
         for a, e, r in zip(actual + actual_grads, expected + expected_grads, reference + reference_grads):
+            if e is None:  # an input the outputs do not depend on
+                assert a is None
+                continue
             assert a.dtype == e.dtype and a.shape == e.shape
-            ours, eagers = relative_error(a, r), relative_error(e, r)
+            # Eager half precision may overflow or underflow to a non-finite value where float64 has a number
+            # (atan2's gradient of tiny values: 0 · inf); its distance is taken where it has what float64 has.
+            like_reference = torch.isfinite(e) == torch.isfinite(r)
+            ours, eagers = relative_error(a, r), relative_error(e[like_reference], r[like_reference])
             assert ours <= 2 * eagers + 2e-3, f"fusepass is {ours:.2e} from float64, eager {eagers:.2e}"
     report = fusepass.last_report()
     assert report is not None

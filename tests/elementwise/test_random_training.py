@@ -1,0 +1,84 @@
+"""Random programs of pointwise ops, trained: fusepass's forward and backward match eager's on inputs of mixed
+dtypes and layouts (transposed, sliced, broadcast), with casts and comparisons in between."""
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import DEVICE, check
+
+def cast(dtype: torch.dtype):
+    """`x.to(dtype)`; in the float64 reference (`support.check`) the cast rounds to `dtype` and stays float64, so
+    that the reference rounds where the program asks, not at every op after it as eager half precision does."""
+    def to(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype).double() if x.dtype == torch.float64 else x.to(dtype)
+
+    return to
+
+
+# Each op keeps its values in a range where float64, float32 and half precision agree to their own rounding:
+# arguments of exp, log, pow and reciprocals are bounded, as a real model's are.
+UNARY = [
+    torch.tanh, torch.sigmoid, torch.relu, F.silu, F.mish, F.softplus, F.hardswish, F.elu,
+    lambda x: F.gelu(x, approximate="tanh"), F.gelu, lambda x: F.leaky_relu(x, 0.2),
+    lambda x: torch.clamp(x, -1.5, 2.0), lambda x: torch.exp(torch.clamp(x, max=3.0)),
+    lambda x: torch.log1p(x.abs()), lambda x: torch.rsqrt(x * x + 1.0), lambda x: (x * x + 0.5) ** 0.75,
+    cast(torch.float32), cast(torch.bfloat16), lambda x: x * 3.0 - 0.25,
+    lambda x: torch.where(x > 0.3, x, x.sin()), lambda x: torch.square(x).clamp(max=4.0), torch.atan, torch.asinh,
+    torch.abs, lambda x: F.celu(x, 0.5),
+]
+BINARY = [
+    torch.add, torch.sub, torch.mul, torch.maximum, torch.minimum,
+    lambda a, b: a / (b.abs() + 1.0), lambda a, b: torch.where(a > b, a, 0.5 * b),
+    lambda a, b: a * torch.sigmoid(b), lambda a, b: torch.lerp(a, b.to(a.dtype), 0.25),
+    lambda a, b: a + (b > 0).to(a.dtype), torch.atan2, torch.logaddexp, lambda a, b: torch.xlogy(a, b.abs() + 0.5),
+]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPE = (5, 7, 9)
+# How an input of SHAPE (or broadcast to it) is laid out: contiguous, a transposed copy, a slice with a
+# storage offset and strides, a row or a column to broadcast.
+LAYOUTS = ["contiguous", "transposed", "sliced", "row", "column"]
+
+
+def layout_input(layout: str, dtype: torch.dtype) -> torch.Tensor:
+    if layout == "transposed":
+        return torch.randn(SHAPE[0], SHAPE[2], SHAPE[1], device=DEVICE).to(dtype).transpose(1, 2)
+    if layout == "sliced":
+        return torch.randn(SHAPE[0] + 1, SHAPE[1], 2 * SHAPE[2], device=DEVICE).to(dtype)[1:, :, ::2]
+    if layout == "row":
+        return torch.randn(SHAPE[2], device=DEVICE).to(dtype)
+    if layout == "column":
+        return torch.randn(SHAPE[0], SHAPE[1], 1, device=DEVICE).to(dtype)
+    return torch.randn(SHAPE, device=DEVICE).to(dtype)
+
+
+steps = st.lists(st.tuples(st.booleans(), st.integers(0, 99), st.integers(0, 99), st.integers(0, 99)),
+                 min_size=2, max_size=8)
+
+
+def build(program: list[tuple[bool, int, int, int]], n_inputs: int):
+    def fn(*inputs):
+        pool = list(inputs)
+        for binary, op, a, b in program:
+            if binary:
+                pool.append(BINARY[op % len(BINARY)](pool[a % len(pool)], pool[b % len(pool)]))
+            else:
+                pool.append(UNARY[op % len(UNARY)](pool[a % len(pool)]))
+        # The last value (spanning SHAPE, as the first input does) and one intermediate, whose gradient
+        # flows back through the last one's too.
+        return pool[-1] + pool[0], pool[n_inputs + len(program) // 2]
+
+    return fn
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=steps, layouts=st.lists(st.sampled_from(LAYOUTS), min_size=1, max_size=2),
+       dtypes=st.lists(st.sampled_from(DTYPES), min_size=2, max_size=3), seed=st.integers(0, 2**16))
+def test_random_pointwise_training_matches_eager(program, layouts, dtypes, seed):
+    torch.manual_seed(seed)
+    torch._dynamo.reset()  # each program is a new graph of one code object
+    inputs = [layout_input("contiguous", dtypes[0])] + [
+        layout_input(layout, dtype) for layout, dtype in zip(layouts, dtypes[1:])]
+    check(build(program, len(inputs)), *inputs, backward=True)
