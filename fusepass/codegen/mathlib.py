@@ -81,6 +81,12 @@ def round_half_even(x):
 
 
 @triton.jit
+def flip(x):
+    """-x with the sign of a zero flipped too: Triton's `-x` is `0 - x`, which is +0.0 for x = +0.0."""
+    return x * -1.0
+
+
+@triton.jit
 def sign(x):
     return tl.where(x > 0, 1, tl.where(x < 0, -1, 0)).to(x.dtype)
 
@@ -133,7 +139,7 @@ def pow(x, y):
     mag = tl.exp2(y * tl.log2(tl.abs(x)))
     y_is_int = tl.floor(y) == y
     y_is_odd = y_is_int & ((y - 2.0 * tl.floor(y * 0.5)) != 0.0)
-    r = tl.where(_sign_bit(x) & y_is_odd, -mag, mag)  # (-0.0) ** -1 is -inf
+    r = tl.where(_sign_bit(x) & y_is_odd, flip(mag), mag)  # (-0.0) ** -1 is -inf, (-0.0) ** 3 is -0.0
     r = tl.where((x < 0) & (~y_is_int), float("nan"), r)
     return tl.where((y == 0.0) | (x == 1.0), 1.0, r)
 
@@ -231,7 +237,7 @@ LN2_64 = tl.constexpr(0.6931471805599453)
 @triton.jit
 def _odd(x, magnitude):
     """The odd function of x whose value at |x| is `magnitude`, ±0 and NaN as they came."""
-    return tl.where(x < 0, -magnitude, tl.where(x > 0, magnitude, x)).to(x.dtype)
+    return tl.where(x < 0, flip(magnitude), tl.where(x > 0, magnitude, x)).to(x.dtype)
 
 
 @triton.jit
@@ -289,7 +295,7 @@ def atan2(y, x):
     r = _atan64(tl.where(both_infinite, 1.0, ay / ax))
     r = tl.where((ay == 0.0) & (ax == 0.0), 0.0, r)
     r = tl.where(_sign_bit(x), PI - r, r)
-    return tl.where(_sign_bit(y), -r, r).to(y.dtype)
+    return tl.where(_sign_bit(y), flip(r), r).to(y.dtype)
 
 
 @triton.jit
@@ -384,4 +390,4 @@ def fmin(a, b):
 
 @triton.jit
 def copysign(a, b):
-    return tl.where(_sign_bit(b), -tl.abs(a), tl.abs(a))
+    return tl.where(_sign_bit(b), flip(tl.abs(a)), tl.abs(a))

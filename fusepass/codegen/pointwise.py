@@ -234,7 +234,8 @@ def _remainder(c, self, other):
 
 @rule(aten.neg)
 def _neg(c, self):
-    return f"(-{self})"
+    # Triton's `-x` is `0 - x`: +0.0 stays +0.0, where eager's negation gives -0.0.
+    return f"fm.flip({self})" if c.is_float else f"(-{self})"
 
 
 @rule(aten.reciprocal, kind=Kind.INT_TO_FLOAT)

@@ -297,3 +297,9 @@ def test_pow_keeps_the_sign_of_a_zero_base():
     exponent = torch.tensor([-1.0, -1.0, 3.0, -2.0, 3.0], device=DEVICE)
     check_op(torch.pow, base, exponent, rtol=0, atol=0)
     assert torch.equal(torch.signbit(run_one_kernel(torch.pow, base, exponent)), torch.signbit(base ** exponent))
+
+
+def test_negation_flips_the_sign_of_zero():
+    x = torch.tensor([0.0, -0.0, 1.5, -2.0], device=DEVICE)
+    assert torch.equal(torch.signbit(run_one_kernel(torch.neg, x)), torch.signbit(-x))
+    assert torch.equal(torch.signbit(run_one_kernel(lambda x: x.neg() * 3, x)), torch.signbit(-x * 3))
