@@ -91,7 +91,7 @@ def check(fn: Callable[..., object], *inputs: object, backward: bool = False,
     """``fn`` under fusepass computes what it computes eagerly, forward and (optionally) backward.
 
     In half precision eager is itself only an approximation: both are compared with ``fn`` run in float64,
-    and fusepass may be at most twice as far from it as eager is (plus a little).
+    and fusepass may be at most twice as far from it as eager is (plus a rounding of the dtype).
     """
     fusepass.reset()
     eager_inputs = [_clone(x, backward) for x in inputs]
@@ -121,7 +121,10 @@ def check(fn: Callable[..., object], *inputs: object, backward: bool = False,
             # (atan2's gradient of tiny values: 0 · inf); its distance is taken where it has what float64 has.
             like_reference = torch.isfinite(e) == torch.isfinite(r)
             ours, eagers = relative_error(a, r), relative_error(e[like_reference], r[like_reference])
-            assert ours <= 2 * eagers + 2e-3, f"fusepass is {ours:.2e} from float64, eager {eagers:.2e}"
+            # Plus a little: 2e-3, or one rounding of the dtype, the most a few bfloat16 values stored between
+            # kernels can differ by (a 9-element gradient 1 ulp off on its largest entry is 7e-3 from float64).
+            slack = max(2e-3, torch.finfo(a.dtype).eps) if a.is_floating_point() else 2e-3
+            assert ours <= 2 * eagers + slack, f"fusepass is {ours:.2e} from float64, eager {eagers:.2e}"
     report = fusepass.last_report()
     assert report is not None
     return report
