@@ -11,6 +11,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# The random-program tests draw the same examples in every run, so that a run's outcome is the commit's
+# (`--hypothesis-profile=explore` draws new ones, as a search for bugs does).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("repeatable")
 
 
 @pytest.fixture

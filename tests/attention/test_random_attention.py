@@ -37,6 +37,7 @@ class Program:
     softcap: bool
     dtype: torch.dtype
     softmax_in_fp32: bool  # softmax(s.float()).to(dtype), as mixed-precision code writes it
+    seed: int  # of the inputs' values
 
 
 @st.composite
@@ -56,7 +57,7 @@ def programs(draw) -> Program:
                    fill=draw(st.sampled_from(["masked_fill", "where", "finfo.min"])),
                    bias=draw(st.sampled_from(biases)), softcap=draw(st.booleans()),
                    dtype=draw(st.sampled_from(DTYPES)),
-                   softmax_in_fp32=draw(st.booleans()))
+                   softmax_in_fp32=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
 
 
 def _scores(p: Program, q, k):
@@ -146,6 +147,7 @@ def _extra(p: Program) -> dict:
 @given(p=programs())
 def test_random_attention_is_exact_and_fused_or_reported(p):
     torch._dynamo.reset()  # each program compiled at its sizes (symbolic sizes: test_dynamic.py)
+    torch.manual_seed(p.seed)
     kv_heads = p.heads // p.group
     q = random_tensor((p.batch, p.heads, p.q_len, p.head_dim), p.dtype)
     k, v = (random_tensor((p.batch, kv_heads, p.kv_len, p.head_dim), p.dtype) for _ in range(2))
@@ -156,7 +158,13 @@ def test_random_attention_is_exact_and_fused_or_reported(p):
     def program(q, k, v, *values):
         return attention(q, k, v, dict(zip(names, values)))
 
-    report = check(program, q, k, v, *(extra[n] for n in names), backward=True, **SUMMED_GRADIENT_FP32)
+    # A learnable bias's gradient sums the scores' gradients, whose rows sum to zero: in half precision what is left
+    # is small against its terms. The flash backward takes each row's term from the rounded output (as
+    # FlexAttention's does), eager from its own weights, so there it can come out several times eager's distance
+    # from float64 (6.6e-3 against 1.05e-3 for fp16 ALiBi slopes over 10 keys).
+    learnable_half = p.bias.startswith("learnable") and p.dtype != torch.float32
+    report = check(program, q, k, v, *(extra[n] for n in names), backward=True, slack=1e-2 if learnable_half else None,
+                   **SUMMED_GRADIENT_FP32)
     fused = [r for r in report.rewrites if r.kind == "attention"]
     reported = [h for h in report.hotspots if h.kind == "attention" and h.reason]
     assert fused or reported, f"{p}: neither rewritten nor reported"
