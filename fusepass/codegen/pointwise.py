@@ -408,6 +408,27 @@ def _elu(c, self, alpha=1, scale=1, input_scale=1):
     return f"fm.elu({self}, {c.lit(alpha)}, {c.lit(scale)}, {c.lit(input_scale)})"
 
 
+def _logit_bounds(c, eps: float) -> tuple[str, str]:
+    """eps and 1 - eps as eager holds them: in the result's dtype (a half-precision bound moves the clamp)."""
+    return tuple(c.lit(float(torch.tensor(bound, dtype=c.result))) for bound in (eps, 1 - eps))
+
+
+@rule(aten.logit, kind=Kind.INT_TO_FLOAT)
+def _logit(c, self, eps=None):
+    x = self if eps is None else _clamp_expr(c, self, *_logit_bounds(c, eps))
+    return f"tl.log({x} / ({c.lit(1)} - {x}))"
+
+
+@rule(aten.logit_backward, operands=("grad_output", "self"))
+def _logit_backward(c, grad_output, self, eps=None):
+    # Eager's: NaN outside [0, 1] without eps, 0 outside [eps, 1 - eps] with it.
+    derivative = f"({grad_output} / ({self} * ({c.lit(1)} - {self})))"
+    if eps is None:
+        return f"tl.where(({self} < 0) | ({self} > 1), {c.lit(float('nan'))}, {derivative})"
+    low, high = _logit_bounds(c, eps)
+    return f"tl.where(({self} < {low}) | ({self} > {high}), {c.lit(0)}, {derivative})"
+
+
 @rule(aten.celu)
 def _celu(c, self, alpha=1.0):
     # ATen's celu is its elu with input_scale 1 / alpha.

@@ -72,6 +72,8 @@ UNARY_FLOAT = {
     "rad2deg": (torch.rad2deg, {}), "frac": (torch.frac, dict(low=-9, high=9)),
     "celu": (lambda x: F.celu(x, alpha=0.7), {}), "threshold": (lambda x: F.threshold(x, 0.5, -2.0), {}),
     "lgamma": (torch.lgamma, dict(low=-6, high=12)), "digamma": (torch.digamma, dict(low=-6, high=12)),
+    "logit": (torch.logit, dict(low=-0.2, high=1.2)),
+    "logit_eps": (lambda x: torch.logit(x, eps=0.01), dict(low=-0.2, high=1.2)),
 }
 
 
@@ -204,6 +206,8 @@ BACKWARD_OPS = {
     "softplus_backward": lambda g, x: aten.softplus_backward(g, x, 1.0, 20.0),
     "elu_backward": lambda g, x: aten.elu_backward(g, 1.0, 1.0, 1.0, False, x),
     "elu_backward_result": lambda g, x: aten.elu_backward(g, 1.0, 1.0, 1.0, True, F.elu(x)),
+    "logit_backward": lambda g, x: aten.logit_backward(g, x.clamp(-0.25, 1.25)),
+    "logit_backward_eps": lambda g, x: aten.logit_backward(g, x.clamp(-0.25, 1.25), 0.1),
 }
 
 
