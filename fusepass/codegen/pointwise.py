@@ -408,14 +408,10 @@ def _elu(c, self, alpha=1, scale=1, input_scale=1):
     return f"fm.elu({self}, {c.lit(alpha)}, {c.lit(scale)}, {c.lit(input_scale)})"
 
 
-def _logit_bounds(c, eps: float) -> tuple[str, str]:
-    """eps and 1 - eps as eager holds them: in the result's dtype (a half-precision bound moves the clamp)."""
-    return tuple(c.lit(float(torch.tensor(bound, dtype=c.result))) for bound in (eps, 1 - eps))
-
-
 @rule(aten.logit, kind=Kind.INT_TO_FLOAT)
 def _logit(c, self, eps=None):
-    x = self if eps is None else _clamp_expr(c, self, *_logit_bounds(c, eps))
+    # The bounds in float32, as eager's CUDA kernel holds them (its CPU kernel rounds them to a half input's dtype).
+    x = self if eps is None else _clamp_expr(c, self, c.lit(eps), c.lit(1 - eps))
     return f"tl.log({x} / ({c.lit(1)} - {x}))"
 
 
@@ -425,8 +421,7 @@ def _logit_backward(c, grad_output, self, eps=None):
     derivative = f"({grad_output} / ({self} * ({c.lit(1)} - {self})))"
     if eps is None:
         return f"tl.where(({self} < 0) | ({self} > 1), {c.lit(float('nan'))}, {derivative})"
-    low, high = _logit_bounds(c, eps)
-    return f"tl.where(({self} < {low}) | ({self} > {high}), {c.lit(0)}, {derivative})"
+    return f"tl.where(({self} < {c.lit(eps)}) | ({self} > {c.lit(1 - eps)}), {c.lit(0)}, {derivative})"
 
 
 @rule(aten.celu)
