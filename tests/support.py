@@ -167,3 +167,20 @@ def record_block_map_builds(monkeypatch) -> list[tuple[int, int, int]]:
 
     monkeypatch.setattr(blockmap, "build_block_map", recording)
     return built
+
+
+def pointwise_program(program: Sequence[tuple[bool, int, int, int]], n_inputs: int, unary: Sequence[Callable],
+                      binary: Sequence[Callable]) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The function a random program of pointwise steps computes: each step (binary?, op, a, b) applies
+    ``unary[op]`` to value ``a`` or ``binary[op]`` to values ``a`` and ``b`` (indices taken modulo what is there:
+    the inputs, then each step's result); it returns the last value and one intermediate."""
+    def fn(*inputs):
+        pool = list(inputs)
+        for is_binary, op, a, b in program:
+            if is_binary:
+                pool.append(binary[op % len(binary)](pool[a % len(pool)], pool[b % len(pool)]))
+            else:
+                pool.append(unary[op % len(unary)](pool[a % len(pool)]))
+        return pool[-1], pool[n_inputs + len(program) // 2]
+
+    return fn

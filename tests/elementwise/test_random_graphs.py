@@ -7,7 +7,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import DEVICE, assert_close
+from support import DEVICE, assert_close, pointwise_program
 
 UNARY = [torch.tanh, torch.sigmoid, torch.relu, torch.neg, torch.abs, torch.sin, F.gelu,
          lambda x: x * 0.5, lambda x: x + 1.0, lambda x: torch.exp(torch.clamp(x, max=4.0))]
@@ -21,19 +21,6 @@ steps = st.lists(
     min_size=2, max_size=10)
 
 
-def build(program, n_inputs):
-    def fn(*inputs):
-        pool = list(inputs)
-        for binary, op, a, b in program:
-            if binary:
-                pool.append(BINARY[op % len(BINARY)](pool[a % len(pool)], pool[b % len(pool)]))
-            else:
-                pool.append(UNARY[op % len(UNARY)](pool[a % len(pool)]))
-        return pool[-1], pool[n_inputs + len(program) // 2]  # the last value and one intermediate
-
-    return fn
-
-
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=steps, shapes=st.lists(st.sampled_from(SHAPES), min_size=2, max_size=3),
        seed=st.integers(0, 2**16))
@@ -41,7 +28,7 @@ def test_random_pointwise_dags_match_eager(program, shapes, seed):
     torch.manual_seed(seed)
     inputs = [torch.randn(s, dtype=torch.float32, device=DEVICE) for s in shapes]
     inputs[0] = inputs[0].expand(2, 6, 6)  # outputs always span the full shape
-    fn = build(program, len(inputs))
+    fn = pointwise_program(program, len(inputs), UNARY, BINARY)
     torch._dynamo.reset()
     expected = fn(*inputs)
     actual = torch.compile(fn, backend="fusepass", fullgraph=True)(*inputs)

@@ -7,7 +7,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import DEVICE, check
+from support import DEVICE, check, pointwise_program
 
 def cast(dtype: torch.dtype):
     """`x.to(dtype)`; in the float64 reference (`support.check`) the cast rounds to `dtype` and stays float64, so
@@ -59,16 +59,13 @@ steps = st.lists(st.tuples(st.booleans(), st.integers(0, 99), st.integers(0, 99)
 
 
 def build(program: list[tuple[bool, int, int, int]], n_inputs: int):
+    values = pointwise_program(program, n_inputs, UNARY, BINARY)
+
     def fn(*inputs):
-        pool = list(inputs)
-        for binary, op, a, b in program:
-            if binary:
-                pool.append(BINARY[op % len(BINARY)](pool[a % len(pool)], pool[b % len(pool)]))
-            else:
-                pool.append(UNARY[op % len(UNARY)](pool[a % len(pool)]))
-        # The last value (spanning SHAPE, as the first input does) and one intermediate, whose gradient
+        # The last value made to span SHAPE (as the first input does), and one intermediate, whose gradient
         # flows back through the last one's too.
-        return pool[-1] + pool[0], pool[n_inputs + len(program) // 2]
+        last, intermediate = values(*inputs)
+        return last + inputs[0], intermediate
 
     return fn
 
