@@ -53,6 +53,9 @@ CASES = [
          lambda n: (bf16(square(n), square(n)).requires_grad_(), bf16(square(n)).requires_grad_()), True),
     Case("swiglu fwd+bwd", lambda g, u: F.silu(g) * u,
          lambda n: (bf16(n).requires_grad_(), bf16(n).requires_grad_()), True),
+    # Special functions the translator computes in float64 (fusepass.codegen.mathlib): how far from the copy.
+    Case("float64 inside: atan(x*2)+x", lambda x: torch.atan(x * 2) + x, lambda n: (bf16(n),)),
+    Case("float64 inside: lgamma(x*x+0.5)*2", lambda x: torch.lgamma(x * x + 0.5) * 2, lambda n: (bf16(n),)),
 ]
 
 
