@@ -19,6 +19,14 @@ def location(node: torch.fx.Node) -> str:
     return f"{_short(path)}:{line}"
 
 
+def keep_location(node: torch.fx.Node, source: torch.fx.Node) -> None:
+    """Give ``node`` the stack trace of ``source``, where it has one. Code Dynamo found no source for (a
+    ``python -c`` string) has none, and a stack trace of None breaks AOTAutograd's tracing of the backward,
+    which joins the traces of the nodes it runs as strings."""
+    if source.meta.get("stack_trace") is not None:
+        node.meta["stack_trace"] = source.meta["stack_trace"]
+
+
 def first_location(nodes: Iterable[torch.fx.Node]) -> str:
     """The first known location among ``nodes`` (a group's location is that of its first op)."""
     for node in nodes:

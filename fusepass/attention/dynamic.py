@@ -30,6 +30,7 @@ from fusepass.context import PassContext, mark_planned
 from fusepass.options import Options
 from fusepass.report.records import Rewrite
 from fusepass.report.report import Report
+from fusepass.source import keep_location
 
 Signature = tuple
 
@@ -137,7 +138,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     if ctx.run_kernels:
         with graph.inserting_before(m.pv):
             call = graph.call_function(torch.ops.fusepass.attention_dynamic.default, (tensors, sizes, name))
-            call.meta["stack_trace"] = m.softmax.meta.get("stack_trace")
+            keep_location(call, m.softmax)
         m.pv.replace_all_uses_with(call)
     else:
         mark_planned(replaced, name)

@@ -25,7 +25,7 @@ from fusepass.kernels.flash_config import (
 from fusepass.report.ledger import (AttentionShape, AuxRead, Tiles, attention_rewrites, op_bytes, tile_density,
                                     value_bytes)
 from fusepass.report.records import Hotspot, Rewrite
-from fusepass.source import location
+from fusepass.source import keep_location, location
 
 aten = torch.ops.aten
 HEAD_DIMS = range(16, 257)
@@ -208,7 +208,7 @@ def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[
                                        {"dtype": torch.int64, "device": torch.device("cpu")})
         call = graph.call_function(torch.ops.fusepass.attention.default,
                                    (*sources, list(spec.lifted.aux) + extra, seed, name))
-        call.meta["stack_trace"] = m.softmax.meta.get("stack_trace")
+        keep_location(call, m.softmax)
         out = graph.call_function(operator.getitem, (call, 0))
         result = _to_output_layout(graph, out, m.values, tuple(val(m.pv).shape), spec.out_shape)
     m.pv.replace_all_uses_with(result)

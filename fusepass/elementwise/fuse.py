@@ -20,7 +20,7 @@ from fusepass.kernels.pointwise import PointwiseLauncher
 from fusepass.report import profile, roofline
 from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes
 from fusepass.report.records import Hotspot, Rewrite
-from fusepass.source import first_location, location
+from fusepass.source import first_location, keep_location, location
 
 
 def op_name(node: torch.fx.Node) -> str:
@@ -107,7 +107,7 @@ def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: Pass
     with graph.inserting_before(group.nodes[0]):
         call = graph.call_function(launcher, tuple(inputs))
         call.meta["val"] = tuple(out.meta["val"] for out in group.outputs)
-        call.meta["stack_trace"] = group.nodes[0].meta.get("stack_trace")
+        keep_location(call, group.nodes[0])
         results = []
         for i, out in enumerate(group.outputs):
             item = graph.call_function(operator.getitem, (call, i))
