@@ -7,7 +7,10 @@ import torch._dynamo
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import DEVICE, check, pointwise_program
+from support import DEVICE, assert_close, check, pointwise_program
+
+import fusepass
+
 
 def cast(dtype: torch.dtype):
     """`x.to(dtype)`; in the float64 reference (`support.check`) the cast rounds to `dtype` and stays float64, so
@@ -79,3 +82,31 @@ def test_random_pointwise_training_matches_eager(program, layouts, dtypes, seed)
     inputs = [layout_input("contiguous", dtypes[0])] + [
         layout_input(layout, dtype) for layout, dtype in zip(layouts, dtypes[1:])]
     check(build(program, len(inputs)), *inputs, backward=True)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(program=steps, seed=st.integers(0, 2**16))
+def test_random_pointwise_training_under_symbolic_sizes(program, seed):
+    """One compile with symbolic sizes (`dynamic=True`) serves three lengths, forward and backward, each as eager
+    computes it (float32 inputs: a bfloat16 cast in the program rounds alike in both)."""
+    values = pointwise_program(program, 2, UNARY, BINARY)
+
+    def fn(a, b):
+        return tuple(t.float() for t in values(a, b))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=fusepass.backend(strict=True), dynamic=True)  # no silent fallback
+    for length in (37, 53, 129):
+        torch.manual_seed(seed + length)
+        eager_inputs = [torch.randn(3, length, device=DEVICE), torch.randn(length, device=DEVICE)]
+        fused_inputs = [x.clone().requires_grad_() for x in eager_inputs]
+        eager_inputs = [x.requires_grad_() for x in eager_inputs]
+        expected, actual = fn(*eager_inputs), compiled(*fused_inputs)
+        assert_close(actual, expected, rtol=1e-4, atol=1e-4)
+        weights = [torch.randn_like(e) for e in expected]
+        for e, a in zip(torch.autograd.grad(expected, eager_inputs, weights, allow_unused=True),
+                        torch.autograd.grad(actual, fused_inputs, weights, allow_unused=True)):
+            if e is not None and a is not None:
+                assert_close(a, e, rtol=1e-4, atol=1e-4)
+            else:  # an input the outputs do not read: no gradient, or zeros
+                assert (e if e is not None else a) is None or not (e if e is not None else a).any()
