@@ -313,12 +313,12 @@ for _packet, _fn in ((aten.atan2, "fm.atan2"), (aten.hypot, "fm.hypot"), (aten.l
 
 @rule(aten.fmax, operands=BINARY)
 def _fmax(c, self, other):
-    return f"fm.fmax({', '.join(_tensors(self, other))})" if c.is_float else f"tl.maximum({self}, {other})"
+    return _binary_float("fm.fmax")(c, self, other) if c.is_float else f"tl.maximum({self}, {other})"
 
 
 @rule(aten.fmin, operands=BINARY)
 def _fmin(c, self, other):
-    return f"fm.fmin({', '.join(_tensors(self, other))})" if c.is_float else f"tl.minimum({self}, {other})"
+    return _binary_float("fm.fmin")(c, self, other) if c.is_float else f"tl.minimum({self}, {other})"
 
 
 @rule(aten.deg2rad, kind=Kind.INT_TO_FLOAT)
