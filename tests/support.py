@@ -124,8 +124,8 @@ def check(fn: Callable[..., object], *inputs: object, backward: bool = False,
             ours, eagers = relative_error(a, r), relative_error(e[like_reference], r[like_reference])
             # Plus a little: 2e-3, or one rounding of the dtype, the most a few bfloat16 values stored between
             # kernels can differ by (a 9-element gradient 1 ulp off on its largest entry is 7e-3 from float64).
-            allowed = slack if slack is not None else max(2e-3, torch.finfo(a.dtype).eps) if a.is_floating_point() \
-                else 2e-3
+            rounding = max(2e-3, torch.finfo(a.dtype).eps) if a.is_floating_point() else 2e-3
+            allowed = rounding if slack is None else slack
             assert ours <= 2 * eagers + allowed, f"fusepass is {ours:.2e} from float64, eager {eagers:.2e}"
     report = fusepass.last_report()
     assert report is not None
