@@ -81,16 +81,16 @@ UNARY_FLOAT = {
 }
 
 
-# Where eager itself is inexact on CUDA: its hardsigmoid multiplies by a float32 1/6 even in float64, and
-# its half-precision round(decimals) rounds the scaled value to half first.
+# Where eager itself is inexact on CUDA: its hardsigmoid multiplies by a float32 1/6 even in float64.
 CUDA_EAGER_TOLERANCE = {("hardsigmoid", torch.float64): dict(rtol=1e-7, atol=1e-7),
-                        ("hardswish", torch.float64): dict(rtol=1e-7, atol=1e-7),
-                        ("round_decimals", torch.float16): dict(rtol=0, atol=0.011)}
+                        ("hardswish", torch.float64): dict(rtol=1e-7, atol=1e-7)}
 
 
 # Where eager's CPU kernel differs from its CUDA kernel, which the generated kernels follow: CPU logit rounds its
-# eps bounds to a half input's dtype (bfloat16's 1 - 0.01 is 0.988), CUDA holds them in float32.
-CUDA_EAGER = {"logit_eps": lambda x: torch.logit(x.to(held_dtype(x.dtype)), eps=0.01).to(x.dtype)}
+# eps bounds to a half input's dtype (bfloat16's 1 - 0.01 is 0.988), CUDA holds them in float32; CUDA
+# round(decimals) scales in a half input's dtype, CPU in float.
+CUDA_EAGER = {"logit_eps": lambda x: torch.logit(x.to(held_dtype(x.dtype)), eps=0.01).to(x.dtype),
+              "round_decimals": lambda x: _cuda_round(x, 2)}
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -111,6 +111,30 @@ def test_float32_special_functions_stay_accurate_near_zero():
     x = torch.cat([torch.logspace(-8, 0, 40), -torch.logspace(-8, 0, 40)]).to(DEVICE)
     for fn in (torch.tanh, torch.expm1, torch.log1p, lambda x: F.mish(x)):
         check_op(fn, x, rtol=2e-6, atol=1e-12)
+
+
+def _cuda_round(x, decimals):
+    """Eager CUDA's round(decimals): the power of ten and the scaled value in x's dtype, the rest in float."""
+    scale = torch.tensor(10.0 ** abs(decimals), dtype=x.dtype, device=x.device)
+    held = held_dtype(x.dtype)
+    if decimals > 0:
+        return (torch.round(x * scale).to(held) / scale.to(held)).to(x.dtype)
+    return (torch.round(x / scale).to(held) * scale.to(held)).to(x.dtype)
+
+
+@pytest.mark.parametrize("decimals", [2, -1, 5])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_round_decimals_on_every_value_of_a_range(dtype, decimals):
+    # Every value of the dtype in [-20, 20] (float32 and float64: a fine grid): the ties the scaled value's
+    # rounding makes (a half 2.205 times 100 is 220.5) are all there. A half's 10^5 is inf: NaN, as eager.
+    if dtype in (torch.float16, torch.bfloat16):
+        bits = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+        x = bits[bits.float().abs() <= 20]
+    else:
+        x = torch.linspace(-20, 20, 40001, dtype=dtype)
+    x = x.to(DEVICE)
+    fn = lambda x: torch.round(x, decimals=decimals)  # noqa: E731
+    check_op(fn, x, reference=(lambda x: _cuda_round(x, decimals)) if DEVICE == "cpu" else None, rtol=0, atol=0)
 
 
 def test_round_is_half_to_even():
