@@ -67,6 +67,8 @@ class BoundLaunch:
                 _held.append((self.kernel, args))
             self.kernel[grid](*args, *self.bound_args, **self.keywords)
             return
+        if not getattr(_thread, "has_cuda_context", False):
+            _make_cuda_context_current()
         key = (torch.cuda.current_device(), self.signature_of.key(args))
         entry = self._compiled.get(key)
         if entry is None:
@@ -120,6 +122,22 @@ class BoundLaunch:
             return ahead.result()
         except Exception:
             return None
+
+
+_thread = threading.local()
+
+
+def _make_cuda_context_current() -> None:
+    """Make the device's context current on this thread, once per thread.
+
+    A thread other than the one that started CUDA (autograd's backward thread) holds no current context until
+    some CUDA runtime call makes one current. Triton encodes a launch's TMA descriptors (the driver's
+    ``cuTensorMapEncodeTiled``) before its launcher makes the context current, so where that thread's first
+    CUDA work was such a launch (every block it allocated already in torch's cache), the encoding failed with
+    "invalid device context" (bench/results/gpu-tests-2026-12-01-0558.log). Querying the current stream is a
+    runtime call: it makes the context current and waits for nothing."""
+    torch.cuda.current_stream().query()
+    _thread.has_cuda_context = True
 
 
 def _settle_cache_keys(kernel: JITFunction, keywords: dict) -> None:

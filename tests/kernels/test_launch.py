@@ -8,8 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.kernels import launch as launch_module
 from fusepass.kernels.launch import BoundLaunch, compile_ahead, launch
@@ -48,6 +50,7 @@ def recorder(monkeypatch):
     recorder = _Recorder()
     monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: recorder.run(self, *a, **k))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_module, "_make_cuda_context_current", lambda: None)
     monkeypatch.setattr(launch_module, "_bound", launch_module.OrderedDict())
     return recorder
 
@@ -314,3 +317,33 @@ def test_triton_starts_once_however_many_threads_compile(monkeypatch):
     for thread in threads:
         thread.join()
     assert len(hashed) == 1
+
+
+@triton.jit
+def _copy_tile(source, target, BLOCK: tl.constexpr):
+    target.store([0, 0], source.load([0, 0]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="TMA descriptors are encoded by the driver of a Hopper GPU")
+def test_a_tma_launch_runs_on_a_thread_that_has_done_no_cuda_work():
+    # Autograd's backward thread launches kernels compiled on the main thread, with every block it allocates
+    # in torch's cache: its first CUDA work can be a launch whose descriptors the driver encodes.
+    x = torch.randn(16, 16, device="cuda")
+    y = torch.empty_like(x)
+    descriptors = TensorDescriptor.from_tensor(x, [16, 16]), TensorDescriptor.from_tensor(y, [16, 16])
+    launch(_copy_tile, (1,), *descriptors, BLOCK=16)  # compiled, and its binary loaded, here
+    y.zero_()
+    errors = []
+
+    def on_a_new_thread():
+        try:
+            launch(_copy_tile, (1,), *descriptors, BLOCK=16)
+        except Exception as error:  # noqa: BLE001 (the assertion below shows it)
+            errors.append(error)
+
+    thread = threading.Thread(target=on_a_new_thread)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    torch.testing.assert_close(y, x, rtol=0, atol=0)
