@@ -53,9 +53,11 @@ CASES = [
          lambda n: (bf16(square(n), square(n)).requires_grad_(), bf16(square(n)).requires_grad_()), True),
     Case("swiglu fwd+bwd", lambda g, u: F.silu(g) * u,
          lambda n: (bf16(n).requires_grad_(), bf16(n).requires_grad_()), True),
-    # Special functions the translator computes in float64 (fusepass.codegen.mathlib): how far from the copy.
-    Case("float64 inside: atan(x*2)+x", lambda x: torch.atan(x * 2) + x, lambda n: (bf16(n),)),
-    Case("float64 inside: lgamma(x*x+0.5)*2", lambda x: torch.lgamma(x * x + 0.5) * 2, lambda n: (bf16(n),)),
+    # Special functions from CUDA's math library (fusepass.codegen.mathlib), and digamma as eager's CUDA kernel
+    # computes it (with a float64 tangent for negative inputs): how far from the copy.
+    Case("CUDA math: atan(x*2)+x", lambda x: torch.atan(x * 2) + x, lambda n: (bf16(n),)),
+    Case("CUDA math: lgamma(x*x+0.5)*2", lambda x: torch.lgamma(x * x + 0.5) * 2, lambda n: (bf16(n),)),
+    Case("digamma(x*3)+x", lambda x: torch.digamma(x * 3) + x, lambda n: (bf16(n),)),
 ]
 
 

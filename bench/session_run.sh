@@ -48,7 +48,7 @@ for part in $parts; do
             --peers sdpa,flex,flex-mask \
             2>&1 | grep "^|" | cut -d"|" -f2-4,8,10,12-13,15 ;;
     elementwise)
-        timeout 70 python bench/elementwise.py --sizes 26 2>&1 | tail -11 ;;
+        timeout 100 python bench/elementwise.py --sizes 26 2>&1 | tail -12 ;;
     tests)
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
         PYTHONPATH=/tmp/site:$PWD timeout 330 python -m pytest -o addopts="--import-mode=importlib" -q -n 14 -rf \

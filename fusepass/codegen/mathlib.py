@@ -2,12 +2,15 @@
 
 One implementation serves the compiled kernels and Triton's interpreter alike (the interpreter has no
 libdevice), so the CPU tests exercise the very code the GPU runs. Each function keeps float32 accuracy
-within a few ulps where the naive formula would cancel.
+within a few ulps where the naive formula would cancel. The exceptions are the functions that eager's CUDA
+kernels take from CUDA's math library (atan, lgamma and the like, at the end of this file): the GPU calls the
+same library, and the interpreter computes them in float64 instead.
 """
 import os
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Triton's interpreter truncates float32 → bfloat16 (its round-to-nearest-even is off too); the GPU rounds.
 INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
@@ -221,9 +224,9 @@ def mish(x):
     return x * tanh(softplus(x, 1.0, 20.0))
 
 
-# The inverse trigonometric and hyperbolic functions are computed in float64 and rounded once to the held
-# dtype: their formulas cancel or reduce arguments, which float64 absorbs for float32 and half inputs (the
-# special-function unit has none of them, so each is a handful of float64 ops on values the kernel streams).
+# The inverse trigonometric and hyperbolic functions, hypot and lgamma, as Triton's interpreter computes them (the
+# GPU calls CUDA's math library for them: see the end of this file): in float64, rounded once to the held dtype.
+# Their formulas cancel or reduce arguments, which float64 absorbs for float32 and half inputs.
 PI = tl.constexpr(3.141592653589793)
 SQRT3 = tl.constexpr(1.7320508075688772)
 TAN_PI_12 = tl.constexpr(0.2679491924311227)
@@ -241,7 +244,7 @@ def _odd(x, magnitude):
 
 
 @triton.jit
-def _atan64(a):
+def _atan_magnitude64(a):
     """atan(a) for float64 a >= 0 (or NaN): a > 1 through pi/2 - atan(1/a), then arguments past tan(pi/12)
     shifted by pi/6 (tan's addition formula), then the alternating series."""
     inverted = a > 1.0
@@ -259,21 +262,21 @@ def _atan64(a):
 
 
 @triton.jit
-def atan(x):
-    return _odd(x, _atan64(tl.abs(x).to(tl.float64)))
+def _atan_in_float64(x):
+    return _odd(x, _atan_magnitude64(tl.abs(x).to(tl.float64)))
 
 
 @triton.jit
-def asin(x):
+def _asin_in_float64(x):
     a = tl.abs(x).to(tl.float64)
-    return _odd(x, _atan64(a / tl.sqrt((1.0 - a) * (1.0 + a))))  # NaN past 1
+    return _odd(x, _atan_magnitude64(a / tl.sqrt((1.0 - a) * (1.0 + a))))  # NaN past 1
 
 
 @triton.jit
-def acos(x):
+def _acos_in_float64(x):
     # 2·atan(sqrt((1 - x) / (1 + x))): no cancellation at either end (pi at -1, 0 at 1).
     x64 = x.to(tl.float64)
-    return (2.0 * _atan64(tl.sqrt((1.0 - x64) / (1.0 + x64)))).to(x.dtype)
+    return (2.0 * _atan_magnitude64(tl.sqrt((1.0 - x64) / (1.0 + x64)))).to(x.dtype)
 
 
 @triton.jit
@@ -287,20 +290,20 @@ def _sign_bit(x):
 
 
 @triton.jit
-def atan2(y, x):
+def _atan2_in_float64(y, x):
     # C's atan2, special cases included: both zero gives 0 or pi by x's sign bit, both infinite pi/4 or 3pi/4.
     y, x = tl.broadcast(y, x)
     ay = tl.abs(y).to(tl.float64)
     ax = tl.abs(x).to(tl.float64)
     both_infinite = (ay == float("inf")) & (ax == float("inf"))
-    r = _atan64(tl.where(both_infinite, 1.0, ay / ax))
+    r = _atan_magnitude64(tl.where(both_infinite, 1.0, ay / ax))
     r = tl.where((ay == 0.0) & (ax == 0.0), 0.0, r)
     r = tl.where(_sign_bit(x), flip(r) + PI, r)
     return tl.where(_sign_bit(y), flip(r), r).to(y.dtype)
 
 
 @triton.jit
-def sinh(x):
+def _sinh_in_float64(x):
     a = tl.abs(x).to(tl.float64)
     e = expm1(a)
     h = tl.exp(0.5 * a)
@@ -310,7 +313,7 @@ def sinh(x):
 
 
 @triton.jit
-def cosh(x):
+def _cosh_in_float64(x):
     a = tl.abs(x).to(tl.float64)
     e = tl.exp(a)
     h = tl.exp(0.5 * a)
@@ -318,7 +321,7 @@ def cosh(x):
 
 
 @triton.jit
-def asinh(x):
+def _asinh_in_float64(x):
     a = tl.abs(x).to(tl.float64)
     # log(a + sqrt(a² + 1)) written as log1p(a + a² / (1 + sqrt(a² + 1))): exact near 0.
     r = log1p(a + a * a / (1.0 + tl.sqrt(a * a + 1.0)))
@@ -326,7 +329,7 @@ def asinh(x):
 
 
 @triton.jit
-def acosh(x):
+def _acosh_in_float64(x):
     x64 = x.to(tl.float64)
     t = x64 - 1.0
     r = log1p(t + tl.sqrt(t * (x64 + 1.0)))
@@ -335,14 +338,14 @@ def acosh(x):
 
 
 @triton.jit
-def atanh(x):
+def _atanh_in_float64(x):
     a = tl.abs(x).to(tl.float64)
     r = tl.where(a == 1.0, float("inf"), 0.5 * log1p(2.0 * a / (1.0 - a)))  # NaN past 1
     return _odd(x, r)
 
 
 @triton.jit
-def hypot(a, b):
+def _hypot_in_float64(a, b):
     # C's hypot: infinite where either is (even beside NaN); scaled by the larger magnitude, so float64 inputs
     # do not overflow in the squares.
     a, b = tl.broadcast(a, b)
@@ -412,7 +415,7 @@ def _lanczos_lgamma(y):
 
 
 @triton.jit
-def lgamma(x):
+def _lgamma_in_float64(x):
     # Below 1/2 by reflection, log(pi / |sin(pi x)|) - lgamma(1 - x), with sin's argument reduced to within 1/2 of
     # an integer first (exact). Poles (0 and the negative integers) and both infinities give inf; 1 and 2 give 0.
     x64 = x.to(tl.float64)
@@ -441,7 +444,7 @@ def _digamma_positive(y):
 
 
 @triton.jit
-def digamma(x):
+def _digamma_in_float64(x):
     # Negative x by reflection, digamma(1 - x) - pi / tan(pi x) (the argument reduced as in lgamma); NaN at the
     # negative integers and -inf, -inf at +0.0 and inf at -0.0, as eager.
     x64 = x.to(tl.float64)
@@ -453,3 +456,134 @@ def digamma(x):
     psi = tl.where(x64 == 0.0, tl.where(_sign_bit(x64), float("inf"), float("-inf")), psi)
     psi = tl.where(negative & (x64 == tl.floor(x64)), float("nan"), psi)
     return tl.where(x64 != x64, x64, psi).to(x.dtype)
+
+
+# The functions eager's CUDA kernels compute with CUDA's math library (``::atan`` and the like, in float32 for
+# half inputs): on the GPU the same library's functions (libdevice), so values agree with eager's bit for bit, at
+# float32's cost. Their forms in float64 ran 2.6× (atan) and 10× (lgamma) slower than Inductor's kernels, which
+# call libdevice too (bench/results/elementwise-2026-12-01-0558). The interpreter, which has no libdevice,
+# computes the float64 forms above, within an ulp of the exact value.
+@triton.jit
+def atan(x):
+    if INTERPRETING:
+        return _atan_in_float64(x)
+    else:
+        return libdevice.atan(x)
+
+
+@triton.jit
+def asin(x):
+    if INTERPRETING:
+        return _asin_in_float64(x)
+    else:
+        return libdevice.asin(x)
+
+
+@triton.jit
+def acos(x):
+    if INTERPRETING:
+        return _acos_in_float64(x)
+    else:
+        return libdevice.acos(x)
+
+
+@triton.jit
+def atan2(y, x):
+    if INTERPRETING:
+        return _atan2_in_float64(y, x)
+    else:
+        return libdevice.atan2(y, x)
+
+
+@triton.jit
+def sinh(x):
+    if INTERPRETING:
+        return _sinh_in_float64(x)
+    else:
+        return libdevice.sinh(x)
+
+
+@triton.jit
+def cosh(x):
+    if INTERPRETING:
+        return _cosh_in_float64(x)
+    else:
+        return libdevice.cosh(x)
+
+
+@triton.jit
+def asinh(x):
+    if INTERPRETING:
+        return _asinh_in_float64(x)
+    else:
+        return libdevice.asinh(x)
+
+
+@triton.jit
+def acosh(x):
+    if INTERPRETING:
+        return _acosh_in_float64(x)
+    else:
+        return libdevice.acosh(x)
+
+
+@triton.jit
+def atanh(x):
+    if INTERPRETING:
+        return _atanh_in_float64(x)
+    else:
+        return libdevice.atanh(x)
+
+
+@triton.jit
+def hypot(a, b):
+    if INTERPRETING:
+        return _hypot_in_float64(a, b)
+    else:
+        return libdevice.hypot(a, b)
+
+
+@triton.jit
+def lgamma(x):
+    if INTERPRETING:
+        return _lgamma_in_float64(x)
+    else:
+        return libdevice.lgamma(x)
+
+
+PSI_10 = tl.constexpr(2.25175258906672110764)  # digamma(10)
+
+
+# ATen's CUDA digamma in float32 (its accumulation type for float32 and half inputs), with 1/(2x) and the
+# reflection's pi / tan(pi x) in float64, as it has them.
+@triton.jit
+def _digamma_as_eager_cuda(x):
+    """digamma for float32 x, step for step as eager's CUDA kernel: NaN at the negative integers, -inf at +0.0
+    and inf at -0.0; negative x by reflection, -pi / tan(pi x) + digamma(1 - x); shifted past 10 by
+    digamma(x) = digamma(x + 1) - 1/x (ten steps at most); digamma(10) there, else the asymptotic series."""
+    negative = x < 0.0
+    result = tl.where(negative, (-PI / libdevice.tan(x.to(tl.float64) * PI)).to(tl.float32), 0.0)
+    y = tl.where(negative, 1.0 - x, x)
+    for _ in tl.static_range(10):
+        small = y < 10.0
+        result = tl.where(small, result - tl.math.div_rn(tl.full(y.shape, 1.0, tl.float32), y), result)
+        y = tl.where(small, y + 1.0, y)
+    z = tl.math.div_rn(tl.full(y.shape, 1.0, tl.float32), y * y)
+    # Its series in Horner's order, the coefficients B_2k / 2k from the highest power down.
+    p = ((((((1.0 / 12) * z - 691.0 / 32760) * z + 1.0 / 132) * z - 1.0 / 240) * z + 1.0 / 252) * z
+         - 1.0 / 120) * z + 1.0 / 12
+    series = tl.where(y < 1e17, z * p, 0.0)
+    psi = ((result + libdevice.log(y)).to(tl.float64) - 0.5 / y.to(tl.float64) - series.to(tl.float64))
+    psi = tl.where(y == 10.0, result + PSI_10, psi.to(tl.float32))
+    psi = tl.where(x == 0.0, tl.where(_sign_bit(x), float("inf"), float("-inf")), psi)
+    return tl.where(negative & (x == tl.floor(x)), float("nan"), psi)
+
+
+@triton.jit
+def digamma(x):
+    if INTERPRETING:
+        return _digamma_in_float64(x)
+    elif x.dtype == tl.float64:
+        return _digamma_in_float64(x)
+    else:
+        return _digamma_as_eager_cuda(x)
