@@ -57,7 +57,7 @@ CASES = [
     # computes it (with a float64 tangent for negative inputs): how far from the copy.
     Case("CUDA math: atan(x*2)+x", lambda x: torch.atan(x * 2) + x, lambda n: (bf16(n),)),
     Case("CUDA math: lgamma(x*x+0.5)*2", lambda x: torch.lgamma(x * x + 0.5) * 2, lambda n: (bf16(n),)),
-    Case("digamma(x*3)+x", lambda x: torch.digamma(x * 3) + x, lambda n: (bf16(n),)),
+    Case("digamma(|x|*3+0.5)+x", lambda x: torch.digamma(x.abs() * 3 + 0.5) + x, lambda n: (bf16(n),)),
 ]
 
 

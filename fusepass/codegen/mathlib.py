@@ -76,11 +76,25 @@ def trunc(x):
 
 @triton.jit
 def round_half_even(x):
-    f = tl.floor(x)
-    d = x - f
-    f_is_odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
-    up = (d > 0.5) | ((d == 0.5) & f_is_odd)
-    return tl.where(up, f + 1.0, f)
+    # On the GPU its rounding instruction (as eager's nearbyint): there `x - floor(x)` below would be contracted
+    # with the product that made x into one fused multiply-add, which sees the product unrounded.
+    if INTERPRETING:
+        f = tl.floor(x)
+        d = x - f
+        f_is_odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
+        up = (d > 0.5) | ((d == 0.5) & f_is_odd)
+        return tl.where(up, f + 1.0, f)
+    else:
+        return libdevice.rint(x)
+
+
+@triton.jit
+def div_rn(a, b):
+    """a / b rounded to nearest, as C's `/`: Triton's float32 `/` is `div.full.f32`, within 2 ulp."""
+    if a.dtype == tl.float32:
+        return tl.math.div_rn(a, b)
+    else:
+        return a / b
 
 
 @triton.jit
@@ -554,27 +568,30 @@ def lgamma(x):
 PSI_10 = tl.constexpr(2.25175258906672110764)  # digamma(10)
 
 
-# ATen's CUDA digamma in float32 (its accumulation type for float32 and half inputs), with 1/(2x) and the
-# reflection's pi / tan(pi x) in float64, as it has them.
+# ATen's CUDA digamma in float32 (its accumulation type for float32 and half inputs), the reflection's
+# pi / tan(pi r) in float64 as it has it.
 @triton.jit
 def _digamma_as_eager_cuda(x):
     """digamma for float32 x, step for step as eager's CUDA kernel: NaN at the negative integers, -inf at +0.0
-    and inf at -0.0; negative x by reflection, -pi / tan(pi x) + digamma(1 - x); shifted past 10 by
-    digamma(x) = digamma(x + 1) - 1/x (ten steps at most); digamma(10) there, else the asymptotic series."""
+    and inf at -0.0; negative x by reflection, -pi / tan(pi r) + digamma(1 - x) with r the fraction of x; shifted
+    past 10 by digamma(x) = digamma(x + 1) - 1/x (ten steps at most); digamma(10) there, else the asymptotic
+    series log(x) - 1/(2x) - sum of B_2k / (2k x^2k), in its order of operations."""
     negative = x < 0.0
-    result = tl.where(negative, (-PI / libdevice.tan(x.to(tl.float64) * PI)).to(tl.float32), 0.0)
+    x64 = x.to(tl.float64)
+    result = tl.where(negative, (-PI / libdevice.tan((x64 - trunc(x64)) * PI)).to(tl.float32), 0.0)
     y = tl.where(negative, 1.0 - x, x)
+    one = tl.full(y.shape, 1.0, tl.float32)
     for _ in tl.static_range(10):
         small = y < 10.0
-        result = tl.where(small, result - tl.math.div_rn(tl.full(y.shape, 1.0, tl.float32), y), result)
+        result = tl.where(small, result - div_rn(one, y), result)
         y = tl.where(small, y + 1.0, y)
-    z = tl.math.div_rn(tl.full(y.shape, 1.0, tl.float32), y * y)
-    # Its series in Horner's order, the coefficients B_2k / 2k from the highest power down.
+    z = div_rn(one, y * y)
+    # Horner's rule from the highest power down, as its loop.
     p = ((((((1.0 / 12) * z - 691.0 / 32760) * z + 1.0 / 132) * z - 1.0 / 240) * z + 1.0 / 252) * z
          - 1.0 / 120) * z + 1.0 / 12
     series = tl.where(y < 1e17, z * p, 0.0)
-    psi = ((result + libdevice.log(y)).to(tl.float64) - 0.5 / y.to(tl.float64) - series.to(tl.float64))
-    psi = tl.where(y == 10.0, result + PSI_10, psi.to(tl.float32))
+    psi = libdevice.log(y) - div_rn(one * 0.5, y) - series + result
+    psi = tl.where(y == 10.0, result + PSI_10, psi)
     psi = tl.where(x == 0.0, tl.where(_sign_bit(x), float("inf"), float("-inf")), psi)
     return tl.where(negative & (x == tl.floor(x)), float("nan"), psi)
 

@@ -372,11 +372,12 @@ def _round(c, self, decimals=0):
     if decimals == 0:
         return f"fm.round_half_even({self})"
     # As eager's CUDA kernel: the power of ten and the scaled value in the input's own dtype (a half input's
-    # 10^5 is inf there, and 2.205 · 100 is 220.5, which rounds to 220), the final quotient or product in float.
+    # 10^5 is inf there, and 2.205 · 100 is 220.5, which rounds to 220), the final quotient or product in float;
+    # its divisions rounded to nearest.
     scale = c.lit(torch.tensor(10.0 ** abs(decimals), dtype=c.result).item())
     if decimals > 0:
-        return f"(fm.round_half_even({round_to(f'({self} * {scale})', c.result)}) / {scale})"
-    return f"(fm.round_half_even({round_to(f'({self} / {scale})', c.result)}) * {scale})"
+        return f"fm.div_rn(fm.round_half_even({round_to(f'({self} * {scale})', c.result)}), {scale})"
+    return f"(fm.round_half_even({round_to(f'fm.div_rn({self}, {scale})', c.result)}) * {scale})"
 
 
 @rule(aten.relu)
