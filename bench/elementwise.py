@@ -58,6 +58,7 @@ CASES = [
     Case("CUDA math: atan(x*2)+x", lambda x: torch.atan(x * 2) + x, lambda n: (bf16(n),)),
     Case("CUDA math: lgamma(x*x+0.5)*2", lambda x: torch.lgamma(x * x + 0.5) * 2, lambda n: (bf16(n),)),
     Case("digamma(|x|*3+0.5)+x", lambda x: torch.digamma(x.abs() * 3 + 0.5) + x, lambda n: (bf16(n),)),
+    Case("lgamma fwd+bwd (digamma)", torch.lgamma, lambda n: ((bf16(n).abs() * 3 + 0.5).requires_grad_(),), True),
 ]
 
 

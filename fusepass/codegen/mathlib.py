@@ -577,8 +577,12 @@ def _digamma_as_eager_cuda(x):
     past 10 by digamma(x) = digamma(x + 1) - 1/x (ten steps at most); digamma(10) there, else the asymptotic
     series log(x) - 1/(2x) - sum of B_2k / (2k x^2k), in its order of operations."""
     negative = x < 0.0
-    x64 = x.to(tl.float64)
-    result = tl.where(negative, (-PI / libdevice.tan((x64 - trunc(x64)) * PI)).to(tl.float32), 0.0)
+    result = tl.zeros_like(x)
+    # Where the block holds a negative x at all: the float64 tangent is most of the function's cost (a select
+    # computes both of its sides on every element). At least one dimension to reduce (x may be a 0-d value).
+    if tl.max(negative.to(tl.int32) + tl.zeros([1], tl.int32)) > 0:
+        x64 = x.to(tl.float64)
+        result = tl.where(negative, (-PI / libdevice.tan((x64 - trunc(x64)) * PI)).to(tl.float32), 0.0)
     y = tl.where(negative, 1.0 - x, x)
     one = tl.full(y.shape, 1.0, tl.float32)
     for _ in tl.static_range(10):
