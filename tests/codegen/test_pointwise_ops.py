@@ -294,10 +294,11 @@ def test_infinities_and_nans_propagate():
 
 SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1.0, -1.0, 0.5, -0.5, 1e-30, -1e-30, 30.0, -30.0,
            100.0, 1e30, -1e30]
-# On the GPU the kernels call what eager's CUDA kernels call for these (CUDA's math library; digamma as eager
-# computes it): eager's own values. The interpreter computes them in float64 and rounds once: within an ulp of
-# eager's float64 rounded to float32 (eager's own float32 digamma is 4 ulp off at 0.5), and at float64
-# precision, absolute near lgamma's and digamma's zeros.
+# On the GPU the kernels call what eager's CUDA kernels call for these (CUDA's math library): eager's own values.
+# The interpreter computes them in float64 and rounds once: within an ulp of eager's float64 rounded to float32
+# (eager's own float32 digamma is 4 ulp off at 0.5), and at float64 precision, absolute near lgamma's and
+# digamma's zeros. The GPU's float32 digamma sums terms of a few units: within 1e-6 of float64 (eager's CUDA
+# kernel is as far, near its root).
 MATH_LIBRARY = {
     "atan": torch.atan, "asin": torch.asin, "acos": torch.acos, "sinh": torch.sinh, "cosh": torch.cosh,
     "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh, "lgamma": torch.lgamma, "digamma": torch.digamma,
@@ -310,12 +311,13 @@ def test_math_library_functions_special_values_and_precision(name):
     def rounded(x):
         return fn(x.double()).float()
 
-    reference = fn if DEVICE == "cuda" else rounded
+    own = DEVICE == "cuda" and name != "digamma"
+    reference, atol = (fn, 0) if own else (rounded, 1e-6 if DEVICE == "cuda" else 0)
     special = torch.tensor(SPECIAL, device=DEVICE)
-    check_op(fn, special, reference=reference, rtol=3e-7, atol=0)  # ±0, infinities and NaN where eager has them
+    check_op(fn, special, reference=reference, rtol=3e-7, atol=atol)  # ±0, infinities, NaN where eager has them
     wide = torch.cat([torch.logspace(-20, 2.5, 300), -torch.logspace(-20, 2.5, 300),
                       torch.linspace(-1, 1, 301), torch.linspace(-9.99, 9.99, 301)]).to(DEVICE)
-    check_op(fn, wide.float(), reference=reference, rtol=3e-7, atol=0)
+    check_op(fn, wide.float(), reference=reference, rtol=3e-7, atol=atol)
     gamma = name in ("lgamma", "digamma")
     check_op(fn, wide.double(), rtol=3e-14 if gamma else 1e-14, atol=1e-14 if gamma else 0)
 
