@@ -292,6 +292,11 @@ for _packet, _fn in (
     rule(_packet, kind=Kind.INT_TO_FLOAT)(_unary_float(_fn))
 
 
+# Translations whose code holds many values per element (digamma's unrolled shift and its float64 reflection):
+# their kernels take fewer elements a thread (`fusepass.kernels.pointwise.choose_blocks`).
+REGISTER_HUNGRY = frozenset({aten.digamma})
+
+
 def _tensors(self: str, other: str) -> tuple[str, str]:
     """Two operands for a math function, which takes tensors: a literal one broadcast against the other."""
     # A select, not a sum: -0.0 + 0.0 would lose the sign atan2 and pow read.

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fusepass.codegen.modules import load_module
-from fusepass.codegen.pointwise import TRITON_DTYPE, Operand, held_dtype, to_stored, translate
+from fusepass.codegen.pointwise import REGISTER_HUNGRY, TRITON_DTYPE, Operand, held_dtype, to_stored, translate
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.lower import Lowered
 from fusepass.elementwise.program import Program, Ref
@@ -48,9 +48,16 @@ MIN_ROW_TILE = 128
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
-def choose_blocks(sizes: Sequence[int]) -> tuple[int, int, int]:
+# A program of 2048 elements takes 8 warps: 8 elements a thread. A translation that holds many values per element
+# (REGISTER_HUNGRY) at 8 elements a thread takes ~150 registers, and 8 warps share an SM: its latencies go unhidden
+# (digamma's kernel ran at 0.86x Inductor's speed, bench/results/elementwise-2026-12-01-0620). At 2 elements a
+# thread it takes 46 registers, and 40 warps share an SM (offline, sm_90).
+HUNGRY_TILE = 512
+
+
+def choose_blocks(sizes: Sequence[int], register_hungry: bool = False) -> tuple[int, int, int]:
     """(XBLOCK, YBLOCK, num_warps) for coalesced ``sizes``: about ``tile`` elements per program."""
-    tile = 1 << 14 if interpreting() else 2048
+    tile = 1 << 14 if interpreting() else HUNGRY_TILE if register_hungry else 2048
     inner = sizes[-1]
     outer = 1
     for s in sizes[:-1]:
@@ -60,7 +67,7 @@ def choose_blocks(sizes: Sequence[int]) -> tuple[int, int, int]:
         while yblock > MIN_ROW_TILE and cdiv(inner, yblock) * yblock > inner * (1 + MAX_ROW_PADDING):
             yblock //= 2
     xblock = 1 if len(sizes) == 1 else min(next_power_of_2(outer), max(1, tile // yblock))
-    num_warps = 8 if xblock * yblock >= 2048 else 4
+    num_warps = 8 if xblock * yblock >= (HUNGRY_TILE if register_hungry else 2048) else 4
     return xblock, yblock, num_warps
 
 
@@ -331,7 +338,8 @@ class PointwiseLauncher:
         for n in sizes:
             numel *= n
         wide = max(extent + max((abs(load_strides[k][1]) for k in tensor_loads), default=0), numel) > INT32_MAX
-        xblock, yblock, num_warps = choose_blocks(sizes)
+        hungry = any(step.target.overloadpacket in REGISTER_HUNGRY for step in lowered.program.steps)
+        xblock, yblock, num_warps = choose_blocks(sizes, hungry)
         x_blocks, y_blocks = (cdiv(numel // sizes[-1], xblock), cdiv(sizes[-1], yblock)) if numel else (0, 0)
         grid_2d = len(sizes) > 1 and x_blocks <= MAX_GRID_Y
         grid = (y_blocks, x_blocks) if grid_2d else (x_blocks * y_blocks,)

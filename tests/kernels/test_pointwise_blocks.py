@@ -8,7 +8,7 @@ from support import random_tensor
 
 import fusepass
 from fusepass.kernels import pointwise
-from fusepass.kernels.pointwise import MAX_ROW_PADDING, MIN_ROW_TILE, choose_blocks, interpreting
+from fusepass.kernels.pointwise import HUNGRY_TILE, MAX_ROW_PADDING, MIN_ROW_TILE, choose_blocks, interpreting
 from fusepass.kernels.sizes import cdiv
 
 
@@ -17,10 +17,10 @@ def _is_power_of_two(n):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=3))
-def test_tiles_fit_and_pad_rows_little(sizes):
-    xblock, yblock, num_warps = choose_blocks(sizes)
-    tile = 1 << 14 if interpreting() else 2048
+@given(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=3), st.booleans())
+def test_tiles_fit_and_pad_rows_little(sizes, register_hungry):
+    xblock, yblock, num_warps = choose_blocks(sizes, register_hungry)
+    tile = 1 << 14 if interpreting() else HUNGRY_TILE if register_hungry else 2048
     assert _is_power_of_two(xblock) and _is_power_of_two(yblock) and xblock * yblock <= tile
     assert num_warps in (4, 8)
     if len(sizes) == 1:
@@ -33,6 +33,14 @@ def test_a_row_of_11585_takes_tiles_512_wide():
     # 6 tiles of 2048 or 12 of 1024 pad it by 6 %, 23 of 512 by 1.6 %.
     xblock, yblock, _ = choose_blocks([11585, 11585])
     assert yblock == 512 and xblock * yblock == (1 << 14 if interpreting() else 2048)
+
+
+def test_a_register_hungry_kernel_takes_two_elements_a_thread(monkeypatch):
+    monkeypatch.setattr(pointwise, "interpreting", lambda: False)  # the GPU's tiles
+    xblock, yblock, num_warps = choose_blocks([1 << 26], register_hungry=True)
+    assert xblock * yblock == 2 * 32 * num_warps
+    xblock, yblock, num_warps = choose_blocks([1 << 26])
+    assert xblock * yblock == 8 * 32 * num_warps
 
 
 def _rows_plus_column(x, b):
