@@ -2,9 +2,10 @@
 
 One implementation serves the compiled kernels and Triton's interpreter alike (the interpreter has no
 libdevice), so the CPU tests exercise the very code the GPU runs. Each function keeps float32 accuracy
-within a few ulps where the naive formula would cancel. The exceptions are the functions that eager's CUDA
-kernels take from CUDA's math library (atan, lgamma and the like, at the end of this file): the GPU calls the
-same library, and the interpreter computes them in float64 instead.
+within a few ulps where the naive formula would cancel. The exceptions, where the GPU runs code of its own and
+the GPU tests check it: the functions eager's CUDA kernels take from CUDA's math library (atan, lgamma and the
+like, at the end of this file), which the GPU calls too and the interpreter computes in float64; rounding to
+an integer (the GPU's own instruction); digamma (float32 on the GPU, float64 in the interpreter).
 """
 import os
 

@@ -57,7 +57,8 @@ HUNGRY_TILE = 512
 
 def choose_blocks(sizes: Sequence[int], register_hungry: bool = False) -> tuple[int, int, int]:
     """(XBLOCK, YBLOCK, num_warps) for coalesced ``sizes``: about ``tile`` elements per program."""
-    tile = 1 << 14 if interpreting() else HUNGRY_TILE if register_hungry else 2048
+    gpu_tile = HUNGRY_TILE if register_hungry else 2048  # at 8 warps: 2 or 8 elements a thread
+    tile = 1 << 14 if interpreting() else gpu_tile
     inner = sizes[-1]
     outer = 1
     for s in sizes[:-1]:
@@ -67,7 +68,7 @@ def choose_blocks(sizes: Sequence[int], register_hungry: bool = False) -> tuple[
         while yblock > MIN_ROW_TILE and cdiv(inner, yblock) * yblock > inner * (1 + MAX_ROW_PADDING):
             yblock //= 2
     xblock = 1 if len(sizes) == 1 else min(next_power_of_2(outer), max(1, tile // yblock))
-    num_warps = 8 if xblock * yblock >= (HUNGRY_TILE if register_hungry else 2048) else 4
+    num_warps = 8 if xblock * yblock >= gpu_tile else 4
     return xblock, yblock, num_warps
 
 
