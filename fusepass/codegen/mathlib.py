@@ -239,9 +239,9 @@ def mish(x):
     return x * tanh(softplus(x, 1.0, 20.0))
 
 
-# The inverse trigonometric and hyperbolic functions, hypot and lgamma, as Triton's interpreter computes them (the
-# GPU calls CUDA's math library for them: see the end of this file): in float64, rounded once to the held dtype.
-# Their formulas cancel or reduce arguments, which float64 absorbs for float32 and half inputs.
+# The inverse trigonometric and hyperbolic functions, hypot, erfc, erfinv and lgamma, as Triton's interpreter
+# computes them (the GPU calls CUDA's math library for them: see the end of this file): in float64, rounded once
+# to the held dtype. Their formulas cancel or reduce arguments, which float64 absorbs for float32 and half inputs.
 PI = tl.constexpr(3.141592653589793)
 SQRT3 = tl.constexpr(1.7320508075688772)
 TAN_PI_12 = tl.constexpr(0.2679491924311227)
@@ -410,6 +410,45 @@ def fmin(a, b):
 @triton.jit
 def copysign(a, b):
     return tl.where(_sign_bit(b), flip(tl.abs(a)), tl.abs(a))
+
+
+# erfc's continued fraction past 2, exp(-x²)/√π / (x + (1/2)/(x + 1/(x + (3/2)/(x + …)))), from its 50th term:
+# the terms after it move it by less than 1e-13 there.
+ERFC_TERMS = tl.constexpr(50)
+INV_SQRT_PI = tl.constexpr(0.5641895835477563)
+TWO_OVER_SQRT_PI = tl.constexpr(1.1283791670955126)
+# Winitzki's closed form for erfinv (within 2e-3): its constant a and 2 / (pi a).
+WINITZKI_A = tl.constexpr(0.147)
+WINITZKI_C = tl.constexpr(4.330746750799873)
+
+
+@triton.jit
+def _erfc_in_float64(x):
+    """erfc in float64: 1 - erf(x) below 2 (erfc is above 4.7e-3 there: the difference keeps 1e-14), the
+    continued fraction past it, 2 - erfc(-x) for negative x."""
+    x64 = x.to(tl.float64)
+    a = tl.abs(x64)
+    t = tl.zeros_like(a)
+    for i in tl.static_range(ERFC_TERMS):
+        t = ((ERFC_TERMS - i) * 0.5) / (a + t)
+    r = tl.where(a < 2.0, 1.0 - tl.erf(a), tl.exp(-a * a) * INV_SQRT_PI / (a + t))
+    return tl.where(x64 < 0.0, 2.0 - r, r).to(x.dtype)
+
+
+@triton.jit
+def _erfinv_in_float64(x):
+    """erfinv in float64: Winitzki's closed form, then five Newton steps on erf(z) - |x|, written (1 - |x|) -
+    erfc(z) from |x| = 1/2 on (1 - |x| is exact there, and erf(z) near 1 would cancel); ±inf at ±1, NaN past."""
+    x64 = x.to(tl.float64)
+    a = tl.abs(x64)
+    log_rest = tl.log((1.0 - a) * (1.0 + a))
+    c = WINITZKI_C + 0.5 * log_rest
+    z = tl.sqrt(tl.sqrt(c * c - log_rest / WINITZKI_A) - c)
+    near_one = a >= 0.5
+    for _ in tl.static_range(5):
+        excess = tl.where(near_one, (1.0 - a) - _erfc_in_float64(z), tl.erf(z) - a)
+        z = z - excess / (TWO_OVER_SQRT_PI * tl.exp(-z * z))
+    return _odd(x, tl.where(a == 1.0, float("inf"), z))
 
 
 # Lanczos's approximation of the gamma function, g = 7 with nine terms: relative error near 1e-15.
@@ -608,3 +647,19 @@ def digamma(x):
         return _digamma_in_float64(x)
     else:
         return _digamma_float32(x)
+
+
+@triton.jit
+def erfc(x):
+    if INTERPRETING:
+        return _erfc_in_float64(x)
+    else:
+        return libdevice.erfc(x)
+
+
+@triton.jit
+def erfinv(x):
+    if INTERPRETING:
+        return _erfinv_in_float64(x)
+    else:
+        return libdevice.erfinv(x)

@@ -287,7 +287,8 @@ for _packet, _fn in (
     (aten.sigmoid, "tl.sigmoid"), (aten.erf, "tl.erf"), (aten.tanh, "fm.tanh"), (aten.log1p, "fm.log1p"),
     (aten.expm1, "fm.expm1"), (aten.atan, "fm.atan"), (aten.asin, "fm.asin"), (aten.acos, "fm.acos"),
     (aten.sinh, "fm.sinh"), (aten.cosh, "fm.cosh"), (aten.asinh, "fm.asinh"), (aten.acosh, "fm.acosh"),
-    (aten.atanh, "fm.atanh"), (aten.lgamma, "fm.lgamma"), (aten.digamma, "fm.digamma"),
+    (aten.atanh, "fm.atanh"), (aten.lgamma, "fm.lgamma"), (aten.digamma, "fm.digamma"), (aten.erfc, "fm.erfc"),
+    (aten.erfinv, "fm.erfinv"),
 ):
     rule(_packet, kind=Kind.INT_TO_FLOAT)(_unary_float(_fn))
 

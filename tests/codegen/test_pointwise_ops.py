@@ -76,6 +76,7 @@ UNARY_FLOAT = {
     "rad2deg": (torch.rad2deg, {}), "frac": (torch.frac, dict(low=-9, high=9)),
     "celu": (lambda x: F.celu(x, alpha=0.7), {}), "threshold": (lambda x: F.threshold(x, 0.5, -2.0), {}),
     "lgamma": (torch.lgamma, dict(low=-6, high=12)), "digamma": (torch.digamma, dict(low=-6, high=12)),
+    "erfc": (torch.erfc, dict(low=-3, high=6)), "erfinv": (torch.erfinv, UNIT),
     "logit": (torch.logit, dict(low=-0.2, high=1.2)),
     "logit_eps": (lambda x: torch.logit(x, eps=0.01), dict(low=-0.2, high=1.2)),
 }
@@ -302,7 +303,12 @@ SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1.0, -1.0, 0.5,
 MATH_LIBRARY = {
     "atan": torch.atan, "asin": torch.asin, "acos": torch.acos, "sinh": torch.sinh, "cosh": torch.cosh,
     "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh, "lgamma": torch.lgamma, "digamma": torch.digamma,
+    "erfc": torch.erfc, "erfinv": torch.erfinv,
 }
+# The interpreter's float64 erfc: 1 - erf(x) below 2 keeps 1e-14, the continued fraction past it exp(-x²)'s
+# rounding of x² (6e-14 at 25).
+FLOAT64_TOLERANCE = {"lgamma": dict(rtol=3e-14, atol=1e-14), "digamma": dict(rtol=3e-14, atol=1e-14),
+                     "erfc": dict(rtol=1e-13, atol=0)}
 
 
 @pytest.mark.parametrize("name", sorted(MATH_LIBRARY))
@@ -318,8 +324,10 @@ def test_math_library_functions_special_values_and_precision(name):
     wide = torch.cat([torch.logspace(-20, 2.5, 300), -torch.logspace(-20, 2.5, 300),
                       torch.linspace(-1, 1, 301), torch.linspace(-9.99, 9.99, 301)]).to(DEVICE)
     check_op(fn, wide.float(), reference=reference, rtol=3e-7, atol=atol)
-    gamma = name in ("lgamma", "digamma")
-    check_op(fn, wide.double(), rtol=3e-14 if gamma else 1e-14, atol=1e-14 if gamma else 0)
+    check_op(fn, wide.double(), **FLOAT64_TOLERANCE.get(name, dict(rtol=1e-14, atol=0)))
+    if name == "erfinv":  # its other end: 1 - 1e-16 … 1 - 1e-2, where (1 - x) carries the digits
+        near_one = 1.0 - torch.logspace(-16, -2, 200, dtype=torch.float64, device=DEVICE)
+        check_op(fn, torch.cat([near_one, -near_one]), rtol=1e-14, atol=0)
 
 
 BINARY_SPECIAL = {"atan2": torch.atan2, "hypot": torch.hypot, "logaddexp": torch.logaddexp,
