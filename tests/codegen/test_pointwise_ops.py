@@ -319,6 +319,8 @@ def test_math_library_functions_special_values_and_precision(name):
 
     own = DEVICE == "cuda" and name != "digamma"
     reference, atol = (fn, 0) if own else (rounded, 1e-6 if DEVICE == "cuda" else 0)
+    if DEVICE == "cuda" and name == "erfc":  # Triton's libdevice flushes float32 subnormal results (past 9.1) to 0
+        atol = torch.finfo(torch.float32).tiny
     special = torch.tensor(SPECIAL, device=DEVICE)
     check_op(fn, special, reference=reference, rtol=3e-7, atol=atol)  # ±0, infinities, NaN where eager has them
     wide = torch.cat([torch.logspace(-20, 2.5, 300), -torch.logspace(-20, 2.5, 300),
