@@ -354,7 +354,7 @@ class Lifter:
             return self._triangle(node, coords)
         if kind in (aten.embedding, aten.index):
             return self._gather(node, coords)
-        if node.op == "call_function" and is_supported(node.target):
+        if node.op == "call_function" and is_supported(node.target, node.args, node.kwargs):
             return self._pointwise(node, coords)
         if node in self.chain:
             raise Unsupported(f"the score chain has {node.target}")

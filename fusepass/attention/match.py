@@ -102,7 +102,8 @@ def operands(node: torch.fx.Node, scores: bool) -> Operands:
 
 
 def _is_liftable_op(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (is_supported(node.target) or packet(node) in VIEW_OPS)
+    return node.op == "call_function" and (is_supported(node.target, node.args, node.kwargs)
+                                           or packet(node) in VIEW_OPS)
 
 
 def _score_chain(softmax_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:

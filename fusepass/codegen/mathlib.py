@@ -512,6 +512,41 @@ def _digamma_in_float64(x):
     return tl.where(x64 != x64, x64, psi).to(x.dtype)
 
 
+# Eager's pi² for trigamma in float32 (its kernel squares pi rounded to float32, and rounds the square).
+PI_SQUARED_FLOAT32 = tl.constexpr(9.86960506439209)
+
+
+@triton.jit
+def trigamma(x):
+    """polygamma(1, x), as eager's CUDA kernel computes it in the held dtype: below 1/2 by reflection,
+    pi² / sin²(pi x) - trigamma(1 - x); six steps of trigamma(x) = trigamma(x + 1) + 1/x²; then the asymptotic
+    series (1 + 1/(2x) + (1/6 - (1/30 - 1/(42 x²)) / x²) / x²) / x."""
+    one = tl.full(x.shape, 1.0, x.dtype)
+    # Each constant inside its expression: one assigned in a branch would become a float32 value.
+    if x.dtype == tl.float64:
+        pi_squared = one * (PI * PI)
+    else:
+        pi_squared = one * PI_SQUARED_FLOAT32
+    reflect = x < 0.5
+    sin_pi_x = tl.sin(x * PI)
+    result = tl.where(reflect, 0.0 - div_rn(pi_squared, sin_pi_x * sin_pi_x), 0.0)
+    y = tl.where(reflect, 1.0 - x, x)
+    for _ in tl.static_range(6):
+        result = result + div_rn(one, y * y)
+        y = y + 1.0
+    ixx = div_rn(one, y * y)
+    result = result + div_rn(one + div_rn(one, 2.0 * y) + ixx * (1.0 / 6 - ixx * (1.0 / 30 - ixx * (1.0 / 42))), y)
+    return tl.where(reflect, flip(result), result)
+
+
+@triton.jit
+def sinc(x):
+    """sin(pi x) / (pi x) as eager: pi x rounded to the held dtype first (that rounding decides the value near the
+    nonzero integers), 1 at 0."""
+    p = x * PI
+    return tl.where(x == 0.0, 1.0, div_rn(tl.sin(p), p))
+
+
 # The functions eager's CUDA kernels compute with CUDA's math library (``::atan`` and the like, in float32 for
 # half inputs): on the GPU the same library's functions (libdevice), so values agree with eager's bit for bit, at
 # float32's cost. Their forms in float64 ran 2.6× (atan) and 10× (lgamma) slower than Inductor's kernels, which

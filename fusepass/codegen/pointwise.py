@@ -122,15 +122,18 @@ class Rule:
     emit: Callable[..., str]
     operands: tuple[str, ...]
     kind: Kind | Callable[[dict[str, Any]], Kind] | None
+    # Why the rule does not translate an op with these (bound) arguments, or None where it does.
+    declines: Callable[[dict[str, Any]], str | None] | None = None
 
 
 RULES: dict[Any, Rule] = {}
 
 
-def rule(*packets: Any, operands: tuple[str, ...] = ("self",), kind: Any = Kind.DEFAULT):
+def rule(*packets: Any, operands: tuple[str, ...] = ("self",), kind: Any = Kind.DEFAULT,
+         declines: Callable[[dict[str, Any]], str | None] | None = None):
     def register(fn: Callable[..., str]) -> Callable[..., str]:
         for packet in packets:
-            RULES[packet] = Rule(fn, operands, kind)
+            RULES[packet] = Rule(fn, operands, kind, declines)
         return fn
 
     return register
@@ -384,6 +387,16 @@ def _round(c, self, decimals=0):
     if decimals > 0:
         return f"fm.div_rn(fm.round_half_even({round_to(f'({self} * {scale})', c.result)}), {scale})"
     return f"(fm.round_half_even({round_to(f'fm.div_rn({self}, {scale})', c.result)}) * {scale})"
+
+
+@rule(aten.polygamma, kind=Kind.INT_TO_FLOAT, declines=lambda a: None if a["n"] == 1 else f"order {a['n']} (only 1)")
+def _polygamma(c, n, self):
+    return f"fm.trigamma({self})"
+
+
+@rule(aten.sinc, kind=Kind.INT_TO_FLOAT)
+def _sinc(c, self):
+    return f"fm.sinc({self})"
 
 
 @rule(aten.relu)
@@ -693,9 +706,20 @@ def packet_of(target: Any) -> Any:
     return getattr(target, "overloadpacket", target)
 
 
-def is_supported(target: Any) -> bool:
+def translation_gap(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why an op of `target` with these arguments has no translation, or None where it has one."""
     packet = packet_of(target)
-    return packet in RULES or packet in CASTS or packet in CONSTANTS
+    if packet in CASTS or packet in CONSTANTS:
+        return None
+    rule_ = RULES.get(packet)
+    if rule_ is None:
+        return f"no Triton translation for {target}"
+    reason = rule_.declines(bind(target, args, kwargs)) if rule_.declines else None
+    return None if reason is None else f"no Triton translation for {target}: {reason}"
+
+
+def is_supported(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return translation_gap(target, args, kwargs) is None
 
 
 _PROMOTION_PROBES: dict[tuple[torch.dtype, bool], torch.Tensor] = {}

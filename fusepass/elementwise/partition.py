@@ -18,7 +18,7 @@ import networkx as nx
 import torch
 import torch.fx
 
-from fusepass.codegen.pointwise import CONSTANTS, SUPPORTED_DTYPES, constant_value, is_supported, packet_of
+from fusepass.codegen.pointwise import CONSTANTS, SUPPORTED_DTYPES, constant_value, packet_of, translation_gap
 from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_view, through_view
 
@@ -77,8 +77,9 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
     if is_view(node):
         rank = val.dim()
         return None if through_view(node, identity(rank), rank) is not None else "view is not affine"
-    if not is_supported(node.target):
-        return f"no Triton translation for {node.target}"
+    gap = translation_gap(node.target, node.args, node.kwargs)
+    if gap is not None:
+        return gap
     if is_constant(node):
         return "a constant: inlined into each group that reads it"
     for arg in _tensor_args(node):

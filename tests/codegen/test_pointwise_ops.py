@@ -77,6 +77,7 @@ UNARY_FLOAT = {
     "celu": (lambda x: F.celu(x, alpha=0.7), {}), "threshold": (lambda x: F.threshold(x, 0.5, -2.0), {}),
     "lgamma": (torch.lgamma, dict(low=-6, high=12)), "digamma": (torch.digamma, dict(low=-6, high=12)),
     "erfc": (torch.erfc, dict(low=-3, high=6)), "erfinv": (torch.erfinv, UNIT),
+    "sinc": (torch.sinc, dict(low=-6, high=6)), "trigamma": (lambda x: torch.polygamma(1, x), dict(low=-6, high=12)),
     "logit": (torch.logit, dict(low=-0.2, high=1.2)),
     "logit_eps": (lambda x: torch.logit(x, eps=0.01), dict(low=-0.2, high=1.2)),
 }

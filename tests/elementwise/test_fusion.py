@@ -227,3 +227,19 @@ def test_untranslatable_pointwise_op_is_a_hotspot():
 def _line_of(text: str) -> int:
     with open(__file__) as f:
         return next(i for i, line in enumerate(f, 1) if text in line and "def " not in line)
+
+
+def test_digamma_trains_fused_its_gradient_polygamma_of_order_one():
+    # A Beta distribution's entropy takes digamma forward; its gradient is polygamma(1, x).
+    x = random_tensor((6, 7), torch.float32, low=0.2, high=5).requires_grad_()
+    report = check(lambda x: torch.digamma(x * 2) * x, x, backward=True)
+    assert not report.hotspots
+    assert rewrites(report, phase="backward")
+
+
+def test_polygamma_of_another_order_is_a_hotspot_with_its_reason():
+    x = random_tensor((6, 7), torch.float32, low=0.2, high=5)
+    report = check(lambda x: torch.polygamma(2, x * 2) * 3, x)
+    (hotspot,) = report.hotspots
+    assert hotspot.ops == ("aten.polygamma",)
+    assert hotspot.reason == "no Triton translation for aten.polygamma.default: order 2 (only 1)"
