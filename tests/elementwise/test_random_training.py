@@ -30,7 +30,8 @@ UNARY = [
     lambda x: torch.log1p(x.abs()), lambda x: torch.rsqrt(x * x + 1.0), lambda x: (x * x + 0.5) ** 0.75,
     cast(torch.float32), cast(torch.bfloat16), lambda x: x * 3.0 - 0.25,
     lambda x: torch.where(x > 0.3, x, x.sin()), lambda x: torch.square(x).clamp(max=4.0), torch.atan, torch.asinh,
-    torch.abs, lambda x: F.celu(x, 0.5),
+    torch.abs, lambda x: F.celu(x, 0.5), lambda x: torch.erfc(x), torch.sinc,
+    lambda x: torch.lgamma(x.abs() + 0.5), lambda x: torch.digamma(x.abs() + 0.5),
 ]
 BINARY = [
     torch.add, torch.sub, torch.mul, torch.maximum, torch.minimum,
