@@ -10,7 +10,7 @@
 #   flexmask     document, packed causal documents and padding beside            (~150 s; run once
 #                FlexAttention with its block mask built in each call, as a step   by hand at -1925,
 #                with new inputs builds it                                         without packed)
-#   elementwise  the elementwise suite at 2^26 elements                             ~60 s
+#   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests of tests/attention, kernels, report, elementwise, codegen ~240 s
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
