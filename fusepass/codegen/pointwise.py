@@ -291,7 +291,7 @@ for _packet, _fn in (
     (aten.expm1, "fm.expm1"), (aten.atan, "fm.atan"), (aten.asin, "fm.asin"), (aten.acos, "fm.acos"),
     (aten.sinh, "fm.sinh"), (aten.cosh, "fm.cosh"), (aten.asinh, "fm.asinh"), (aten.acosh, "fm.acosh"),
     (aten.atanh, "fm.atanh"), (aten.lgamma, "fm.lgamma"), (aten.digamma, "fm.digamma"), (aten.erfc, "fm.erfc"),
-    (aten.erfinv, "fm.erfinv"),
+    (aten.erfinv, "fm.erfinv"), (aten.sinc, "fm.sinc"),
 ):
     rule(_packet, kind=Kind.INT_TO_FLOAT)(_unary_float(_fn))
 
@@ -392,11 +392,6 @@ def _round(c, self, decimals=0):
 @rule(aten.polygamma, kind=Kind.INT_TO_FLOAT, declines=lambda a: None if a["n"] == 1 else f"order {a['n']} (only 1)")
 def _polygamma(c, n, self):
     return f"fm.trigamma({self})"
-
-
-@rule(aten.sinc, kind=Kind.INT_TO_FLOAT)
-def _sinc(c, self):
-    return f"fm.sinc({self})"
 
 
 @rule(aten.relu)
