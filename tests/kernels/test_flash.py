@@ -638,7 +638,10 @@ def test_rows_of_huge_scores_take_the_exact_exponent():
     case = Case(masked("t_causal_huge", causal, F32_MIN, score=huge, score_grad=huge_grad, linear_scale=HUGE),
                 lambda s, i, r: where(is_causal(i), s * HUGE, F32_MIN), scale_only)
     q, k, v, do = make_qkv(shape, torch.float32)
-    q, k = 1 + 0.01 * q, 1.5 + 0.01 * k  # q · k near 36: scores near 4.8e37, past 2^125
+    # q · k near 36: scores near 4.8e37, past 2^125. On a grid of 1/256 every product and partial sum of
+    # q · k is exact in float32, so the backward recomputes the forward's scores bit for bit in any order of
+    # summation: a score one ulp off would move its weight's exponent by 2^120 ulps (inf).
+    q, k = (torch.round(256 * (center + 0.01 * t)) / 256 for center, t in ((1, q), (1.5, k)))
     got = run_flash(case, case.make_inputs(shape), q, k, v, do)
     expected = reference(case, {}, q, k, v, do)
     # dq and dk carry the scale: 2^120 times the rounding of d s. dv holds the weights the backward recomputed.
