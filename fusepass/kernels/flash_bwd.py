@@ -39,8 +39,8 @@ from fusepass.attention.score_mod import ScoreMod
 from fusepass.kernels.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
-    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, load_rows, load_tiles,
-    masked_scores, q_block_program, store_rows, tile_operands)
+    LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, has_partial_tiles,
+    load_rows, load_tiles, masked_scores, q_block_program, store_rows, tile_operands)
 from fusepass.kernels.sizes import cdiv
 
 
@@ -169,6 +169,97 @@ def _partial_walk_block(i, walk):
 FALLBACK_CHUNK = tl.constexpr(128)
 
 
+@triton.jit
+def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head, kv_block, cols,
+               first_head, n_heads, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists, fallback_blocks,
+               aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
+               SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
+               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr):
+    """dK and dV of the kv block after the tiles of `n_heads` query heads from `first_head` (of the kv head's
+    group): with FLAT, heads that share one block map, in one walk over (query head, q block) pairs for each tile
+    kind, the map's lists of the first head repeated for each head; else one head (n_heads 1). A loop over the
+    heads around the two tile loops spilled 176 bytes under triton 3.6 at 4 heads, document mask, D128; in one
+    walk, 56 (bench/kernel_resources.py). One head's walk is not flattened: its divisions and the wrap to the
+    list's start raised MHA's spills (causal 40 → 64 bytes)."""
+    first_h = kv_head * group + first_head
+    first_bh = b.to(tl.int64) * n_q_heads + first_h
+    if KEEP is None:
+        # Without a mask only a last kv block reaching past Nk has PARTIAL tiles (all of them).
+        n_partial = tl.where((kv_block + 1) * BLOCK_N > Nk, n_q_blocks, 0)
+        n_full, full_blocks = n_q_blocks - n_partial, None
+    else:
+        count, index, map_batch_stride, map_head_stride, kind = q_lists
+        map_bh = b * map_batch_stride + first_h * map_head_stride
+        n_full, full_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks, FULL_LIST)
+        n_partial, partial_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks,
+                                               PARTIAL_LIST)
+    # The PARTIAL loop runs before the FULL loop: in the other order the two pipelines spilled 128 bytes
+    # under triton 3.6 at D128, causal (16 in this one; 112 and 8 for a window, 104 and 8 for a document
+    # mask; bench/kernel_resources.py with triton 3.6).
+    # q blocks holding rows the forward recomputed over all tiles (flagged by the dQ kernel) add their EMPTY
+    # tiles. Where any of the walk's heads has any, the PARTIAL loop goes on past its list over every q block
+    # for each head, and a block that adds nothing (not flagged, or its tile already listed) is walked as the
+    # block past the last one, whose rows are out of range and weigh 0. A loop of its own, a third copy of the
+    # tile body, raised the kernel's registers: under triton 3.6 70 bytes spilled and the causal backward took
+    # 3.95 ms (bench/results/flash-sweep-d128-n8192-2026-11-30-1604), in this loop 30 bytes and 3.80 ms (the
+    # sweep recorded in bench/results/attention-2026-11-30-1610-stdout.md).
+    n_walked = n_partial
+    if KEEP is not None:
+        any_flagged = 0
+        for chunk in range(0, n_heads * n_q_blocks, FALLBACK_CHUNK):  # the walk's heads' flags lie in a row
+            blocks = chunk + tl.arange(0, FALLBACK_CHUNK)
+            flags = tl.load(fallback_blocks + first_bh * n_q_blocks + blocks, mask=blocks < n_heads * n_q_blocks,
+                            other=0)
+            any_flagged = tl.maximum(any_flagged, tl.max(flags, 0).to(tl.int32))
+        n_walked = n_partial + any_flagged * n_q_blocks
+        kinds = kind + (map_bh * n_q_blocks).to(tl.int64) * n_kv_blocks + kv_block
+        walk = (n_partial, partial_blocks, fallback_blocks + first_bh * n_q_blocks, kinds, n_kv_blocks,
+                n_q_blocks)
+        next_block = _partial_walk_block(0, walk)
+    if PARTIAL_TILES:
+        for j in range(0, n_heads * n_walked):
+            g, i = _head_and_step(j, n_walked, FLAT)
+            if KEEP is None:
+                q_block = i
+            else:
+                q_block = next_block
+                following_head, following = _head_and_step(j + 1, n_walked, FLAT)
+                next_block = _partial_walk_block(following, _walk_of_head(walk, following_head))
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
+                                first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE,
+                                KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                DESCRIPTORS)
+    first_block = walk_start(full_blocks, n_full, KEEP is not None)
+    next_block = first_block
+    for j in range(0, n_heads * n_full):
+        g, i = _head_and_step(j, n_full, FLAT)
+        q_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
+        if FLAT and KEEP is not None:  # the next head's walk starts the list again
+            next_block = tl.where(i + 1 == n_full, first_block, next_block)
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
+                            first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP,
+                            FILL, SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
+    return dk, dv
+
+
+@triton.jit
+def _head_and_step(j, steps, FLAT: tl.constexpr):
+    """(head, step) of step j of a walk of `steps` steps per head (one head unless FLAT)."""
+    if FLAT:
+        head = j // steps
+        return head, j - head * steps
+    else:
+        return 0, j
+
+
+@triton.jit
+def _walk_of_head(walk, g):
+    """The PARTIAL walk of the g-th head after the walk's first (the same lists, the head's fallback flags)."""
+    n_partial, partial_blocks, flags, kinds, n_kv_blocks, n_q_blocks = walk
+    return n_partial, partial_blocks, flags + g * n_q_blocks, kinds, n_kv_blocks, n_q_blocks
+
+
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_backward_dkdv_kernel(
     Q, K, V, DO, Lse, LogSum, Delta, DK, DV,
@@ -177,6 +268,7 @@ def _flash_backward_dkdv_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr,
 ):
     # First kv blocks first: under a causal mask they hold the most tiles.
     kv_block, kv_head, b = grouped_program(HEAD_GROUP)
@@ -191,56 +283,21 @@ def _flash_backward_dkdv_kernel(
     v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-
-    for g in range(0, group):  # the query heads reading this kv head
-        h = kv_head * group + g
-        bh = b.to(tl.int64) * n_q_heads + h
-        if KEEP is None:
-            # Without a mask only a last kv block reaching past Nk has PARTIAL tiles (all of them).
-            n_partial = tl.where((kv_block + 1) * BLOCK_N > Nk, n_q_blocks, 0)
-            n_full, full_blocks = n_q_blocks - n_partial, None
-        else:
-            count, index, map_batch_stride, map_head_stride, kind = q_lists
-            map_bh = b * map_batch_stride + h * map_head_stride
-            n_full, full_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks, FULL_LIST)
-            n_partial, partial_blocks = block_list(count, index, map_bh, kv_block, n_kv_blocks, n_q_blocks,
-                                                   PARTIAL_LIST)
-        # The PARTIAL loop runs before the FULL loop: in the other order the two pipelines spilled 128 bytes
-        # under triton 3.6 at D128, causal (16 in this one; 112 and 8 for a window, 104 and 8 for a document
-        # mask; bench/kernel_resources.py with triton 3.6).
-        # q blocks holding rows the forward recomputed over all tiles (flagged by the dQ kernel) add their EMPTY
-        # tiles. Where this (b, h) has any, the PARTIAL loop goes on past its list over every q block, and a
-        # block that adds nothing (not flagged, or its tile already listed) is walked as the block past the
-        # last one, whose rows are out of range and weigh 0. A loop of its own, a third copy of the tile body,
-        # raised the kernel's registers: under triton 3.6 70 bytes spilled and the causal backward took 3.95 ms
-        # (bench/results/flash-sweep-d128-n8192-2026-11-30-1604), in this loop 30 bytes and 3.80 ms (the sweep
-        # recorded in bench/results/attention-2026-11-30-1610-stdout.md).
-        n_walked = n_partial
-        if KEEP is not None:
-            any_flagged = 0
-            for chunk in range(0, n_q_blocks, FALLBACK_CHUNK):
-                blocks = chunk + tl.arange(0, FALLBACK_CHUNK)
-                flags = tl.load(fallback_blocks + bh * n_q_blocks + blocks, mask=blocks < n_q_blocks, other=0)
-                any_flagged = tl.maximum(any_flagged, tl.max(flags, 0).to(tl.int32))
-            n_walked = n_partial + any_flagged * n_q_blocks
-            kinds = kind + (map_bh * n_q_blocks).to(tl.int64) * n_kv_blocks + kv_block
-            walk = (n_partial, partial_blocks, fallback_blocks + bh * n_q_blocks, kinds, n_kv_blocks, n_q_blocks)
-            next_block = _partial_walk_block(0, walk)
-        for i in range(0, n_walked):
-            if KEEP is None:
-                q_block = i
-            else:
-                q_block = next_block
-                next_block = _partial_walk_block(i + 1, walk)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
-                                Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
-                                SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
-        next_block = walk_start(full_blocks, n_full, KEEP is not None)
-        for i in range(0, n_full):
-            q_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
-                                Delta, b, h, bh, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL,
-                                SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS)
+    # The query heads reading this kv head: with FLAT_HEADS (GQA, their block maps one) in one walk, else a
+    # walk each.
+    if FLAT_HEADS:
+        dk, dv = _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head, kv_block,
+                            cols, 0, group, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
+                            fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
+                            FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS, PARTIAL_TILES,
+                            True)
+    else:
+        for g in range(0, group):
+            dk, dv = _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head,
+                                kv_block, cols, g, 1, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
+                                fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
+                                FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS,
+                                PARTIAL_TILES, False)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
                dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
@@ -274,7 +331,7 @@ def _flash_backward_dq_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
-    HEAD_GROUP: tl.constexpr,
+    HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -320,14 +377,15 @@ def _flash_backward_dq_kernel(
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
                       DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
-    next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
-    for i in range(0, n_partial + n_all):  # one of the two is 0
-        kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
-        if KEEP is not None:
-            kv_block = tl.where(n_all > 0, i, kv_block)
-        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
-                      rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
-                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    if PARTIAL_TILES:
+        next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
+        for i in range(0, n_partial + n_all):  # one of the two is 0
+            kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
+            if KEEP is not None:
+                kv_block = tl.where(n_all > 0, i, kv_block)
+            dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head,
+                          bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
+                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
 
     store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
@@ -368,7 +426,8 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
                     FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, HEAD_GROUP=config.head_group,
-                    num_warps=config.num_warps, num_stages=config.num_stages)
+                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, config.block_n), num_warps=config.num_warps,
+                    num_stages=config.num_stages)
 
     config = configs.dq
     kv_lists = None
@@ -392,7 +451,8 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
            (q_operand, k, v, do_operand, lse, log_sum, delta, dk, dv,
             q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
             q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux, aux_grad, seed, dropout_p),
-           dict(DESCRIPTORS=descriptors, **constants(config)))
+           dict(DESCRIPTORS=descriptors, FLAT_HEADS=q_heads > kv_heads and (
+                not mod.has_mask or block_map.batch_head_strides[1] == 0), **constants(config)))
 
 
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

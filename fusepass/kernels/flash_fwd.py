@@ -10,11 +10,13 @@ fp32, half inputs run on tensor cores (the P·V dot takes P cast to V's dtype).
 
 Exponentials are base 2, of `fma(x, log2(e), -m2)` with `m2 = rn(m · log2(e))`: one fused multiply-add per
 score (the product is not rounded), instead of a subtraction and a multiply. Every weight of a row then
-carries the same factor 2^δ, δ = m · log2(e) - m2 (computed exactly by another fma; when m moves, the
-running sums are rescaled by the difference of the rounded shifts so earlier weights share the new δ),
-which cancels in the output and is taken out of `log_sum`. Rows whose max is not TAME (`m · log2(e)` could
-overflow: no finite score yet, or a row masked with `finfo.min` throughout) are recomputed in the form
-`exp2((x - m) · log2(e))`, exact at any magnitude, as are rows a skipped tile might have touched.
+carries the same factor 2^δ, δ the exponent of its max element (m · log2(e) - m2, computed exactly by another
+fma; with a declared scale folded into the fma's constant, also the difference that constant's rounding
+makes; when m moves, the running sums are rescaled by the difference of the rounded shifts so earlier
+weights share the new δ), which cancels in the output and is taken out of `log_sum`. Rows whose max is not
+TAME (|δ| could reach exp2's range: no finite score yet, a row masked with `finfo.min` throughout, or scores
+of 2^24 and more) are recomputed in the form `exp2((x - m) · log2(e))`, exact at any magnitude, as are rows a
+skipped tile might have touched.
 
 The jit helpers at the top are shared with the backward kernels (flash_bwd.py), which recompute the scores.
 """
@@ -40,8 +42,11 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 # A skipped (masked-out) tile is exact only if exp(FILL - row max) vanishes next to the row's kept weights.
 SKIP_MARGIN = tl.constexpr(-60.0)
-# Row maxima below this magnitude have a finite m · log2(e) (the fused exponent form, FUSED_EXP).
-TAME = tl.constexpr(2.0 ** 125)
+# Row maxima below this magnitude take the fused exponent form (FUSED_EXP): m · log2(e) rounds by at most 1
+# there, and a folded scale's constant (its relative rounding ~2^-24, times |m| < 2^24) moves the max element's
+# exponent by a few units more, so 2^δ stays far inside float32's range. Up to 2^125 (where m · log2(e) would
+# overflow) δ reached 2^100 and the weights inf (tests/kernels/test_flash.py, scores near 2^122).
+TAME = tl.constexpr(2.0 ** 24)
 # Triton's interpreter keeps bf16 as uint16 and its tl.dot multiplies the bit patterns
 # (triton-lang/triton#11584), so interpreted bf16 dots run in fp32. Compiled kernels never take that branch.
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -127,11 +132,11 @@ def dropout_kept(seed, dropout_p, row_offsets, cols):
 
 
 @triton.jit
-def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk, aux,
+def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk, aux,
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                  SCALE: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
-    """Fold one kv tile into the running (acc, m, l) of a q block."""
+    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below)."""
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k, v = load_tiles(K, V, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
                       PARTIAL, DESCRIPTORS)
@@ -146,12 +151,17 @@ def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_he
         x_scale = SCALE
     else:
         x = SCORE(s, b, h, q_idx, cols[None, :], aux)
-    m_new = tl.maximum(m, tl.max(x, 1) * x_scale)
+    tile_max = tl.max(x, 1) * x_scale
+    m_new = tl.maximum(m, tile_max)
     if FUSED_EXP:
         # Rows whose max is not tame shift by 0: their weights so far are 0 or garbage, and they are
         # recomputed (see the kernel's fallback).
         shift2 = tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E
         p = tl.math.exp2(tl.math.fma(x, x_scale * LOG2E, -shift2[:, None]))
+        # Every weight of a row carries the factor 2^excess, excess the exponent of its max element: the
+        # rounding of m · log2(e), and with the scale folded, how x · rn(scale · log2(e)) differs from
+        # rn(x · scale) · log2(e) (~|m| · 2^-22). Taken where this tile holds the row's new max, exactly (fma).
+        excess = tl.where(tile_max > m, tl.math.fma(tl.max(x, 1), x_scale * LOG2E, -shift2), excess)
         # The weights so far are 2^(x·log2(e) - old shift2): rescaled by the difference of the rounded
         # shifts, they share the new ones' factor 2^δ exactly. A row without a finite score so far has none.
         old_shift2 = tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E
@@ -167,7 +177,7 @@ def _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_he
     if DROPOUT:
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows[:, None], cols[None, :]), p, 0.0)
     acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
-    return acc, m_new, l
+    return acc, m_new, l, excess
 
 
 @triton.jit
@@ -210,7 +220,7 @@ def _flash_forward_kernel(
     Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -236,18 +246,20 @@ def _flash_forward_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    excess = tl.zeros([BLOCK_M], tl.float32)
     next_block = walk_start(full_blocks, n_full, KEEP is not None)
     for i in range(0, n_full):
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
-        acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk,
-                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False, DROPOUT, True,
-                                 HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
-    next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
-    for i in range(0, n_partial):
-        kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
-        acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk,
-                                 aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, True, DROPOUT, True,
-                                 HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
+        acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
+                                         q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False,
+                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
+    if PARTIAL_TILES:
+        next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
+        for i in range(0, n_partial):
+            kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
+            acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
+                                             kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
+                                             SCALE, True, DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
 
     # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
     # whose max stands SKIP_MARGIN above every fill value: not for rows without a kept element, or with
@@ -258,17 +270,15 @@ def _flash_forward_kernel(
     else:
         fallback = tl.zeros([BLOCK_M], tl.int1)
     fallback = fallback | ((~(tl.abs(m) < TAME)) & row_in)
-    # The weights' common factor 2^δ (see the module's docstring), where the fused form made them.
-    log2_excess = tl.math.fma(m, LOG2E, -(m * LOG2E))
     if tl.max(fallback.to(tl.int32), 0) > 0:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for kv_block in range(0, n_kv_blocks):
-            acc, m, l = _attend_tile(acc, m, l, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
-                                     q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, True,
-                                     DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
-        log2_excess = tl.zeros([BLOCK_M], tl.float32)
+            acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
+                                             kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
+                                             SCALE, True, DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
+        excess = tl.zeros([BLOCK_M], tl.float32)  # the exact form's weights carry no common factor
     if KEEP is not None:
         tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
 
@@ -279,7 +289,7 @@ def _flash_forward_kernel(
     Out_bh = Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1]
     store_rows(Out_bh, acc / l_out[:, None], rows, Nq, out_strides[2], offs_d, out_strides[3],
                HEAD_DIM)
-    log_sum = tl.log(l) - log2_excess * LN2
+    log_sum = tl.log(l) - excess * LN2
     tl.store(Lse + bh * Nq + rows, m + log_sum, mask=row_in)
     tl.store(LogSum + bh * Nq + rows, log_sum, mask=row_in)
 
@@ -378,6 +388,13 @@ def forward_tile_configs(mod: ScoreMod, head_dim: int, dtype: torch.dtype, devic
     return (narrow,) if mod.keep_reads_aux or narrow == config else (config, narrow)
 
 
+def has_partial_tiles(mod: ScoreMod, kv_len: int, block_n: int) -> bool:
+    """Whether a kernel at kv tiles `block_n` may meet PARTIAL tiles: with a mask, or without one where the last kv
+    block reaches past kv_len. Kernels where none can have no PARTIAL loop: its pipeline alone spilled 48 bytes of
+    the unmasked dK/dV kernel's 56 at D128 (sm_90, triton 3.6, bench/kernel_resources.py --mask none)."""
+    return mod.has_mask or kv_len % block_n != 0
+
+
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, config: FlashConfig,
                    block_map: BlockMap | None, out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor,
                    fallback_rows: torch.Tensor | None, seed: int, dropout_p: float
@@ -397,7 +414,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
             q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p)
     keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
                     HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
-                    DESCRIPTORS=descriptors, HEAD_GROUP=config.head_group, num_warps=config.num_warps,
+                    DESCRIPTORS=descriptors, HEAD_GROUP=config.head_group,
+                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, block_n), num_warps=config.num_warps,
                     num_stages=config.num_stages)
     return _flash_forward_kernel, grid, args, keywords
 

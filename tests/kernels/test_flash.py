@@ -29,7 +29,7 @@ from fusepass.kernels import flash_bwd, flash_fwd
 from fusepass.kernels.flash_bwd import flash_attention_backward
 from fusepass.kernels.flash_config import (
     INTERPRETER_CONFIG, SHORT_ROWS, BackwardConfigs, FlashConfig, narrow_kv_tiles)
-from fusepass.kernels.flash_fwd import flash_attention_forward, tile_operands
+from fusepass.kernels.flash_fwd import flash_attention_forward, has_partial_tiles, tile_operands
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32_MIN = float(torch.finfo(torch.float32).min)
@@ -432,6 +432,19 @@ def test_unmasked_backward_tiles(monkeypatch, dkdv, dq):
     assert_matches(run_flash(case, inputs, q, k, v, do), reference(case, inputs.ref, q, k, v, do), f32)
 
 
+@pytest.mark.parametrize("name, kv_len", [("plain", 48), ("plain_linear", 64), ("plain", 53)])
+def test_unmasked_kernels_without_partial_tiles(name, kv_len):
+    """Without a mask and with kv_len a multiple of the kv tiles, the kernels are built without their PARTIAL
+    loops (no tile can reach past kv_len); with a ragged kv_len, with them."""
+    torch.manual_seed(0)
+    shape = Shape(1, 4, 2, 37, kv_len, 24)
+    case = CASES[name]
+    assert has_partial_tiles(case.mod, kv_len, INTERPRETER_CONFIG.block_n) == (kv_len % 16 != 0)
+    inputs = case.make_inputs(shape)
+    q, k, v, do = make_qkv(shape, f32)
+    assert_matches(run_flash(case, inputs, q, k, v, do), reference(case, inputs.ref, q, k, v, do), f32)
+
+
 @pytest.mark.parametrize("name", ["plain", "causal_min", "left_pad_min"])
 def test_grouped_programs(monkeypatch, name):
     """Programs taken in groups of (batch, head) pairs (FlashConfig.head_group) compute what the grid's own
@@ -629,21 +642,31 @@ def test_tensor_descriptors_only_where_the_layout_allows():
     assert used and descriptor.base is operand and descriptor.block_shape == [1, 1, 16, 32]
 
 
-def test_rows_of_huge_scores_take_the_exact_exponent():
-    """Scores near 2^125 · 36 (a declared scale of 2^120): their rows' max is not tame, so the forward, which
-    folded the scale into the exponent on full tiles, recomputes them the exact way."""
+@pytest.mark.parametrize("q_centers", [(1.0, 1.0), (0.125, 0.125), (1.0, 0.0, 0.0)],
+                         ids=["past-2^125", "past-2^24", "one-head-of-three"])
+def test_rows_of_huge_scores_take_the_exact_exponent(q_centers):
+    """Scores near 2^120 · 36 (a declared scale of 2^120; q near 1), past 2^125 where m · log2(e) overflows, or
+    near 2^120 · 4.5 (q near 1/8), where it rounds by 2^100: their rows' max is not tame, so the forward, which
+    folded the scale into the exponent on full tiles, recomputes them the exact way (rows of the second kind
+    came out inf before TAME was 2^24). With one head of three so (q zero elsewhere: scores 0), the dK/dV
+    kernel's walk over the group's heads adds the EMPTY tiles of the flagged head's rows alone."""
     torch.manual_seed(0)
     assert HUGE == 1.329227995784916e36
-    shape = Shape(1, 2, 1, 37, 53, 24)
+    shape = Shape(1, len(q_centers), 1, 37, 53, 24)
     case = Case(masked("t_causal_huge", causal, F32_MIN, score=huge, score_grad=huge_grad, linear_scale=HUGE),
                 lambda s, i, r: where(is_causal(i), s * HUGE, F32_MIN), scale_only)
     q, k, v, do = make_qkv(shape, torch.float32)
-    # q · k near 36: scores near 4.8e37, past 2^125. On a grid of 1/256 every product and partial sum of
-    # q · k is exact in float32, so the backward recomputes the forward's scores bit for bit in any order of
-    # summation: a score one ulp off would move its weight's exponent by 2^120 ulps (inf).
-    q, k = (torch.round(256 * (center + 0.01 * t)) / 256 for center, t in ((1, q), (1.5, k)))
+    # On a grid of 1/256 every product and partial sum of q · k is exact in float32, so the backward
+    # recomputes the forward's scores bit for bit in any order of summation: a score one ulp off would move
+    # its weight's exponent by 2^120 ulps (inf).
+    centers = torch.tensor(q_centers).view(1, -1, 1, 1)
+    q = torch.round(256 * (centers + 0.01 * q * (centers != 0))) / 256
+    k = torch.round(256 * (1.5 + 0.01 * k)) / 256
     got = run_flash(case, case.make_inputs(shape), q, k, v, do)
     expected = reference(case, {}, q, k, v, do)
+    huge_heads = torch.tensor(q_centers) != 0
+    assert got["extra"].fallback_rows[0, huge_heads].all()
+    assert not got["extra"].fallback_rows[0, ~huge_heads].any()
     # dq and dk carry the scale: 2^120 times the rounding of d s. dv holds the weights the backward recomputed.
     for name in ("out", "lse", "dv"):
         torch.testing.assert_close(got[name].double(), expected[name].detach(), rtol=1e-5, atol=1e-5)
