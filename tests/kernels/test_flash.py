@@ -659,12 +659,12 @@ def test_rows_of_huge_scores_take_the_exact_exponent(q_centers):
     # On a grid of 1/256 every product and partial sum of q · k is exact in float32, so the backward
     # recomputes the forward's scores bit for bit in any order of summation: a score one ulp off would move
     # its weight's exponent by 2^120 ulps (inf).
-    centers = torch.tensor(q_centers).view(1, -1, 1, 1)
+    centers = torch.tensor(q_centers, device=q.device).view(1, -1, 1, 1)
     q = torch.round(256 * (centers + 0.01 * q * (centers != 0))) / 256
     k = torch.round(256 * (1.5 + 0.01 * k)) / 256
     got = run_flash(case, case.make_inputs(shape), q, k, v, do)
     expected = reference(case, {}, q, k, v, do)
-    huge_heads = torch.tensor(q_centers) != 0
+    huge_heads = torch.tensor(q_centers, device=q.device) != 0
     assert got["extra"].fallback_rows[0, huge_heads].all()
     assert not got["extra"].fallback_rows[0, ~huge_heads].any()
     # dq and dk carry the scale: 2^120 times the rounding of d s. dv holds the weights the backward recomputed.
