@@ -40,7 +40,7 @@ from fusepass.kernels.distance_table import add_distance_gradients, distance_gra
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, has_partial_tiles,
-    load_rows, load_tiles, masked_scores, q_block_program, store_rows, tile_operands)
+    load_tile, load_tiles, masked_scores, q_block_program, store_rows, tile_operands)
 from fusepass.kernels.sizes import cdiv
 
 
@@ -277,10 +277,8 @@ def _flash_backward_dkdv_kernel(
     n_q_heads = tl.num_programs(1) * group
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    K_bh = K + b.to(tl.int64) * k_strides[0] + kv_head.to(tl.int64) * k_strides[1]
-    V_bh = V + b.to(tl.int64) * v_strides[0] + kv_head.to(tl.int64) * v_strides[1]
-    k = load_rows(K_bh, cols, Nk, k_strides[2], offs_d, k_strides[3], HEAD_DIM, True)
-    v = load_rows(V_bh, cols, Nk, v_strides[2], offs_d, v_strides[3], HEAD_DIM, True)
+    k, v = load_tiles(K, V, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
+                      True, DESCRIPTORS)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # The query heads reading this kv head: with FLAT_HEADS (GQA, their block maps one) in one walk, else a
@@ -338,13 +336,10 @@ def _flash_backward_dq_kernel(
     n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    Q_bh = Q + b.to(tl.int64) * q_strides[0] + h.to(tl.int64) * q_strides[1]
-    DO_bh = DO + b.to(tl.int64) * do_strides[0] + h.to(tl.int64) * do_strides[1]
     kv_head = h // group
-    q = load_rows(Q_bh, rows, Nq, q_strides[2], offs_d, q_strides[3], HEAD_DIM, True)
-    do = load_rows(DO_bh, rows, Nq, do_strides[2], offs_d, do_strides[3], HEAD_DIM, True)
-    out = load_rows(Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1], rows, Nq,
-                    out_strides[2], offs_d, out_strides[3], HEAD_DIM, True)
+    q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
+                       DESCRIPTORS)
+    out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True, DESCRIPTORS)
     delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
     do = do.to(q.dtype)
@@ -434,9 +429,11 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if mod.has_mask:
         block_map = map_at(config, False)
         kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides)
-    (k_operand, v_operand), descriptors = tile_operands((k, v), config.block_n, block_d, config.descriptors)
+    (q_operand, k_operand, v_operand, out_operand, do_operand), descriptors = tile_operands(
+        ((q, config.block_m), (k, config.block_n), (v, config.block_n), (out, config.block_m), (do, config.block_m)),
+        block_d, config.descriptors)
     yield (_flash_backward_dq_kernel, (cdiv(q_len, config.block_m), q_heads, batch),
-           (q, k_operand, v_operand, out, do, lse, log_sum, delta, dq,
+           (q_operand, k_operand, v_operand, out_operand, do_operand, lse, log_sum, delta, dq,
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p),
            dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m, **constants(config)))
@@ -446,9 +443,11 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if mod.has_mask:
         block_map = map_at(config, True)
         q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
-    (q_operand, do_operand), descriptors = tile_operands((q, do), config.block_m, block_d, config.descriptors)
+    (q_operand, k_operand, v_operand, do_operand), descriptors = tile_operands(
+        ((q, config.block_m), (k, config.block_n), (v, config.block_n), (do, config.block_m)), block_d,
+        config.descriptors)
     yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
-           (q_operand, k, v, do_operand, lse, log_sum, delta, dk, dv,
+           (q_operand, k_operand, v_operand, do_operand, lse, log_sum, delta, dk, dv,
             q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
             q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux, aux_grad, seed, dropout_p),
            dict(DESCRIPTORS=descriptors, FLAT_HEADS=q_heads > kv_heads and (

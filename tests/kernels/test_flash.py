@@ -623,7 +623,7 @@ def test_a_block_map_is_views_of_one_buffer_at_aligned_offsets(extent):
 
 def test_tensor_descriptors_only_where_the_layout_allows():
     def descriptors(t):
-        operands, used = tile_operands((t,), 16, 32, use=True)
+        operands, used = tile_operands(((t, 16),), 32, use=True)
         return used and operands[0].strides
     # Contiguous; a dim of extent 1 takes a contiguous stride whatever its own (here 3, not 16-byte aligned).
     assert descriptors(torch.randn(2, 3, 5, 24)) == [360, 120, 24, 1]
@@ -633,12 +633,12 @@ def test_tensor_descriptors_only_where_the_layout_allows():
     assert not descriptors(torch.randn(1, 2, 5, 25)[..., 1:])
     assert not descriptors(torch.randn(1, 2, 24, 5).transpose(-1, -2))
     assert not descriptors(torch.randn(1, 1, 5, 24).expand(1, 4, 5, 24))
-    assert not tile_operands((torch.randn(2, 3, 5, 24),), 16, 32, use=False)[1]
+    assert not tile_operands(((torch.randn(2, 3, 5, 24), 16),), 32, use=False)[1]
     # One layout at a base 4 bytes past 16-byte alignment, then at one 16 bytes past: checked per base.
     flat = torch.randn(2 * 3 * 5 * 24 + 4)
     assert not descriptors(flat[1:1 + 360 * 2].view(2, 3, 5, 24))
     operand = flat[4:4 + 360 * 2].view(2, 3, 5, 24)
-    (descriptor,), used = tile_operands((operand,), 16, 32, use=True)
+    (descriptor,), used = tile_operands(((operand, 16),), 32, use=True)
     assert used and descriptor.base is operand and descriptor.block_shape == [1, 1, 16, 32]
 
 
