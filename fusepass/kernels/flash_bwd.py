@@ -225,6 +225,8 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
             else:
                 q_block = next_block
                 following_head, following = _head_and_step(j + 1, n_walked, FLAT)
+                # Past the walk's last step, step 0 of its last head (read, not used): no flags past the group's.
+                following_head = tl.minimum(following_head, n_heads - 1)
                 next_block = _partial_walk_block(following, _walk_of_head(walk, following_head))
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                                 first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE,
