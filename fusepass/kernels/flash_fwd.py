@@ -23,8 +23,8 @@ The jit helpers at the top are shared with the backward kernels (flash_bwd.py), 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -152,7 +152,8 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
         x_scale = SCALE
     else:
         x = SCORE(s, b, h, q_idx, cols[None, :], aux)
-    tile_max = tl.max(x, 1) * x_scale
+    x_max = tl.max(x, 1)
+    tile_max = x_max * x_scale
     m_new = tl.maximum(m, tile_max)
     if FUSED_EXP:
         # Rows whose max is not tame shift by 0: their weights so far are 0 or garbage, and they are
@@ -162,7 +163,7 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
         # Every weight of a row carries the factor 2^excess, excess the exponent of its max element: the
         # rounding of m · log2(e), and with the scale folded, how x · rn(scale · log2(e)) differs from
         # rn(x · scale) · log2(e) (~|m| · 2^-22). Taken where this tile holds the row's new max, exactly (fma).
-        excess = tl.where(tile_max > m, tl.math.fma(tl.max(x, 1), x_scale * LOG2E, -shift2), excess)
+        excess = tl.where(tile_max > m, tl.math.fma(x_max, x_scale * LOG2E, -shift2), excess)
         # The weights so far are 2^(x·log2(e) - old shift2): rescaled by the difference of the rounded
         # shifts, they share the new ones' factor 2^δ exactly. A row without a finite score so far has none.
         old_shift2 = tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E
