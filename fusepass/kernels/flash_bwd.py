@@ -180,8 +180,8 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
     group): with FLAT, heads that share one block map, in one walk over (query head, q block) pairs for each tile
     kind, the map's lists of the first head repeated for each head; else one head (n_heads 1). A loop over the
     heads around the two tile loops spilled 176 bytes under triton 3.6 at 4 heads, document mask, D128; in one
-    walk, 56 (bench/kernel_resources.py). One head's walk is not flattened: its divisions and the wrap to the
-    list's start raised MHA's spills (causal 40 → 64 bytes)."""
+    walk, 56, and none once K and V came through descriptors (bench/kernel_resources.py). One head's walk is not
+    flattened: its divisions and the wrap to the list's start raised MHA's spills (causal 40 → 64 bytes)."""
     first_h = kv_head * group + first_head
     first_bh = b.to(tl.int64) * n_q_heads + first_h
     if KEEP is None:
