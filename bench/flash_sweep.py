@@ -2,7 +2,7 @@
 language modelling, by --mask): what ``flash_config`` should choose.
 
     PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--heads 16] [--kv-heads 4]
-        [--forward-only] [--chosen] [--mask causal|plain|packed]
+        [--forward-only] [--chosen] [--mask causal|plain|packed|packed-bound]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
         [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
@@ -75,7 +75,11 @@ PLAIN_LINEAR = replace(PLAIN, name="sweep_plain_linear", linear_scale=SCALE)
 PACKED = replace(CAUSAL, name="sweep_packed", keep=packed_keep, keep_uses_batch=True, keep_reads_aux=True,
                  separable_keep=SeparableKeep(True, document_id, document_id, CAUSAL))
 PACKED_LINEAR = replace(PACKED, name="sweep_packed_linear", linear_scale=SCALE)
-MASKS = {"causal": (CAUSAL, CAUSAL_LINEAR), "plain": (PLAIN, PLAIN_LINEAR), "packed": (PACKED, PACKED_LINEAR)}
+# A bound, not a mask: the packed documents' map with KEEP the causal condition alone, what PARTIAL tiles would cost
+# without the per-element compare of ids (its output is wrong wherever a PARTIAL tile is cut by a document's end).
+PACKED_BOUND = replace(PACKED, name="sweep_packed_bound", keep=causal_keep)
+MASKS = {"causal": (CAUSAL, CAUSAL_LINEAR), "plain": (PLAIN, PLAIN_LINEAR), "packed": (PACKED, PACKED_LINEAR),
+         "packed-bound": (PACKED_BOUND, replace(PACKED_BOUND, name="sweep_packed_bound_linear", linear_scale=SCALE))}
 
 # Per-tile operands through TMA descriptors; the first config of each list also with pointer loads.
 FORWARD = [FlashConfig(128, 128, 8, 3, descriptors=False)] + [
@@ -139,7 +143,7 @@ def main() -> None:
     k, v = (torch.randn(b, kv_heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
     aux, sdpa_mask = (), {"is_causal": masked, "enable_gqa": kv_heads != h}
-    if args.mask == "packed":
+    if args.mask.startswith("packed"):
         ids = torch.sort(torch.randint(0, 8, (b, n), device="cuda"), dim=-1).values
         aux = (ids, ids.stride(0))
         sdpa_mask = {"attn_mask": ((ids[:, :, None] == ids[:, None, :]) &
@@ -147,7 +151,7 @@ def main() -> None:
                      "enable_gqa": kv_heads != h}
     # SDPA's forward and backward under the packed mask (a dense one) are no peer: a reference only
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask)
-    density = {"causal": (n + 1) / (2 * n), "plain": 1, "packed": (n / 8 + 1) / (2 * n)}[args.mask]
+    density = {"causal": (n + 1) / (2 * n), "plain": 1, "packed": (n / 8 + 1) / (2 * n)}[args.mask.removesuffix("-bound")]
     flops = 4 * b * h * n * n * d * density
     rows = []
     sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask))

@@ -111,6 +111,22 @@ def store_rows(base, tile, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM:
 
 
 @triton.jit
+def tile_positions(block, n, BLOCK: tl.constexpr, WHOLE: tl.constexpr):
+    """(positions, in range) of tile `block` along an axis of `n` positions: where its score functions read aux
+    tensors (clamped to the last position), and which lie before n. Where WHOLE (n a multiple of BLOCK) no tile
+    reaches past n: the positions are the tile's own (the last tile's for a block past the end, as the dK/dV
+    walk takes one) and "in range" a constant the compiler folds. A clamp per element hid the positions'
+    contiguity from Triton: its loads by position (the document ids of a PARTIAL tile) then took a copy and a
+    64-bit address per element and thread (16 LDGSTS.E.64 a tile in the dQ kernel, sm_90, triton 3.6)."""
+    if WHOLE:
+        positions = tl.minimum(block, n // BLOCK - 1) * BLOCK + tl.arange(0, BLOCK)
+        return positions, tl.full([BLOCK], 1, tl.int1)
+    else:
+        positions = block * BLOCK + tl.arange(0, BLOCK)
+        return tl.minimum(positions, n - 1), positions < n
+
+
+@triton.jit
 def masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE: tl.constexpr, KEEP: tl.constexpr,
                   FILL: tl.constexpr):
     """Final scores of a PARTIAL tile, and where they are kept: `where(KEEP, SCORE, FILL)` inside the key
@@ -136,7 +152,8 @@ def dropout_kept(seed, dropout_p, row_offsets, cols):
 def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk, aux,
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                  SCALE: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
+                 WHOLE_KV: tl.constexpr):
     """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below)."""
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k, v = load_tiles(K, V, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
@@ -144,8 +161,8 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
     s = dot(q, tl.trans(k))
     x_scale = 1.0  # the final scores are x · x_scale
     if PARTIAL:
-        x, _ = masked_scores(s, b, h, q_idx, tl.minimum(cols, Nk - 1)[None, :], (cols < Nk)[None, :], aux,
-                             SCORE, KEEP, FILL)
+        kv_idx, kv_in = tile_positions(kv_block, Nk, BLOCK_N, WHOLE_KV)
+        x, _ = masked_scores(s, b, h, q_idx, kv_idx[None, :], kv_in[None, :], aux, SCORE, KEEP, FILL)
     elif FUSED_EXP and SCALE is not None:
         # SCORE(s) = s · SCALE, folded into the exponent's fma (see ScoreMod.linear_scale): x stays s.
         x = s
@@ -222,7 +239,7 @@ def _flash_forward_kernel(
     Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr,
+    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, WHOLE_KV: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -253,14 +270,15 @@ def _flash_forward_kernel(
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
         acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
                                          q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False,
-                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
+                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, WHOLE_KV)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial):
             kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
             acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
-                                             SCALE, True, DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
+                                             SCALE, True, DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
+                                             WHOLE_KV)
 
     # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
     # whose max stands SKIP_MARGIN above every fill value: not for rows without a kept element, or with
@@ -278,7 +296,8 @@ def _flash_forward_kernel(
         for kv_block in range(0, n_kv_blocks):
             acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
-                                             SCALE, True, DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS)
+                                             SCALE, True, DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
+                                             WHOLE_KV)
         excess = tl.zeros([BLOCK_M], tl.float32)  # the exact form's weights carry no common factor
     if KEEP is not None:
         tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
@@ -421,7 +440,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
     keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
                     HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
                     DESCRIPTORS=descriptors, HEAD_GROUP=config.head_group,
-                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, block_n), num_warps=config.num_warps,
+                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, block_n), WHOLE_KV=kv_len % block_n == 0,
+                    num_warps=config.num_warps,
                     num_stages=config.num_stages)
     return _flash_forward_kernel, grid, args, keywords
 

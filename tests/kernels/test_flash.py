@@ -363,6 +363,8 @@ MATRIX = [
     ("softcap", f32, Shape(1, 2, 2, 37, 53, 24), "bhnd"),
     ("bias_grad", f32, Shape(2, 2, 1, 37, 53, 24), "bhnd"),
     ("key_pad_min", f32, Shape(2, 2, 1, 37, 37, 24), "bhnd"),  # KEEP of one row: FULL tiles counted per row
+    # Lengths that are multiples of every tile: a KEEP reading aux by position sees unclamped positions
+    ("key_pad_min", f32, Shape(2, 2, 1, 48, 64, 24), "bhnd"),
 ]
 
 
@@ -380,21 +382,24 @@ def test_matches_reference(name, dtype, shape, layout):
         torch.testing.assert_close(inputs.aux_grad[0].double(), inputs.ref["bias"].grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name, forward_block_m, dq_block_m, kind_block_m", [
-    ("left_pad_min", None, None, None), ("left_pad_inf", None, None, None), ("left_pad_min", 32, None, None),
-    ("left_pad_min", None, 32, None), ("left_pad_min", 32, 32, 16), ("left_pad_inf", 32, 32, 16)])
-def test_fully_masked_rows(monkeypatch, name, forward_block_m, dq_block_m, kind_block_m):
+@pytest.mark.parametrize("name, forward_block_m, dq_block_m, kind_block_m, length", [
+    ("left_pad_min", None, None, None, 37), ("left_pad_inf", None, None, None, 37),
+    ("left_pad_min", 32, None, None, 37), ("left_pad_min", None, 32, None, 37), ("left_pad_min", 32, 32, 16, 37), ("left_pad_inf", 32, 32, 16, 37),
+    ("left_pad_min", None, None, None, 48), ("left_pad_min", 32, 32, 16, 64)])
+def test_fully_masked_rows(monkeypatch, name, forward_block_m, dq_block_m, kind_block_m, length):
     """Rows keeping no key (left padding under a causal mask) are recomputed over all tiles, forward and
     backward: finfo.min fills average V uniformly, -inf fills give NaN, both exactly as eager. With
     `forward_block_m` the forward runs on taller tiles than the backward, which then maps the forward's
     fallback rows onto its own q blocks; with `dq_block_m` the dQ kernel's q blocks are taller than the dK/dV
     kernel's, each flagging two of them; with `kind_block_m` as well, the forward's map serves both backward
-    kernels (its rows lists at 32 rows for the dQ kernel, its kinds and cols lists at 16 for dK/dV)."""
+    kernels (its rows lists at 32 rows for the dQ kernel, its kinds and cols lists at 16 for dK/dV). At a `length`
+    that every tile divides, the dK/dV kernel's walk past its list takes the block past the last, whose positions
+    are then the last block's (`tile_positions`)."""
     if dq_block_m is not None:
         tiles = BackwardConfigs(INTERPRETER_CONFIG, replace(INTERPRETER_CONFIG, block_m=dq_block_m))
         monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: tiles)
     torch.manual_seed(0)
-    shape = Shape(2, 2, 1, 37, 37, 24)
+    shape = Shape(2, 2, 1, length, length, 24)
     case = CASES[name]
     inputs = case.make_inputs(shape)
     q, k, v, do = make_qkv(shape, f32)
