@@ -7,7 +7,8 @@ TFLOP/s count only the unmasked work (4·B·H·Nq·Nk·D per forward, × 2.5 for
 
 Shapes are B, H, N, D and the kv heads: with fewer kv heads than query heads (GQA) the hand-written code
 repeats k and v for each query head (``repeat_interleave``), SDPA is given the repeated k and v as well, and
-FlexAttention reads the kv heads as they are (``enable_gqa``).
+FlexAttention reads the kv heads as they are (``enable_gqa``). ``odd`` is the large shape one position short,
+a length no tile divides.
 
 FlexAttention's block mask is built once, outside the timed calls. Where the mask reads the call's inputs (padding
 lengths, document ids: fusepass maps it inside every call), the peer ``flex-mask`` (``--peers sdpa,flex,flex-mask``)
@@ -30,7 +31,7 @@ import fusepass
 
 WINDOW = 1024
 SHAPES = {"small": (8, 16, 2048, 64, 16), "large": (2, 16, 8192, 128, 16), "d96": (2, 16, 8192, 96, 16),
-          "gqa": (2, 16, 8192, 128, 4)}
+          "gqa": (2, 16, 8192, 128, 4), "odd": (2, 16, 8191, 128, 16)}
 
 
 def kv_repeated(fn: Callable | None, group: int) -> Callable | None:

@@ -40,7 +40,8 @@ from fusepass.kernels.distance_table import add_distance_gradients, distance_gra
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, has_partial_tiles,
-    load_tile, load_tiles, masked_scores, q_block_program, store_rows, tile_operands, tile_positions)
+    load_tile, load_tiles, masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
+    tile_positions)
 from fusepass.kernels.sizes import cdiv
 
 
@@ -72,7 +73,7 @@ def _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCOR
 @triton.jit
 def _tile_weights(s, shift, log2_sum, b, h, bh, rows, cols, block, Nq, Nk, aux, seed, dropout_p,
                   SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, PARTIAL: tl.constexpr,
-                  DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, WHOLE: tl.constexpr):
+                  DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
     """The weights of one tile from its products s: (p, p_dropped, kept, dropped), and the index tiles the
     score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held) stands in as kv_in on tiles that
     are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
@@ -80,17 +81,17 @@ def _tile_weights(s, shift, log2_sum, b, h, bh, rows, cols, block, Nq, Nk, aux, 
     The tiles are [q, kv], or [kv, q] when TRANSPOSED (the dK/dV kernel: its dots then take pᵀ and d sᵀ as
     they are, where transposing a tile in registers goes through shared memory); the score functions see
     the index tiles transposed alike. `block` is the tile's block along the axis the kernel walks (q when
-    TRANSPOSED, else kv), of BLOCK positions, WHOLE where that axis's length is a multiple of BLOCK
-    (`tile_positions`); the other axis's positions are the program's."""
+    TRANSPOSED, else kv), of BLOCK positions, placed by TAIL (`tile_positions`; the caller loaded the tile's
+    rows there); the other axis's positions are the program's."""
     if TRANSPOSED:
-        q_idx, _ = tile_positions(block, Nq, BLOCK, WHOLE)
+        _, q_idx, _ = tile_positions(block, Nq, BLOCK, TAIL)
         q_idx = q_idx[None, :]
         kv_idx = tl.minimum(cols, Nk - 1)[:, None]
         kv_in = (cols < Nk)[:, None]
         shift, log2_sum = shift[None, :], log2_sum[None, :]
     else:
         q_idx = tl.minimum(rows, Nq - 1)[:, None]
-        kv_idx, kv_in = tile_positions(block, Nk, BLOCK, WHOLE)
+        _, kv_idx, kv_in = tile_positions(block, Nk, BLOCK, TAIL)
         kv_idx, kv_in = kv_idx[None, :], kv_in[None, :]
         shift, log2_sum = shift[:, None], log2_sum[:, None]
     if PARTIAL:
@@ -132,7 +133,7 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr,
                FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               DESCRIPTORS: tl.constexpr, WHOLE_Q: tl.constexpr):
+               DESCRIPTORS: tl.constexpr, Q_TAIL: tl.constexpr):
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
                        DESCRIPTORS)
@@ -142,7 +143,7 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
     s = dot(k, tl.trans(q))
     p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
         s, shift, log2_sum, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
-        DROPOUT, True, BLOCK_M, WHOLE_Q)
+        DROPOUT, True, BLOCK_M, Q_TAIL)
     dv = dot(p_dropped.to(do.dtype), do, dv)
     dp = dot(v, tl.trans(do))
     delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
@@ -178,7 +179,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
                aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, WHOLE_Q: tl.constexpr):
+               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, Q_TAIL: tl.constexpr):
     """dK and dV of the kv block after the tiles of `n_heads` query heads from `first_head` (of the kv head's
     group): with FLAT, heads that share one block map, in one walk over (query head, q block) pairs for each tile
     kind, the map's lists of the first head repeated for each head; else one head (n_heads 1). A loop over the
@@ -234,7 +235,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                                 first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE,
                                 KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                DESCRIPTORS, WHOLE_Q)
+                                DESCRIPTORS, Q_TAIL)
     first_block = walk_start(full_blocks, n_full, KEEP is not None)
     next_block = first_block
     for j in range(0, n_heads * n_full):
@@ -245,7 +246,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
         dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                             first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP,
                             FILL, SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS,
-                            WHOLE_Q)
+                            Q_TAIL)
     return dk, dv
 
 
@@ -274,7 +275,7 @@ def _flash_backward_dkdv_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
-    PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr, WHOLE_Q: tl.constexpr,
+    PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr, Q_TAIL: tl.constexpr,
 ):
     # First kv blocks first: under a causal mask they hold the most tiles.
     kv_block, kv_head, b = grouped_program(HEAD_GROUP)
@@ -294,14 +295,14 @@ def _flash_backward_dkdv_kernel(
                             cols, 0, group, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                             fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
                             FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS, PARTIAL_TILES,
-                            True, WHOLE_Q)
+                            True, Q_TAIL)
     else:
         for g in range(0, group):
             dk, dv = _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head,
                                 kv_block, cols, g, 1, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                                 fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
                                 FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                PARTIAL_TILES, False, WHOLE_Q)
+                                PARTIAL_TILES, False, Q_TAIL)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
                dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
@@ -314,15 +315,20 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
              Nq, Nk, aux, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
              SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-             WHOLE_KV: tl.constexpr):
-    cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    k, v = load_tiles(K, V, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
-                      PARTIAL, DESCRIPTORS)
+             KV_TAIL: tl.constexpr):
+    """Add one kv tile's share to dQ. Only PARTIAL tiles may be the last (`tile_positions`)."""
+    if PARTIAL:
+        first, _, _ = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
+    else:
+        first = kv_block * BLOCK_N
+    cols = first + tl.arange(0, BLOCK_N)
+    k, v = load_tiles(K, V, b, kv_head, first, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
+                      DESCRIPTORS)
     s = dot(q, tl.trans(k))
     dp = dot(do, tl.trans(v))
     p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
         s, shift, log2_sum, b, h, bh, rows, cols, kv_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL,
-        PARTIAL, DROPOUT, False, BLOCK_N, WHOLE_KV)
+        PARTIAL, DROPOUT, False, BLOCK_N, KV_TAIL)
     grad = _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, None,
                              dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
     return dot(grad.to(k.dtype), k, dq)
@@ -336,7 +342,7 @@ def _flash_backward_dq_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
-    HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, WHOLE_KV: tl.constexpr,
+    HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -378,7 +384,7 @@ def _flash_backward_dq_kernel(
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
         dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
-                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, WHOLE_KV)
+                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial + n_all):  # one of the two is 0
@@ -387,7 +393,7 @@ def _flash_backward_dq_kernel(
                 kv_block = tl.where(n_all > 0, i, kv_block)
             dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head,
                           bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
-                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, WHOLE_KV)
+                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
 
     store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
@@ -443,8 +449,8 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
            (q_operand, k_operand, v_operand, out_operand, do_operand, lse, log_sum, delta, dq,
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p),
-           dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m, WHOLE_KV=kv_len % config.block_n == 0,
-                **constants(config)))
+           dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m,
+                KV_TAIL=tail_placement(kv_len, config.block_n, True), **constants(config)))
 
     config = configs.dkdv
     q_lists = None
@@ -458,8 +464,9 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
            (q_operand, k_operand, v_operand, do_operand, lse, log_sum, delta, dk, dv,
             q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
             q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux, aux_grad, seed, dropout_p),
-           dict(DESCRIPTORS=descriptors, WHOLE_Q=q_len % config.block_m == 0, FLAT_HEADS=q_heads > kv_heads and (
-                not mod.has_mask or block_map.batch_head_strides[1] == 0), **constants(config)))
+           dict(DESCRIPTORS=descriptors, Q_TAIL=tail_placement(q_len, config.block_m, False),
+                FLAT_HEADS=q_heads > kv_heads and (not mod.has_mask or block_map.batch_head_strides[1] == 0),
+                **constants(config)))
 
 
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

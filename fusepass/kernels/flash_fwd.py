@@ -110,20 +110,45 @@ def store_rows(base, tile, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM:
     tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
 
 
+# Where the last tile along a walked axis lies (`tail_placement`): the axis's length a multiple of the tile
+# (WHOLE), the last tile moved back to end at the length (SHIFTED), or its positions clamped (CLAMPED).
+WHOLE = tl.constexpr(0)
+SHIFTED = tl.constexpr(1)
+CLAMPED = tl.constexpr(2)
+
+
+def tail_placement(n: int, block: int, shift: bool) -> int:
+    """How the kernels place the last of an axis's tiles of `block` positions (`tile_positions`): SHIFTED only
+    where `shift` (the axis's tiles past the last position are never FULL, so that loop takes no shifted tile)
+    and one tile fits."""
+    if n % block == 0:
+        return WHOLE.value
+    return SHIFTED.value if shift and n > block else CLAMPED.value
+
+
 @triton.jit
-def tile_positions(block, n, BLOCK: tl.constexpr, WHOLE: tl.constexpr):
-    """(positions, in range) of tile `block` along an axis of `n` positions: where its score functions read aux
-    tensors (clamped to the last position), and which lie before n. Where WHOLE (n a multiple of BLOCK) no tile
-    reaches past n: the positions are the tile's own (the last tile's for a block past the end, as the dK/dV
-    walk takes one) and "in range" a constant the compiler folds. A clamp per element hid the positions'
-    contiguity from Triton: its loads by position (the document ids of a PARTIAL tile) then took a copy and a
-    64-bit address per element and thread (16 LDGSTS.E.64 a tile in the dQ kernel, sm_90, triton 3.6)."""
-    if WHOLE:
-        positions = tl.minimum(block, n // BLOCK - 1) * BLOCK + tl.arange(0, BLOCK)
-        return positions, tl.full([BLOCK], 1, tl.int1)
+def tile_positions(block, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
+    """(first row, positions, in range) of tile `block` along an axis of `n` positions, placed by TAIL
+    (`tail_placement`): the rows its K and V (or Q and dO) are loaded from, the positions its score functions
+    see (they may read aux tensors by position: never past n), and which of them are the tile's own and before
+    n (the others score -inf).
+
+    WHOLE: no tile reaches past n; a block past the end (the dK/dV walk takes one) is the last block, none of
+    its positions in range. SHIFTED: the last tile starts at n - BLOCK, its positions before the block's own
+    first out of range (the tile before holds them). CLAMPED: positions past n read position n - 1. A clamp per
+    element hid the positions' contiguity from Triton: its loads by position (the document ids of a PARTIAL
+    tile) then took a copy and a 64-bit address per element and thread (16 LDGSTS.E.64 a tile in the dQ
+    kernel, sm_90, triton 3.6); shifted, they stay one run (aligned where n is a multiple of 16)."""
+    if TAIL == WHOLE:
+        first = tl.minimum(block, n // BLOCK - 1) * BLOCK
+        return first, first + tl.arange(0, BLOCK), tl.full([BLOCK], 1, tl.int1)
+    elif TAIL == SHIFTED:
+        first = tl.minimum(block * BLOCK, n - BLOCK)
+        positions = first + tl.arange(0, BLOCK)
+        return first, positions, positions >= block * BLOCK
     else:
         positions = block * BLOCK + tl.arange(0, BLOCK)
-        return tl.minimum(positions, n - 1), positions < n
+        return block * BLOCK, tl.minimum(positions, n - 1), positions < n
 
 
 @triton.jit
@@ -153,15 +178,19 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                  SCALE: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-                 WHOLE_KV: tl.constexpr):
-    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below)."""
-    cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    k, v = load_tiles(K, V, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
-                      PARTIAL, DESCRIPTORS)
+                 KV_TAIL: tl.constexpr):
+    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below).
+    Only PARTIAL tiles may be the last (`tile_positions`)."""
+    if PARTIAL:
+        first, kv_idx, kv_in = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
+    else:
+        first = kv_block * BLOCK_N
+    cols = first + tl.arange(0, BLOCK_N)
+    k, v = load_tiles(K, V, b, kv_head, first, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
+                      DESCRIPTORS)
     s = dot(q, tl.trans(k))
     x_scale = 1.0  # the final scores are x · x_scale
     if PARTIAL:
-        kv_idx, kv_in = tile_positions(kv_block, Nk, BLOCK_N, WHOLE_KV)
         x, _ = masked_scores(s, b, h, q_idx, kv_idx[None, :], kv_in[None, :], aux, SCORE, KEEP, FILL)
     elif FUSED_EXP and SCALE is not None:
         # SCORE(s) = s · SCALE, folded into the exponent's fma (see ScoreMod.linear_scale): x stays s.
@@ -239,7 +268,7 @@ def _flash_forward_kernel(
     Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, WHOLE_KV: tl.constexpr,
+    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -270,7 +299,7 @@ def _flash_forward_kernel(
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
         acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
                                          q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False,
-                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, WHOLE_KV)
+                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial):
@@ -278,7 +307,7 @@ def _flash_forward_kernel(
             acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
                                              SCALE, True, DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                             WHOLE_KV)
+                                             KV_TAIL)
 
     # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
     # whose max stands SKIP_MARGIN above every fill value: not for rows without a kept element, or with
@@ -297,7 +326,7 @@ def _flash_forward_kernel(
             acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
                                              SCALE, True, DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                             WHOLE_KV)
+                                             KV_TAIL)
         excess = tl.zeros([BLOCK_M], tl.float32)  # the exact form's weights carry no common factor
     if KEEP is not None:
         tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
@@ -440,9 +469,9 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
     keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
                     HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
                     DESCRIPTORS=descriptors, HEAD_GROUP=config.head_group,
-                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, block_n), WHOLE_KV=kv_len % block_n == 0,
-                    num_warps=config.num_warps,
-                    num_stages=config.num_stages)
+                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, block_n),
+                    KV_TAIL=tail_placement(kv_len, block_n, True),
+                    num_warps=config.num_warps, num_stages=config.num_stages)
     return _flash_forward_kernel, grid, args, keywords
 
 

@@ -365,6 +365,8 @@ MATRIX = [
     ("key_pad_min", f32, Shape(2, 2, 1, 37, 37, 24), "bhnd"),  # KEEP of one row: FULL tiles counted per row
     # Lengths that are multiples of every tile: a KEEP reading aux by position sees unclamped positions
     ("key_pad_min", f32, Shape(2, 2, 1, 48, 64, 24), "bhnd"),
+    # Fewer keys than one tile: their positions clamped (`tail_placement`); elsewhere the last kv tile is shifted
+    ("key_pad_min", f32, Shape(2, 2, 1, 37, 11, 24), "bhnd"),
 ]
 
 
