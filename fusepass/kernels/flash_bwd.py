@@ -40,7 +40,7 @@ from fusepass.kernels.distance_table import add_distance_gradients, distance_gra
 from fusepass.kernels.flash_config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.kernels.flash_fwd import (
     LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept, grouped_program, has_partial_tiles,
-    load_tile, load_tiles, masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
+    load_kv_tile, load_tile, load_tiles, masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
     tile_positions)
 from fusepass.kernels.sizes import cdiv
 
@@ -316,14 +316,9 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
              SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
              KV_TAIL: tl.constexpr):
-    """Add one kv tile's share to dQ. Only PARTIAL tiles may be the last (`tile_positions`)."""
-    if PARTIAL:
-        first, _, _ = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
-    else:
-        first = kv_block * BLOCK_N
-    cols = first + tl.arange(0, BLOCK_N)
-    k, v = load_tiles(K, V, b, kv_head, first, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
-                      DESCRIPTORS)
+    """Add one kv tile's share to dQ."""
+    cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
+                              PARTIAL, DESCRIPTORS, KV_TAIL)
     s = dot(q, tl.trans(k))
     dp = dot(do, tl.trans(v))
     p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(

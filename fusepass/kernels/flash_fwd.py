@@ -152,6 +152,21 @@ def tile_positions(block, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
 
 
 @triton.jit
+def load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DESCRIPTORS: tl.constexpr,
+                 KV_TAIL: tl.constexpr):
+    """(columns, K tile, V tile) of kv tile `kv_block` where it lies (`tile_positions`): only PARTIAL tiles may
+    be the last."""
+    if PARTIAL:
+        first, _, _ = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
+    else:
+        first = kv_block * BLOCK_N
+    k, v = load_tiles(K, V, b, kv_head, first, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
+                      DESCRIPTORS)
+    return first + tl.arange(0, BLOCK_N), k, v
+
+
+@triton.jit
 def masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE: tl.constexpr, KEEP: tl.constexpr,
                   FILL: tl.constexpr):
     """Final scores of a PARTIAL tile, and where they are kept: `where(KEEP, SCORE, FILL)` inside the key
@@ -179,18 +194,13 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
                  SCALE: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
                  KV_TAIL: tl.constexpr):
-    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below).
-    Only PARTIAL tiles may be the last (`tile_positions`)."""
-    if PARTIAL:
-        first, kv_idx, kv_in = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
-    else:
-        first = kv_block * BLOCK_N
-    cols = first + tl.arange(0, BLOCK_N)
-    k, v = load_tiles(K, V, b, kv_head, first, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
-                      DESCRIPTORS)
+    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below)."""
+    cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
+                              PARTIAL, DESCRIPTORS, KV_TAIL)
     s = dot(q, tl.trans(k))
     x_scale = 1.0  # the final scores are x · x_scale
     if PARTIAL:
+        _, kv_idx, kv_in = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
         x, _ = masked_scores(s, b, h, q_idx, kv_idx[None, :], kv_in[None, :], aux, SCORE, KEEP, FILL)
     elif FUSED_EXP and SCALE is not None:
         # SCORE(s) = s · SCALE, folded into the exponent's fma (see ScoreMod.linear_scale): x stays s.
