@@ -129,19 +129,19 @@ def tail_placement(n: int, block: int, shift: bool) -> int:
 @triton.jit
 def tile_positions(block, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
     """(first row, positions, in range) of tile `block` along an axis of `n` positions, placed by TAIL
-    (`tail_placement`): the rows its K and V (or Q and dO) are loaded from, the positions its score functions
-    see (they may read aux tensors by position: never past n), and which of them are the tile's own and before
-    n (the others score -inf).
+    (`tail_placement`): the row its K and V are loaded from, the positions its score functions see (they may
+    read aux tensors by position: never past n), and which of them are the tile's own and before n (the kv
+    axis's others score -inf).
 
-    WHOLE: no tile reaches past n; a block past the end (the dK/dV walk takes one) is the last block, none of
-    its positions in range. SHIFTED: the last tile starts at n - BLOCK, its positions before the block's own
+    WHOLE: no tile reaches past n and every position is in range; a block past the end (the dK/dV walk takes
+    one: its rows, loaded past n, weigh nothing) sees the last block's positions. SHIFTED: the last tile starts at n - BLOCK, its positions before the block's own
     first out of range (the tile before holds them). CLAMPED: positions past n read position n - 1. A clamp per
     element hid the positions' contiguity from Triton: its loads by position (the document ids of a PARTIAL
     tile) then took a copy and a 64-bit address per element and thread (16 LDGSTS.E.64 a tile in the dQ
     kernel, sm_90, triton 3.6); shifted, they stay one run (aligned where n is a multiple of 16)."""
     if TAIL == WHOLE:
-        first = tl.minimum(block, n // BLOCK - 1) * BLOCK
-        return first, first + tl.arange(0, BLOCK), tl.full([BLOCK], 1, tl.int1)
+        positions = tl.minimum(block, n // BLOCK - 1) * BLOCK + tl.arange(0, BLOCK)
+        return block * BLOCK, positions, tl.full([BLOCK], 1, tl.int1)
     elif TAIL == SHIFTED:
         first = tl.minimum(block * BLOCK, n - BLOCK)
         positions = first + tl.arange(0, BLOCK)
