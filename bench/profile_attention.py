@@ -1,10 +1,11 @@
-"""What holds an attention forward back: Nsight Compute's view of fusepass's kernel beside FlexAttention's.
+"""What holds an attention forward back: Nsight Compute's view of fusepass's kernel beside FlexAttention's and
+SDPA's (where SDPA can say the case).
 
     PYTHONPATH=. python bench/profile_attention.py [--cases causal,alibi] [--backward] [--ncu ncu] [--out DIR]
 
 For each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) the script runs itself under
 ``ncu --clock-control none --profile-from-start off``: the child compiles the case with fusepass and with
-FlexAttention, runs both once to compile and fill every cache, then runs one forward of each between
+FlexAttention, runs each (and SDPA) once to compile and fill every cache, then runs one forward of each between
 ``cudaProfilerStart`` and ``cudaProfilerStop`` (with ``--backward``, one forward and backward of each, every input
 of the case that can take a gradient needing one). Kept per kernel: duration, issue-slot and pipe utilization
 (tensor, FMA, ALU, XU: the special-function unit exp2 runs on), registers, occupancy and the top warp
@@ -69,6 +70,8 @@ def child(case_name: str, backward: bool) -> None:
     flex = torch.compile(flex_attention)
     calls = [lambda: fused(q, k, v, *extra),
              lambda: flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=case.flex_scale)]
+    if case.sdpa is not None:
+        calls.append(lambda: case.sdpa(q, k, v, *extra))
     grad = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
     runs = [(lambda call=call: call().backward(grad)) if backward else call for call in calls]
     for run in runs:
