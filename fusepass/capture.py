@@ -13,6 +13,10 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fusepass.fx_util import infer_meta
+
+NO_GRADIENT = {torch.ops.aten.detach.default}  # ops whose float output no gradient passes through
+
 
 def fake_mode_of(example_inputs: Sequence[object]) -> FakeTensorMode:
     return detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
@@ -23,8 +27,69 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> torch
     fake_inputs = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     with fake_mode, torch.fx.traceback.preserve_node_meta():
         traced = make_fx(torch.fx.Interpreter(gm).run, pre_dispatch=True)(*fake_inputs)
+    if functional_pointwise(traced.graph):
+        traced.recompile()
     mark_requires_grad(traced.graph, example_inputs)
     return traced
+
+
+def _returns_alias(node: torch.fx.Node) -> bool:
+    """Whether the node's value may share storage with another's: a view, an op that may return its input
+    (``contiguous``, ``to``), an item of a list of views (``split``), a graph input."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return True
+    return any(r.alias_info is not None for r in node.target._schema.returns)
+
+
+def functional_pointwise(graph: torch.fx.Graph) -> bool:
+    """In-place pointwise ops (``s *= scale``, ``s.masked_fill_(...)``) on a tensor an op made afresh become their
+    functional twins, so that the passes see the chain as written without its mutations; returns whether any
+    did. The rewrite is exact: no other tensor shares the storage, the result is cast back to the mutated
+    tensor's dtype as the in-place op stores it, and every later read of the tensor reads the new value."""
+    from fusepass.codegen.pointwise import is_supported
+
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    changed = False
+    for node in list(graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                not target._schema.name.endswith("_") or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        base = node.args[0]
+        functional = getattr(getattr(torch.ops.aten, target._schema.name.split("::")[1][:-1], None),
+                             target._overloadname, None)
+        if functional is None or not is_supported(functional, node.args, node.kwargs) or _returns_alias(base) or \
+                any(_returns_alias(user) and order[user] < order[node] for user in base.users if user is not node):
+            continue
+        with graph.inserting_before(node):
+            result = graph.call_function(functional, node.args, node.kwargs)
+            result.meta.update(node.meta)
+            infer_meta([result])
+            if result.meta["val"].dtype != base.meta["val"].dtype:
+                cast = graph.call_function(torch.ops.aten._to_copy.default, (result,),
+                                           {"dtype": base.meta["val"].dtype})
+                cast.meta.update(node.meta)
+                infer_meta([cast])
+                result = cast
+        for user in list(base.users):
+            if order.get(user, -1) > order[node]:
+                user.replace_input_with(base, result)
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        changed = True
+    return changed
+
+
+def carries_gradient(val: object) -> bool:
+    """Whether a value can carry a gradient: a floating (or complex) tensor, or a list or tuple holding one
+    (``split``, ``chunk``, ``unbind``). A value of unknown kind is taken to carry one: a gradient missed is
+    a wrong result, one assumed where none flows only costs work."""
+    if isinstance(val, torch.Tensor):
+        return val.is_floating_point() or val.is_complex()
+    if isinstance(val, (list, tuple)):
+        return any(carries_gradient(v) for v in val)
+    return val is None
 
 
 def mark_requires_grad(graph: torch.fx.Graph, example_inputs: Sequence[object]) -> None:
@@ -33,12 +98,11 @@ def mark_requires_grad(graph: torch.fx.Graph, example_inputs: Sequence[object]) 
     inputs = iter(example_inputs)
     grad_mode = torch.is_grad_enabled()  # Dynamo compiles under the caller's grad mode
     for node in graph.nodes:
-        val = node.meta.get("val")
         if node.op == "placeholder":
             x = next(inputs, None)
             node.meta["requires_grad"] = grad_mode and bool(getattr(x, "requires_grad", False))
         elif node.op == "call_function":
-            differentiable = isinstance(val, torch.Tensor) and val.is_floating_point() and \
-                node.target is not torch.ops.aten.detach.default
+            differentiable = node.target not in NO_GRADIENT and carries_gradient(node.meta.get("val"))
             node.meta["requires_grad"] = differentiable and any(
                 a.meta.get("requires_grad", False) for a in node.all_input_nodes)
+

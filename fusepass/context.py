@@ -2,14 +2,21 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch._dynamo.exc
 import torch.fx
 
 from fusepass.options import Options
-from fusepass.report.records import Hotspot
+from fusepass.report.records import Hotspot, Rewrite
 from fusepass.report.report import Report
+
+
+# Dynamo's and AOTAutograd's own control flow (a restart of the analysis, a frame to skip), raised through a
+# backend: never a failure to fall back from.
+CONTROL_FLOW = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame, torch._dynamo.exc.ResetRequired)
 
 
 @dataclass
@@ -21,16 +28,18 @@ class PassContext:
     run_kernels: bool  # False: plan and report, but leave the graph's ops to run unfused
 
     def fallback(self, kind: str, location: str, reason: str, error: Exception,
-                 ops: tuple[str, ...] = (), bytes: int = 0, phase: str | None = None) -> None:
+                 ops: tuple[str, ...] = (), bytes: int = 0, phase: str | None = None,
+                 withdrawn: Sequence[Rewrite] = ()) -> None:
         """A pass (or, at run time, a kernel of the given phase) failed on part of the graph: raise in strict
-        mode, else warn and record it."""
-        if self.options.strict:
+        mode, else warn and record it. The `withdrawn` rewrites no longer run: they leave the report's rewrites."""
+        if self.options.strict or isinstance(error, CONTROL_FLOW):
             raise error
         warnings.warn(f"fusepass: {reason} at {location}: {type(error).__name__}: {error}; "
                       "running it unfused", RuntimeWarning, stacklevel=3)
         self.report.hotspots.append(Hotspot(kind=kind, phase=phase or self.phase, location=location,
                                             reason=f"{reason}: {type(error).__name__}: {error}", ops=ops,
                                             bytes=bytes))
+        self.report.rewrites[:] = [r for r in self.report.rewrites if not any(r is w for w in withdrawn)]
 
 
 def graph_device(graph: torch.fx.Graph) -> torch.device:

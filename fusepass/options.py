@@ -21,6 +21,9 @@ class Options:
         if unknown:
             raise TypeError(f"fusepass.backend() got unknown option {unknown[0]!r}; "
                             f"the options are: {', '.join(sorted(known))}")
+        for name, value in kwargs.items():
+            if not isinstance(value, bool):  # every option is a switch; 1, "no" and None are not
+                raise TypeError(f"fusepass option {name!r} takes True or False, not {value!r}")
         return cls(**kwargs)
 
     def with_changes(self, **kwargs: object) -> "Options":

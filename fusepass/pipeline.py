@@ -21,16 +21,16 @@ import torch.fx
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._functorch.aot_autograd import aot_module_simplified
 
-from fusepass.attention.rewrite import rewrite_attention
+from fusepass.attention.rewrite import list_unfused_attention, rewrite_attention
 from fusepass.capture import capture
-from fusepass.context import PassContext, graph_device
+from fusepass.context import CONTROL_FLOW, PassContext, graph_device
 from fusepass.elementwise.fuse import fuse_elementwise
 from fusepass.kernels.pointwise import interpreting
 from fusepass.options import Options
 from fusepass.report import hooks, profile, roofline
 from fusepass.report.intermediates import largest_intermediates
 from fusepass.report.records import Hotspot
-from fusepass.report.report import Report, new_report
+from fusepass.report.report import Report, discard, new_report
 from fusepass.runnable import copy_graph, on_device, runnable
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
@@ -65,9 +65,13 @@ class _Compiling:
         self.settle()
 
     def settle(self) -> None:
-        roofline.estimate(self.report)
-        if self.forwards_done and not self.backwards_pending and not self.report.complete:
-            hooks.report_complete(self.report)
+        try:
+            roofline.estimate(self.report)
+            if self.forwards_done and not self.backwards_pending and not self.report.complete:
+                hooks.report_complete(self.report)
+        except Exception as error:  # reporting never breaks the model
+            warnings.warn(f"fusepass: completing the report failed ({type(error).__name__}: {error})",
+                          RuntimeWarning, stacklevel=2)
 
 
 def _notice(report: Report, notice: str | None) -> None:
@@ -85,6 +89,16 @@ def _ceilings_notice(report: Report, device: torch.device) -> str | None:
             "fusepass.measure_ceilings())")
 
 
+# What fusepass does in place of each of Inductor's modes.
+MODES = {
+    "reduce-overhead": "it replays its attention and elementwise launches as CUDA graphs without being asked (the "
+                       "`replay` option), not whole graphs",
+    "max-autotune": "its kernels' tiles are chosen per device and shape when they compile, with no search to ask for",
+    "max-autotune-no-cudagraphs": "its kernels' tiles are chosen per device and shape when they compile, with no "
+                                  "search to ask for",
+}
+
+
 class Backend:
     """A configured fusepass backend: ``torch.compile(model, backend=Backend(Options(...)))``."""
 
@@ -99,30 +113,34 @@ class Backend:
         """Compile one Dynamo graph. ``torch.compile(..., options={...})`` passes `options` (fusepass's, over this
         backend's) and ``mode=...`` `mode`, which names Inductor's modes: fusepass has one."""
         if mode not in (None, "default"):
-            raise ValueError(f"fusepass has no mode {mode!r}: its kernels are chosen when they compile, and it "
-                             "replays its attention and elementwise launches as CUDA graphs without being asked "
-                             "(the `replay` option), not whole graphs (\"reduce-overhead\"); leave mode out")
+            raise ValueError(f"fusepass has no mode {mode!r}: {MODES.get(mode, 'modes name Inductor settings')}; "
+                             "leave mode out")
         if options:
             return Backend(self.options.with_changes(**options))(gm, example_inputs)
         compiling = _Compiling(new_report())
-        if has_higher_order_ops(gm):
-            try:
-                compiled = compile_around_higher_order_ops(
-                    gm, example_inputs, lambda piece, inputs: self._compile(piece, inputs, compiling))
-            except Exception as error:
-                compiled = self._give_up(gm, compiling.report, "splitting at higher-order ops", error)
-        else:
-            compiled = self._compile(gm, example_inputs, compiling)
+        try:
+            if has_higher_order_ops(gm):
+                try:
+                    compiled = compile_around_higher_order_ops(
+                        gm, example_inputs, lambda piece, inputs: self._compile(piece, inputs, compiling))
+                except Exception as error:
+                    compiled = self._give_up(gm, compiling.report, "splitting at higher-order ops", error, 0)
+            else:
+                compiled = self._compile(gm, example_inputs, compiling)
+        except CONTROL_FLOW:
+            discard(compiling.report)  # Dynamo compiles the frame again, with a report of its own
+            raise
         compiling.all_forwards_compiled()
         return compiled
 
     def _compile(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compiling: _Compiling
                  ) -> Callable[..., Any]:
         report = compiling.report
+        recorded = len(report.rewrites)
         try:
             graph = capture(gm, example_inputs)
         except Exception as error:
-            return self._give_up(gm, report, "capture", error)
+            return self._give_up(gm, report, "capture", error, recorded)
         device = graph_device(graph.graph)
         report.device = str(device)
         run_kernels = kernels_can_run(device)
@@ -136,6 +154,8 @@ class Backend:
 
         if self.options.attention:
             graph = self._step(rewrite_attention, graph, context("forward"), "attention rewrite")
+        else:
+            graph = self._step(list_unfused_attention, graph, context("forward"), "listing attention")
 
         def compiler(phase: str, backward_follows: bool = False) -> Callable[..., Any]:
             def compile_graph(module: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
@@ -159,7 +179,7 @@ class Backend:
                                          inference_compiler=compiler("forward"),
                                          partition_fn=min_cut_rematerialization_partition)
         except Exception as error:
-            return self._give_up(gm, report, "autograd", error)
+            return self._give_up(gm, report, "autograd", error, recorded)
 
     def _step(self, step: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule],
               graph: torch.fx.GraphModule, ctx: PassContext, what: str) -> torch.fx.GraphModule:
@@ -177,14 +197,21 @@ class Backend:
         except Exception as error:
             ctx.fallback("fallback", "?", "listing the largest intermediates failed", error)
 
-    def _give_up(self, gm: torch.fx.GraphModule, report: Report, step: str, error: Exception
+    def _give_up(self, gm: torch.fx.GraphModule, report: Report, step: str, error: Exception, recorded: int
                  ) -> Callable[..., Any]:
-        if self.options.strict:
+        """Run `gm` as Dynamo gave it. The rewrites recorded for it (those after the first `recorded`) do not
+        run: each becomes a hotspot."""
+        if self.options.strict or isinstance(error, CONTROL_FLOW):
             raise error
         warnings.warn(f"fusepass: {step} failed ({type(error).__name__}: {error}); running the graph "
                       "unfused", RuntimeWarning, stacklevel=2)
-        report.hotspots.append(Hotspot(kind="fallback", phase="forward", location="?",
-                                       reason=f"{step} failed: {type(error).__name__}: {error}"))
+        reason = f"{step} failed: {type(error).__name__}: {error}"
+        report.hotspots.append(Hotspot(kind="fallback", phase="forward", location="?", reason=reason))
+        dropped, report.rewrites[recorded:] = report.rewrites[recorded:], []
+        report.hotspots.extend(Hotspot(kind=r.kind, phase=r.phase, location=r.location, ops=r.ops,
+                                       bytes=r.bytes_unfused, flops=r.flops,
+                                       reason=f"not fused: the graph runs unfused ({step} failed)")
+                               for r in dropped)
         return gm.forward
 
 

@@ -17,7 +17,17 @@ from typing import Any
 import torch
 import torch.fx
 
-from fusepass.attention.op import run_attention, run_attention_backward
+from fusepass.attention.dynamic import spec_named as dynamic_spec_named
+from fusepass.attention.op import run_attention, run_attention_backward, spec_named
+from fusepass.fx_util import hold
+
+# fusepass's ops, as the compiled graph calls them: the spec each names is held by the graph (`fx_util.hold`).
+_NAMED_BY = {
+    torch.ops.fusepass.attention.default: spec_named, run_attention: spec_named,
+    torch.ops.fusepass.attention_backward.default: spec_named, run_attention_backward: spec_named,
+    torch.ops.fusepass.attention_dynamic.default: dynamic_spec_named,
+    torch.ops.fusepass.attention_dynamic_backward.default: dynamic_spec_named,
+}
 
 _DIRECT_CALLS = {
     torch.ops.fusepass.attention.default: run_attention,
@@ -44,7 +54,9 @@ def runnable(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
             graph.erase_node(node)
         elif node.target in _DIRECT_CALLS:
             node.target = _DIRECT_CALLS[node.target]
-    return torch.fx.GraphModule(module, graph)
+    result = torch.fx.GraphModule(module, graph)
+    hold(result, *(_NAMED_BY[n.target](n.args[-1]) for n in graph.nodes if n.target in _NAMED_BY))
+    return result
 
 
 def on_device(fn: Callable[..., Any], device: torch.device) -> Callable[..., Any]:

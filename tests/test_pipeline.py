@@ -29,6 +29,16 @@ def test_unknown_option_names_the_option():
         fusepass.backend(elementwsie=False)
 
 
+@pytest.mark.parametrize("options", [{"elementwise": "no"}, {"strict": 2}, {"attention": None}, {"replay": 1}])
+def test_option_values_are_checked(options):
+    ((name, value),) = options.items()
+    with pytest.raises(TypeError, match=f"option '{name}' takes True or False, not {value!r}"):
+        fusepass.backend(**options)
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    with pytest.raises(Exception, match=f"option '{name}' takes True or False"):
+        torch.compile(chain, backend="fusepass", options=options)(x, b)
+
+
 def test_elementwise_can_be_switched_off():
     x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
     report = check(chain, x, b, backend=fusepass.backend(elementwise=False))
@@ -50,6 +60,8 @@ def test_a_mode_is_refused_by_name():
     with pytest.raises(Exception, match="fusepass has no mode 'reduce-overhead'"):
         torch.compile(chain, backend="fusepass", mode="reduce-overhead")(x, b)
     assert_close(torch.compile(chain, backend="fusepass", mode="default")(x, b), chain(x, b))
+    with pytest.raises(Exception, match="no mode 'max-autotune': its kernels' tiles are chosen"):
+        torch.compile(chain, backend="fusepass", mode="max-autotune")(x, b)
 
 
 def test_reports_in_compile_order_and_reset():

@@ -13,6 +13,9 @@ the symbolic graph keeps it unfused, with the reason) and gives the report its f
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,12 +30,14 @@ from fusepass.attention.op import autograd_enabled
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.capture import mark_requires_grad
 from fusepass.context import PassContext, mark_planned
+from fusepass.fx_util import hold, infer_meta
 from fusepass.options import Options
 from fusepass.report.records import Rewrite
 from fusepass.report.report import Report
 from fusepass.source import keep_location
 
 Signature = tuple
+PLANS = 16  # plans kept per attention (a backward whose forward's plan was dropped plans it again)
 
 
 @dataclass
@@ -41,18 +46,34 @@ class DynamicSpec:
     module: torch.fx.GraphModule  # (*tensors, *sizes) -> (the matmul with V's output,)
     requires_grad: list[bool]  # per tensor input: whether a gradient flows to it
     options: Options
-    plans: dict[Signature, torch.fx.GraphModule] = field(default_factory=dict)
+    plans: OrderedDict[Signature, torch.fx.GraphModule] = field(default_factory=OrderedDict)
 
     def static(self, tensors: list[torch.Tensor], sizes: list[int]) -> torch.fx.GraphModule:
-        """The module traced at these sizes with its attention rewritten; one per size."""
+        """The module traced at these sizes with its attention rewritten; one per size, the `PLANS` most recently
+        used kept."""
         key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors) + tuple(sizes)
-        if key not in self.plans:
-            with autograd_enabled():  # planning traces the score chain's derivative
-                self.plans[key], _ = plan_static(self, tensors, sizes)
-        return self.plans[key]
+        plan = self.plans.get(key)
+        if plan is None:
+            # Tracing is not thread-safe (torch.fx keeps a global "is tracing" flag that two traces at once leave
+            # set, failing every later torch.compile): one plan at a time.
+            with _planning_one, autograd_enabled():  # planning traces the score chain's derivative
+                plan = self.plans.get(key)
+                if plan is None:
+                    plan, _ = plan_static(self, tensors, sizes)
+                    self.plans[key] = plan
+                    if len(self.plans) > PLANS:
+                        self.plans.popitem(last=False)
+        self.plans.move_to_end(key)
+        return plan
 
 
-_specs: dict[str, DynamicSpec] = {}
+# By name, weakly, as the static specs (`op._specs`): held by the graphs that call them.
+_specs: weakref.WeakValueDictionary[str, DynamicSpec] = weakref.WeakValueDictionary()
+
+
+def spec_named(name: str) -> DynamicSpec:
+    return _specs[name]
+_planning_one = threading.RLock()
 
 
 class _ValueRecorder(FakeTensorProp):
@@ -135,10 +156,12 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
         record.location = where
         record.detail["sizes"] = "symbolic: figures at the sizes first seen; planned again at each new size"
     _specs[name] = spec
+    hold(graph.owning_module, spec)
     if ctx.run_kernels:
         with graph.inserting_before(m.pv):
             call = graph.call_function(torch.ops.fusepass.attention_dynamic.default, (tensors, sizes, name))
             keep_location(call, m.softmax)
+        infer_meta([call])
         m.pv.replace_all_uses_with(call)
     else:
         mark_planned(replaced, name)

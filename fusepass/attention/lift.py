@@ -393,8 +393,10 @@ class Lifter:
         position = _affine_of(coords[0])
         if position is not None and span is not None:
             affine = (step * position[0], step * position[1], start + step * position[2])
-        return Code(self.code.let(f"({expr}).to({TRITON_DTYPE[target]})"), dtype, uses, span=span,
-                    as_float=as_float, affine=affine)
+        # A position along a dim of length 1 is the constant 0: a tensor of its own, since Python's arithmetic on
+        # literals is not Triton's.
+        value = f"tl.full([], {expr}, {TRITON_DTYPE[target]})" if not uses else f"({expr}).to({TRITON_DTYPE[target]})"
+        return Code(self.code.let(value), dtype, uses, span=span, as_float=as_float, affine=affine)
 
     def _triangle(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
         x = self.value(node.args[0], coords)
@@ -526,7 +528,18 @@ class Lifter:
         span = _result_span(target, args, kwargs, dtype)
         narrow_result = narrow(dtype, span)
 
+        codes = [a for a in flat if isinstance(a, Code)]
+        # Literals alone would compute in Python (constexpr) arithmetic, whose ~True is -2: the first is made a
+        # tensor, so that the op is Triton's.
+        literal_only = bool(codes) and all(_is_literal(a.expr) for a in codes)
+
         def operand(a: Any) -> Any:
+            nonlocal literal_only
+            if isinstance(a, Code) and literal_only:
+                literal_only = False
+                target_dtype = torch.int32 if a.narrow else held_dtype(a.dtype)
+                return Operand(f"tl.full([], {a.expr}, {TRITON_DTYPE[target_dtype]})",
+                               torch.int32 if a.narrow else a.dtype, a.zero_dim)
             if isinstance(a, Code):
                 if a.as_float is not None and dtype == torch.float32:
                     return Operand(a.as_float, torch.float32, a.zero_dim)
@@ -538,7 +551,6 @@ class Lifter:
                 return type(a)(operand(x) for x in a)
             return a
 
-        codes = [a for a in flat if isinstance(a, Code)]
         uses = frozenset().union(*[a.uses for a in codes])
         compares = sum(a.compares for a in codes)
         if getattr(target, "overloadpacket", None) in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
@@ -1135,6 +1147,11 @@ def _mask_of(node: torch.fx.Node, args: tuple) -> tuple[str, Any] | None:
             isinstance(args[2], (int, float)):
         return f"~{args[1].expr}", args[2]
     return None
+
+
+def _is_literal(expr: str) -> bool:
+    """Whether an index expression is a Python literal (a constant's, as `literal` writes it)."""
+    return re.fullmatch(r'True|False|-?\d+|-?[\d.]+(e[-+]?\d+)?|float\("-?(inf|nan)"\)', expr) is not None
 
 
 def _is_zero(a: Any) -> bool:

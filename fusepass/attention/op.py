@@ -9,6 +9,7 @@ never exist, forward or backward.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,12 +193,18 @@ class AttentionSpec:
         return self._mod
 
 
-_specs: dict[str, AttentionSpec] = {}
+# By name, weakly: a spec lives as long as the graphs that call it hold it (`fx_util.hold`), so that compiled
+# functions dropped (torch._dynamo.reset()) leave nothing behind.
+_specs: weakref.WeakValueDictionary[str, AttentionSpec] = weakref.WeakValueDictionary()
 
 
 def register(spec: AttentionSpec) -> str:
     _specs[spec.name] = spec
     return spec.name
+
+
+def spec_named(name: str) -> AttentionSpec:
+    return _specs[name]
 
 
 def _views(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch.Tensor]):

@@ -20,6 +20,7 @@ from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes,
 from fusepass.attention.op import AttentionSpec, Unfused, compile_ahead_of_first_call, register
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.context import PassContext, mark_planned
+from fusepass.fx_util import hold, infer_meta
 from fusepass.kernels.flash_config import (
     FlashConfig, ModeledRows, backward_configs, forward_config, narrow_kv_tiles)
 from fusepass.report.ledger import (AttentionShape, AuxRead, Tiles, attention_rewrites, op_bytes, tile_density,
@@ -146,6 +147,23 @@ def _static(m: AttentionMatch) -> bool:
     return all(isinstance(s, int) for node in (m.qk, m.pv) for s in val(node).shape)
 
 
+def _unfused_hotspot(softmax: torch.fx.Node, reason: str) -> Hotspot:
+    """An attention left as its ops: what it keeps moving, the scores and the probabilities written and read."""
+    return Hotspot(kind="attention", phase="forward", location=location(softmax), reason=reason,
+                   ops=("aten.softmax",), bytes=2 * op_bytes(softmax))
+
+
+def list_unfused_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    """With the attention pass off (``attention=False``), each attention the pass would have matched is a hotspot."""
+    for softmax in softmaxes(gm.graph):
+        try:
+            match(softmax)
+        except Unsupported:
+            continue
+        ctx.report.hotspots.append(_unfused_hotspot(softmax, "the attention rewrite is off (attention=False)"))
+    return gm
+
+
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     changed = False
@@ -164,10 +182,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             records, spec.forward_tiles = _records(replaced, spec, sources, features, where,
                                                    ctx.report.ceilings.sms)
         except Unsupported as reason:
-            # What it keeps moving: the scores written and read, the probabilities written and read.
-            ctx.report.hotspots.append(Hotspot(kind="attention", phase="forward", location=where,
-                                               reason=str(reason), ops=("aten.softmax",),
-                                               bytes=2 * op_bytes(softmax)))
+            ctx.report.hotspots.append(_unfused_hotspot(softmax, str(reason)))
             continue
         except Exception as error:
             ctx.fallback("attention", where, "attention rewrite failed", error, ("aten.softmax",),
@@ -179,14 +194,16 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             ops, cost = records[0].ops, records[0].bytes_unfused
 
             def on_failure(error: Exception, phase: str, where: str = where, ops: tuple = ops,
-                           cost: int = cost) -> None:
-                ctx.fallback("attention", where, f"attention {phase} kernel failed", error, ops, cost, phase)
+                           cost: int = cost, records: list[Rewrite] = records) -> None:
+                ctx.fallback("attention", where, f"attention {phase} kernel failed", error, ops, cost, phase,
+                             withdrawn=records)
 
             inputs = sources + spec.lifted.aux + extra
             spec.unfused = Unfused(module, [bool(n.meta.get("requires_grad")) for n in inputs],
                                    tuple(val(m.pv).shape), m.values.out_perm, on_failure, records[0],
                                    records[1] if len(records) > 1 else None)
             _replace(graph, m, register(spec), sources, spec, extra)
+            hold(gm, spec)
             compile_ahead_of_first_call(spec, [val(n) for n in sources], [val(a) for a in spec.lifted.aux])
             changed = True
         else:
@@ -199,6 +216,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
 
 def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[torch.fx.Node],
              spec: AttentionSpec, extra: list[torch.fx.Node]) -> None:
+    existing = set(graph.nodes)
     with graph.inserting_before(m.pv):
         if spec.dropout_p > 0:
             seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]),
@@ -211,6 +229,7 @@ def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[
         keep_location(call, m.softmax)
         out = graph.call_function(operator.getitem, (call, 0))
         result = _to_output_layout(graph, out, m.values, tuple(val(m.pv).shape), spec.out_shape)
+    infer_meta(n for n in graph.nodes if n not in existing)
     m.pv.replace_all_uses_with(result)
 
 

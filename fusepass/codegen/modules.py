@@ -9,9 +9,13 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+from collections import OrderedDict
 from types import ModuleType
 
-_loaded: dict[str, ModuleType] = {}
+# The most recently loaded, by digest: what uses a module's functions (a launch plan's kernel, an attention spec's
+# score functions) holds them, so that one dropped here costs only a second import of its file.
+_loaded: OrderedDict[str, ModuleType] = OrderedDict()
+LOADED = 256
 
 HEADER = ("import triton\nimport triton.language as tl\n\nfrom fusepass.codegen import mathlib as fm\n"
           "from fusepass.kernels import distance_table as fd\n\n\n")
@@ -28,8 +32,10 @@ def load_module(source: str) -> ModuleType:
     """Import ``HEADER + source``; identical sources share one module."""
     text = HEADER + source
     digest = hashlib.sha256(text.encode()).hexdigest()[:24]
-    if digest in _loaded:
-        return _loaded[digest]
+    module = _loaded.get(digest)
+    if module is not None:
+        _loaded.move_to_end(digest)
+        return module
     path = os.path.join(cache_dir(), f"k{digest}.py")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.tmp"
@@ -40,4 +46,6 @@ def load_module(source: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     _loaded[digest] = module
+    if len(_loaded) > LOADED:
+        _loaded.popitem(last=False)
     return module

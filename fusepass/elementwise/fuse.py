@@ -97,7 +97,7 @@ def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: Pass
     failure_bytes = unfused_bytes(group.compute_nodes)
 
     def on_failure(error: Exception) -> None:
-        ctx.fallback("elementwise", where, f"kernel {name} failed", error, ops, failure_bytes)
+        ctx.fallback("elementwise", where, f"kernel {name} failed", error, ops, failure_bytes, withdrawn=[record])
         roofline.estimate(ctx.report)  # the report was estimated when compiled; this hotspot came after
 
     launcher = PointwiseLauncher(name, lowered, ctx.device, fallback, on_failure,

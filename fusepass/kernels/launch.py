@@ -65,7 +65,8 @@ class BoundLaunch:
         if not self.direct:
             if _held is not None:
                 _held.append((self.kernel, args))
-            self.kernel[grid](*args, *self.bound_args, **self.keywords)
+            with _interpreting_one:
+                self.kernel[grid](*args, *self.bound_args, **self.keywords)
             return
         if not getattr(_thread, "has_cuda_context", False):
             _make_cuda_context_current()
@@ -125,6 +126,9 @@ class BoundLaunch:
 
 
 _thread = threading.local()
+# Triton's interpreter keeps a launch's grid and program ids in globals: two threads' launches at once compute
+# wrong values, or never end. Interpreted launches run one at a time.
+_interpreting_one = threading.RLock()
 
 
 def _make_cuda_context_current() -> None:
@@ -257,7 +261,8 @@ def launch(kernel: Any, grid: tuple[int, ...], *args: Any, **keywords: Any) -> N
     if type(kernel) is not JITFunction:
         if _held is not None:
             _held.append((kernel, args))
-        kernel[grid](*args, **keywords)
+        with _interpreting_one:
+            kernel[grid](*args, **keywords)
         return
     _bound_launch(kernel, args, keywords)(grid, *args)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,17 +150,23 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
             rest = f"x{d}"
         body.append(f"c0 = {rest}")
 
+    # Triton's interpreter types a comparison of two scalars as the scalars' dtype, and broadcasting the result
+    # to a tile converts it to that dtype (a bool tile of floats, which `&` rejects). Interpreted, a scalar takes
+    # the tile's shape where it is read; compiled, it is broadcast where it meets a tile, as Triton does.
+    tile = ("[YBLOCK]" if q == 1 else "[XBLOCK, YBLOCK]") if interpreting() else None
     operands: dict[Ref, Operand] = {}
     for k, load in enumerate(program.loads):
         if load.by_value:
-            body.append(f"l{k} = l{k}_value")
+            value = f"l{k}_value"
         else:
             offset = _offset(f"l{k}", variant.load_dims[k], variant.load_base[k])
             mask = "" if variant.even else _load_mask(variant.load_dims[k])
             value = f"tl.load(l{k}_ptr + {offset}{mask})"
             if held_dtype(load.dtype) != load.dtype:
                 value += f".to({TRITON_DTYPE[held_dtype(load.dtype)]})"
-            body.append(f"l{k} = {value}")
+        if tile and (load.by_value or not any(variant.load_dims[k])):
+            value = f"tl.broadcast_to({value}, {tile})"
+        body.append(f"l{k} = {value}")
         operands[Ref("load", k)] = Operand(f"l{k}", load.dtype, load.zero_dim)
 
     def resolve(a: Any) -> Any:
@@ -189,15 +196,17 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
     return "\n".join(lines) + "\n"
 
 
-_kernels: dict[tuple[Program, Variant], Any] = {}
+# Weakly: a kernel lives as long as the launch plans that launch it.
+_kernels: weakref.WeakValueDictionary[tuple[Program, Variant], Any] = weakref.WeakValueDictionary()
 
 
 def compiled_kernel(name: str, program: Program, variant: Variant) -> Any:
     """One jitted kernel per (program, variant): identical groups share it."""
     key = (program, variant)
-    if key not in _kernels:
-        _kernels[key] = getattr(load_module(kernel_source(name, program, variant)), name)
-    return _kernels[key]
+    kernel = _kernels.get(key)
+    if kernel is None:
+        kernel = _kernels[key] = getattr(load_module(kernel_source(name, program, variant)), name)
+    return kernel
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -266,25 +275,24 @@ class PointwiseLauncher:
         self.on_first_run = on_first_run
         self.replay = replay  # launches replayed as CUDA graphs where a call's tensors repeat (kernels/replay.py)
         self._plans: dict[tuple[Any, ...], LaunchPlan] = {}
-        self._run: Callable[..., tuple[torch.Tensor, ...]] = self._first_run
+        self.failed = False  # a launch failed: the group's own ops run from then on
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self._run(*inputs)
+        if self.failed:
+            return self.fallback(*inputs)
+        try:
+            outputs = self._launch(*inputs)
+        except Exception as error:  # a kernel that fails to build or run, on any call, must not break the model
+            self.failed = True
+            self.on_failure(error)
+            return self.fallback(*inputs)
+        if self.on_first_run is not None:
+            on_first_run, self.on_first_run = self.on_first_run, None
+            on_first_run(lambda: self._launch(*inputs), lambda: self.fallback(*inputs))
+        return outputs
 
     def __repr__(self) -> str:
         return self.__name__
-
-    def _first_run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        try:
-            outputs = self._launch(*inputs)
-        except Exception as error:  # a kernel that fails to build or run must not break the model
-            self.on_failure(error)
-            self._run = self.fallback
-            return self.fallback(*inputs)
-        self._run = self._launch
-        if self.on_first_run is not None:
-            self.on_first_run(lambda: self._launch(*inputs), lambda: self.fallback(*inputs))
-        return outputs
 
     def _launch(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         key = tuple((t.shape, t.stride()) for t in inputs)

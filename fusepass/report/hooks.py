@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import warnings
 
 from fusepass.report.report import Report, reports
 
@@ -25,14 +26,20 @@ def _target() -> str | None:
 
 
 def publish(report: Report) -> None:
+    """Print or append the report where FUSEPASS_REPORT says; a failure to do so warns (reporting never breaks
+    the model)."""
     target = _target()
     if target is None:
         return
-    if target == "1":
-        print(f"{report}\n", file=sys.stderr, flush=True)
-        return
-    with open(target, "a", encoding="utf-8") as f:
-        f.write(report.to_json() + "\n")
+    try:
+        if target == "1":
+            print(f"{report}\n", file=sys.stderr, flush=True)
+            return
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(report.to_json() + "\n")
+    except Exception as error:
+        warnings.warn(f"fusepass: {ENV}={target!r}: the report could not be written ({type(error).__name__}: "
+                      f"{error})", RuntimeWarning, stacklevel=2)
 
 
 def report_complete(report: Report) -> None:

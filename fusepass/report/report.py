@@ -72,6 +72,12 @@ def new_report() -> Report:
     return report
 
 
+def discard(report: Report) -> None:
+    """Forget a report whose compile was abandoned (Dynamo restarts the frame's analysis)."""
+    if report in _reports:
+        _reports.remove(report)
+
+
 def reports() -> list[Report]:
     """The reports recorded since the last ``reset()``, in compile order."""
     return list(_reports)

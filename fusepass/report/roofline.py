@@ -24,6 +24,14 @@ class Ceilings:
     sms: int  # streaming multiprocessors: the programs in flight of the attention tiling model
     source: str = "given"  # "default" | "given" | "measured"
 
+    def __post_init__(self) -> None:
+        for name in ("hbm_bytes_per_s", "flops_per_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise ValueError(f"Ceilings.{name} must be a positive finite number, not {value!r}")
+        if not (isinstance(self.sms, int) and self.sms > 0):
+            raise ValueError(f"Ceilings.sms must be a positive int, not {self.sms!r}")
+
     @property
     def ridge(self) -> float:
         """The arithmetic intensity (FLOP/byte) above which a kernel is compute-bound."""

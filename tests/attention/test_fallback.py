@@ -45,7 +45,7 @@ def test_a_failing_kernel_runs_the_replaced_ops(monkeypatch, kernel):
     monkeypatch.setattr(op, kernel, _explode)
     with pytest.warns(RuntimeWarning, match="planted kernel failure"):
         report = check(alibi_causal, *_inputs(), backward=True, **SUMMED_GRADIENT_FP32)  # the slopes learn too
-    assert rewrites(report, kind="attention")
+    assert not rewrites(report, kind="attention")  # it runs unfused from then on: a hotspot, not a rewrite
     (hotspot,) = [h for h in report.hotspots if h.kind == "attention"]
     phase = "forward" if kernel == "flash_attention_forward" else "backward"
     assert hotspot.phase == phase

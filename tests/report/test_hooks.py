@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from support import random_tensor
 
@@ -70,3 +71,19 @@ def test_the_command_line_runs_a_script_and_prints_every_report(tmp_path):
     (line,) = path.read_text().splitlines()
     data = json.loads(line)
     assert not data["complete"] and "no backward ran" in data["notices"][-1]
+
+
+def test_a_report_path_that_cannot_be_written_only_warns(monkeypatch, tmp_path):
+    monkeypatch.setenv("FUSEPASS_REPORT", str(tmp_path / "missing-dir" / "reports.jsonl"))
+    x = random_tensor((8, 8), torch.float32).requires_grad_()
+    y = torch.compile(chain, backend="fusepass")(x)
+    with pytest.warns(RuntimeWarning, match="the report could not be written"):
+        y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * torch.exp(x.detach() * 2))
+
+
+def test_ceilings_are_checked_where_they_are_given():
+    with pytest.raises(ValueError, match="hbm_bytes_per_s must be a positive finite number"):
+        fusepass.Ceilings("broken", 0.0, 1e12, 10)
+    with pytest.raises(ValueError, match="sms must be a positive int"):
+        fusepass.Ceilings("broken", 1e12, 1e12, 0)

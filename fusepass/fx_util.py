@@ -1,0 +1,32 @@
+"""FX helpers every pass shares."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+
+def infer_meta(nodes: Iterable[torch.fx.Node]) -> None:
+    """Give the nodes a pass inserted, in graph order, what later passes read of the nodes they meet: a fake
+    value (``meta["val"]``: the target run on its inputs' fake values, in the graph's fake mode) and whether a
+    gradient reaches it (``meta["requires_grad"]``, as `capture.mark_requires_grad` marks the graph)."""
+    nodes = list(nodes)
+    # The values' own mode: a graph planned apart from Dynamo's (attention/dynamic.py) has its own.
+    fake_mode = next((n.meta["val"].fake_mode for node in nodes for n in node.all_input_nodes
+                      if isinstance(n.meta.get("val"), FakeTensor)), None)
+    with fake_mode or FakeTensorMode():
+        for node in nodes:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+            node.meta["val"] = node.target(*args, **kwargs)
+            node.meta["requires_grad"] = any(n.meta.get("requires_grad", False) for n in node.all_input_nodes)
+
+
+HELD = "fusepass_held"  # a GraphModule attribute: what it keeps alive for the ops its nodes name
+
+
+def hold(module: torch.fx.GraphModule, *objects: object) -> None:
+    """Keep `objects` alive as long as `module` (the registries of attention specs hold them weakly, so that a
+    spec lives as long as the graphs that call it by name)."""
+    module.__dict__.setdefault(HELD, []).extend(objects)
