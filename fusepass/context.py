@@ -26,6 +26,9 @@ class PassContext:
     phase: str  # "forward" | "backward"
     device: torch.device
     run_kernels: bool  # False: plan and report, but leave the graph's ops to run unfused
+    # Where failures are recorded, if not in `report`: an attention planned at run time at a new size records its
+    # rewrite in a report of its own, and its kernels' failures in the compile's (attention/dynamic.py).
+    failures: Report | None = None
 
     def fallback(self, kind: str, location: str, reason: str, error: Exception,
                  ops: tuple[str, ...] = (), bytes: int = 0, phase: str | None = None,
@@ -36,9 +39,9 @@ class PassContext:
             raise error
         warnings.warn(f"fusepass: {reason} at {location}: {type(error).__name__}: {error}; "
                       "running it unfused", RuntimeWarning, stacklevel=3)
-        self.report.hotspots.append(Hotspot(kind=kind, phase=phase or self.phase, location=location,
-                                            reason=f"{reason}: {type(error).__name__}: {error}", ops=ops,
-                                            bytes=bytes))
+        report = self.failures or self.report
+        report.hotspots.append(Hotspot(kind=kind, phase=phase or self.phase, location=location,
+                                       reason=f"{reason}: {type(error).__name__}: {error}", ops=ops, bytes=bytes))
         self.report.rewrites[:] = [r for r in self.report.rewrites if not any(r is w for w in withdrawn)]
 
 

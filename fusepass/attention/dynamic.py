@@ -46,6 +46,7 @@ class DynamicSpec:
     module: torch.fx.GraphModule  # (*tensors, *sizes) -> (the matmul with V's output,)
     requires_grad: list[bool]  # per tensor input: whether a gradient flows to it
     options: Options
+    report: Report | None = None  # the compile's, where a kernel failing at a size planned at run time is recorded
     plans: OrderedDict[Signature, torch.fx.GraphModule] = field(default_factory=OrderedDict)
 
     def static(self, tensors: list[torch.Tensor], sizes: list[int]) -> torch.fx.GraphModule:
@@ -115,7 +116,8 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
         mark_requires_grad(static.graph, [*fakes, *sizes])
     report = Report(graph=spec.name)
     device = next((t.device for t in tensors), torch.device("cpu"))
-    rewrite_attention(static, PassContext(report, spec.options, "forward", device, run_kernels=True))
+    rewrite_attention(static, PassContext(report, spec.options, "forward", device, run_kernels=True,
+                                          failures=spec.report))
     return static, report
 
 
@@ -143,6 +145,9 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     if m.dropout_p > 0:
         raise Unsupported("symbolic shapes with dropout (the backward could not replay the forward's mask)")
     replaced, tensors, sizes = _external_inputs(graph, m)
+    if any(isinstance(n.meta.get("val"), (torch.SymFloat, torch.SymBool)) for n in replaced + sizes):
+        raise Unsupported("the score chain reads a float Dynamo made symbolic (a number that changed between calls, "
+                          "or specialize_float=False); torch.compile(..., dynamic=False) keeps it a constant")
     module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
     spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options)
 
@@ -155,6 +160,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     for record in records:
         record.location = where
         record.detail["sizes"] = "symbolic: figures at the sizes first seen; planned again at each new size"
+    spec.report = ctx.report  # set after the plan above, whose failures its own report records
     _specs[name] = spec
     hold(graph.owning_module, spec)
     if ctx.run_kernels:

@@ -88,12 +88,33 @@ def _head_repeat(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
     return None
 
 
-def _walk_up(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], tuple[int, int] | None]:
+# Casts whose result holds exactly the values of their input, in a wider float (bf16 or fp16 read as fp32).
+EXACT_WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
+
+def _exact_widening(node: torch.fx.Node, source_dtype: torch.dtype | None) -> bool:
+    """Whether ``node`` is ``x.to(dtype)`` (``.float()``) of a ``source_dtype`` tensor, an exact widening that keeps
+    its strides: reading ``x`` itself then reads the same values."""
+    if source_dtype is None or _packet(node) not in (aten.to, aten._to_copy) or not node.args or \
+            not isinstance(node.args[0], torch.fx.Node):
+        return False
+    extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v not in (None, torch.preserve_format)}
+    return not extra and len(node.args) <= 2 and \
+        (_val(node.args[0]).dtype, _val(node).dtype) in EXACT_WIDENING and _val(node.args[0]).dtype == source_dtype
+
+
+def _walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
+             ) -> tuple[torch.fx.Node, list[torch.fx.Node], tuple[int, int] | None]:
     """The source tensor, the view ops from it to ``node`` (in order), and the head repeat among them
-    (``(index of the first op after it, group)``) if any."""
+    (``(index of the first op after it, group)``) if any. With `widen_from`, exact widening casts of tensors of
+    that dtype are walked through as views are (the kernel reads the narrower tensor)."""
     ops: list[torch.fx.Node] = []
     repeat = None
     while True:
+        if _exact_widening(node, widen_from):
+            ops.append(node)
+            node = node.args[0]
+            continue
         found = _head_repeat(node)
         if found is not None:
             if repeat is not None:
@@ -119,8 +140,9 @@ def _walk_up(node: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node], t
 
 def _replay(node: torch.fx.Node, meta: torch.Tensor) -> torch.Tensor | None:
     """Apply one view op to a meta tensor that stands for the source's memory; None if it would copy."""
-    if _packet(node) in (aten.clone, aten.contiguous, aten.lift_fresh_copy, aten.detach, aten.alias):
-        return meta  # the same values: read the original
+    if _packet(node) in (aten.clone, aten.contiguous, aten.lift_fresh_copy, aten.detach, aten.alias, aten.to,
+                         aten._to_copy):
+        return meta  # the same values (a cast only if an exact widening: `_walk_up`): read the original
     out = node.target(meta, *node.args[1:], **node.kwargs)
     return out if out._base is not None else None
 
@@ -154,9 +176,10 @@ class OperandView:
         return self.swap_last() if tuple(perm[rank - 2:]) == (rank - 1, rank - 2) else self
 
 
-def operand_view(operand: torch.fx.Node) -> OperandView:
-    """Walk up from a matmul operand to its source, replaying the views on a meta tensor."""
-    source, ops, repeat = _walk_up(operand)
+def operand_view(operand: torch.fx.Node, widen_from: torch.dtype | None = None) -> OperandView:
+    """Walk up from a matmul operand to its source, replaying the views on a meta tensor (and exact widening
+    casts of `widen_from` tensors: see `_walk_up`)."""
+    source, ops, repeat = _walk_up(operand, widen_from)
     val = _val(source)
     if not _static(val.shape):
         raise Unsupported("symbolic shapes")

@@ -51,9 +51,10 @@ class Unfused:
     profiled_backward: bool = False
 
     def fail(self, error: Exception, phase: str) -> None:
-        """The kernels failed: report it (``strict`` raises here) and run the replaced ops from now on."""
-        self.failed = True
+        """The kernels failed: report it (``strict`` raises here, and every later call tries the kernels again)
+        and run the replaced ops from now on."""
         self.on_failure(error, phase)
+        self.failed = True
 
     def to_canonical(self, out: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The module's output laid out as the op's: [B, H, Nq, D], contiguous."""

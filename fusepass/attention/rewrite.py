@@ -33,9 +33,9 @@ HEAD_DIMS = range(16, 257)
 
 
 def _operand_view(node: torch.fx.Node, perm: tuple[int, ...] | None, batch: tuple[int, ...],
-                  swap: bool = False) -> OperandView:
+                  swap: bool = False, widen_from: torch.dtype | None = None) -> OperandView:
     """A matmul operand read as [*batch, N, D]: permuted (einsum), last two dims swapped (Kᵀ, V), broadcast."""
-    view = operand_view(node)
+    view = operand_view(node, widen_from)
     if perm is not None:
         view = view.permute(perm)
     if swap:
@@ -61,12 +61,15 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
         raise Unsupported("symbolic shapes")
     batch, q_len, kv_len = shape[:-2], shape[-2], shape[-1]
     flat = math.prod(batch)
-    q_view = _operand_view(m.scores.left, m.scores.left_perm, batch)
-    k_view = _operand_view(m.scores.right, m.scores.right_perm, batch)
     pv_batch = _pv_batch(m)
     if math.prod(pv_batch) != flat:
         raise Unsupported("the matmul with V has another batch than the scores")
     v_view = _operand_view(m.values.right, m.values.right_perm, pv_batch, swap=True)
+    # Q and K upcast for the scores (``q.float() @ k.float().T``) beside a V left as it was: the kernel reads them
+    # as V's dtype, whose products its fp32 accumulation holds exactly (eager differs in summation order only).
+    widen_from = val(v_view.source).dtype
+    q_view = _operand_view(m.scores.left, m.scores.left_perm, batch, widen_from=widen_from)
+    k_view = _operand_view(m.scores.right, m.scores.right_perm, batch, widen_from=widen_from)
     # The kernel's batch: the first of Q's leading dims (finer than the scores' where a reshape merged them),
     # or where K's heads are repeated, K's dims before them (bmm's [B·H] merges Q's batch and heads into one).
     B = q_view.meta.shape[0] if q_view.meta.dim() > 2 else 1

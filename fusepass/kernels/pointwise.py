@@ -283,8 +283,8 @@ class PointwiseLauncher:
         try:
             outputs = self._launch(*inputs)
         except Exception as error:  # a kernel that fails to build or run, on any call, must not break the model
+            self.on_failure(error)  # strict: raises, here and on every later call
             self.failed = True
-            self.on_failure(error)
             return self.fallback(*inputs)
         if self.on_first_run is not None:
             on_first_run, self.on_first_run = self.on_first_run, None

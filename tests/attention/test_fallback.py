@@ -81,3 +81,57 @@ def test_dropout_backward_failure_after_the_kernels_forward_is_an_error(monkeypa
     out = torch.compile(dropout_attention, backend="fusepass")(q, k, v)
     with pytest.raises(RuntimeError, match="no gradient consistent with that forward"):
         out.sum().backward()
+
+
+def plain(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1) @ v
+
+
+def test_a_kernel_failing_at_a_new_dynamic_size_is_in_the_compiles_report(monkeypatch):
+    fusepass.reset()
+    compiled = torch.compile(plain, backend="fusepass", dynamic=True)
+    q = random_tensor((1, 2, 9, 16), torch.float32)
+    compiled(q, q, q)
+    (report,) = fusepass.reports()
+    monkeypatch.setattr(op, "flash_attention_forward", _explode)
+    q = random_tensor((1, 2, 13, 16), torch.float32)
+    with pytest.warns(RuntimeWarning, match="planted kernel failure"):
+        torch.testing.assert_close(compiled(q, q, q), plain(q, q, q), **FP32)
+    (hotspot,) = [h for h in report.hotspots if h.kind == "attention"]
+    assert "attention forward kernel failed" in hotspot.reason
+
+
+def test_strict_raises_on_every_call(monkeypatch):
+    monkeypatch.setattr(op, "flash_attention_forward", _explode)
+    compiled = torch.compile(plain, backend=fusepass.backend(strict=True))
+    q = random_tensor((1, 2, 9, 16), torch.float32)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="planted kernel failure"):
+            compiled(q, q, q)
+
+
+def float_scale(q, k, v, scale):
+    return torch.softmax(q @ k.transpose(-1, -2) * scale, dim=-1) @ v
+
+
+def test_a_symbolic_float_in_the_scores_is_declined_with_its_reason():
+    fusepass.reset()
+    compiled = torch.compile(float_scale, backend="fusepass", dynamic=True)
+    q = random_tensor((1, 2, 9, 16), torch.float32)
+    torch.testing.assert_close(compiled(q, q, q, 0.25), float_scale(q, q, q, 0.25), **FP32)
+    report = fusepass.last_report()
+    assert not rewrites(report, kind="attention")
+    (hotspot,) = [h for h in report.hotspots if h.kind == "attention"]
+    assert "a float Dynamo made symbolic" in hotspot.reason
+    assert not [h for h in report.hotspots if h.kind == "fallback"]
+
+
+def scaled_output_in_place(q, k, v):
+    out = torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1) @ v
+    out.mul_(2)
+    return out
+
+
+def test_the_attention_output_updated_in_place():
+    report = check(scaled_output_in_place, *_inputs()[:3], backward=True, **FP32)
+    assert rewrites(report, kind="attention") and not report.hotspots
