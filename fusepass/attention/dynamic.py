@@ -13,7 +13,6 @@ the symbolic graph keeps it unfused, with the reason) and gives the report its f
 from __future__ import annotations
 
 import copy
-import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,12 +20,13 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dynamo.convert_frame import compile_lock
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.layout import Unsupported, _walk_up
 from fusepass.attention.match import AttentionMatch, val
-from fusepass.attention.op import autograd_enabled
+from fusepass.attention.op import autograd_enabled, with_strides
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.capture import mark_requires_grad
 from fusepass.context import PassContext, mark_planned
@@ -36,6 +36,7 @@ from fusepass.report.records import Rewrite
 from fusepass.report.report import Report
 from fusepass.source import keep_location
 
+aten = torch.ops.aten
 Signature = tuple
 PLANS = 16  # plans kept per attention (a backward whose forward's plan was dropped plans it again)
 
@@ -49,21 +50,29 @@ class DynamicSpec:
     report: Report | None = None  # the compile's, where a kernel failing at a size planned at run time is recorded
     plans: OrderedDict[Signature, torch.fx.GraphModule] = field(default_factory=OrderedDict)
 
+    # per plan: the strides of the replaced ops' output at its sizes (what the fake implementation returns)
+    out_strides: dict[Signature, tuple[int, ...]] = field(default_factory=dict)
+
+    @staticmethod
+    def key(tensors: list[torch.Tensor], sizes: list[int]) -> Signature:
+        return tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors) + tuple(sizes)
+
     def static(self, tensors: list[torch.Tensor], sizes: list[int]) -> torch.fx.GraphModule:
         """The module traced at these sizes with its attention rewritten; one per size, the `PLANS` most recently
         used kept."""
-        key = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors) + tuple(sizes)
+        key = self.key(tensors, sizes)
         plan = self.plans.get(key)
         if plan is None:
             # Tracing is not thread-safe (torch.fx keeps a global "is tracing" flag that two traces at once leave
-            # set, failing every later torch.compile): one plan at a time.
-            with _planning_one, autograd_enabled():  # planning traces the score chain's derivative
+            # set, failing every later torch.compile): a plan traces under Dynamo's own lock, as its compiles do.
+            with compile_lock, autograd_enabled():  # planning traces the score chain's derivative
                 plan = self.plans.get(key)
                 if plan is None:
-                    plan, _ = plan_static(self, tensors, sizes)
+                    plan, _, self.out_strides[key] = plan_static(self, tensors, sizes)
                     self.plans[key] = plan
                     if len(self.plans) > PLANS:
-                        self.plans.popitem(last=False)
+                        dropped, _ = self.plans.popitem(last=False)
+                        del self.out_strides[dropped]
         self.plans.move_to_end(key)
         return plan
 
@@ -74,7 +83,6 @@ _specs: weakref.WeakValueDictionary[str, DynamicSpec] = weakref.WeakValueDiction
 
 def spec_named(name: str) -> DynamicSpec:
     return _specs[name]
-_planning_one = threading.RLock()
 
 
 class _ValueRecorder(FakeTensorProp):
@@ -91,10 +99,10 @@ class _ValueRecorder(FakeTensorProp):
 
 
 def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
-                ) -> tuple[torch.fx.GraphModule, Report]:
+                ) -> tuple[torch.fx.GraphModule, Report, tuple[int, ...]]:
     """``spec.module`` at concrete sizes, its attention rewritten: the sizes put in the graph as constants
     and fake values of the inputs' layouts propagated through it (``tensors`` need only shape, stride(),
-    dtype and device)."""
+    dtype and device). Also the strides of the module's output before the rewrite."""
     from fusepass.attention.rewrite import rewrite_attention  # the static pass; it imports this module
 
     static = torch.fx.GraphModule(spec.module, copy.deepcopy(spec.module.graph))
@@ -103,7 +111,7 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(needs)
                  for t, needs in zip(tensors, spec.requires_grad)]
     values = _ValueRecorder(static, fake_mode)
-    values.propagate(*fakes, *sizes)
+    (out,) = values.propagate(*fakes, *sizes)
     for node in list(static.graph.nodes):  # sizes (and arithmetic on them) become constants
         if node.op != "output" and not isinstance(values.results[node], torch.Tensor):
             value = values.results[node]
@@ -118,7 +126,8 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
     device = next((t.device for t in tensors), torch.device("cpu"))
     rewrite_attention(static, PassContext(report, spec.options, "forward", device, run_kernels=True,
                                           failures=spec.report))
-    return static, report
+    with fake_mode:
+        return static, report, tuple(torch.empty_like(out).stride())
 
 
 def _external_inputs(graph: torch.fx.Graph, m: AttentionMatch
@@ -145,14 +154,16 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     if m.dropout_p > 0:
         raise Unsupported("symbolic shapes with dropout (the backward could not replay the forward's mask)")
     replaced, tensors, sizes = _external_inputs(graph, m)
-    if any(isinstance(n.meta.get("val"), (torch.SymFloat, torch.SymBool)) for n in replaced + sizes):
+    # A number read out of a tensor (a float argument Dynamo made symbolic arrives as a tensor and its item()) is
+    # known only at run time, where sizes and what they compute are known at each plan.
+    if any(getattr(n.target, "overloadpacket", None) in (aten.item, aten._local_scalar_dense) for n in replaced):
         raise Unsupported("the score chain reads a float Dynamo made symbolic (a number that changed between calls, "
                           "or specialize_float=False); torch.compile(..., dynamic=False) keeps it a constant")
     module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
     spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options)
 
     examples = [_AtHint(val(n)) for n in tensors]
-    _, report = plan_static(spec, examples, [_hint(val(n)) for n in sizes])
+    _, report, _ = plan_static(spec, examples, [_hint(val(n)) for n in sizes])
     records = [r for r in report.rewrites if r.kind == "attention"]
     if not records:
         reasons = [h.reason for h in report.hotspots if h.kind in ("attention", "fallback")]
@@ -195,7 +206,11 @@ class _AtHint:
 @torch.library.custom_op("fusepass::attention_dynamic", mutates_args=())
 def attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: str) -> torch.Tensor:
     s = _specs[spec]
-    return s.static(tensors, sizes)(*tensors, *sizes)[0].clone()
+    out = s.static(tensors, sizes)(*tensors, *sizes)[0]
+    # As the fake lays it out (the replaced ops' output's, as empty_like lays it out: see `plan_static`); a copy,
+    # since a custom op's output may not alias its inputs.
+    laid_out = with_strides(out, s.out_strides[s.key(tensors, sizes)])
+    return laid_out.clone() if laid_out is out else laid_out
 
 
 @attention_dynamic.register_fake
@@ -218,8 +233,10 @@ def attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], 
     result = []
     for x in xs:
         g = next(grads) if x.requires_grad else None
-        result.append(torch.zeros_like(x) if x.requires_grad and g is None else
-                      g.detach() if g is not None else x.new_empty(0))
+        if g is None:
+            result.append(torch.zeros_like(x) if x.requires_grad else x.new_empty(0))
+        else:  # as the fake lays it out
+            result.append(with_strides(g.detach(), torch.empty_like(x, device="meta").stride()))
     return result
 
 

@@ -384,12 +384,25 @@ attention_backward = torch.library.custom_op("fusepass::attention_backward", run
                                             mutates_args=())
 
 
+def with_strides(value: torch.Tensor, stride: Sequence[int]) -> torch.Tensor:
+    """`value` laid out with `stride` (a copy where it is not): the layout a fake implementation promised, which
+    the graph around the op was traced with."""
+    if tuple(value.stride()) == tuple(stride):
+        return value
+    return torch.empty_strided(value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
+
+
+def _contiguous_strides(x: torch.Tensor) -> tuple[int, ...]:
+    return torch.empty(x.shape, device="meta").stride()
+
+
 def _unfused_backward(s: AttentionSpec, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, seed: int):
-    """The op's gradients from the replaced ops, differentiated by autograd."""
+    """The op's gradients from the replaced ops, differentiated by autograd, laid out as the kernels' are."""
     found = s.unfused.gradients(inputs, grad_out, seed)
-    q_k_v = [g if g is not None else torch.zeros_like(x) for g, x in zip(found[:3], inputs[:3])]
+    q_k_v = [with_strides(g if g is not None else torch.zeros_like(x), x.stride())
+             for g, x in zip(found[:3], inputs[:3])]
     needs = _aux_needs_grad(s, len(inputs) - 3)
-    aux = [(g if g is not None else torch.zeros_like(x)) if n else x.new_empty(0)
+    aux = [with_strides(g if g is not None else torch.zeros_like(x), _contiguous_strides(x)) if n else x.new_empty(0)
            for g, x, n in zip(found[3:], inputs[3:], needs)]
     return q_k_v[0], q_k_v[1], q_k_v[2], aux
 
@@ -404,8 +417,10 @@ def _aux_needs_grad(spec: AttentionSpec, count: int) -> list[bool]:
 @attention_backward.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, block_map, aux, seed, spec):
     needs = _aux_needs_grad(_specs[spec], len(aux))
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            [torch.empty_like(a) if n else a.new_empty(0) for a, n in zip(aux, needs)])
+    # As `run_attention_backward` lays them out: the sources' strides (the kernels write through the op's views
+    # of them), the aux gradients contiguous.
+    return (*(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v)),
+            [a.new_empty(a.shape) if n else a.new_empty(0) for a, n in zip(aux, needs)])
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:

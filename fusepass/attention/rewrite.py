@@ -61,6 +61,8 @@ def plan(m: AttentionMatch, name: str) -> tuple[AttentionSpec, list[torch.fx.Nod
         raise Unsupported("symbolic shapes")
     batch, q_len, kv_len = shape[:-2], shape[-2], shape[-1]
     flat = math.prod(batch)
+    if 0 in (flat, q_len, kv_len):
+        raise Unsupported("an empty attention (a length of 0): its ops have nothing to move")
     pv_batch = _pv_batch(m)
     if math.prod(pv_batch) != flat:
         raise Unsupported("the matmul with V has another batch than the scores")

@@ -337,7 +337,7 @@ def _flash_backward_dq_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
-    HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr,
+    HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr, DELTA_BY_DOT: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -348,9 +348,18 @@ def _flash_backward_dq_kernel(
     q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
                        DESCRIPTORS)
     out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True, DESCRIPTORS)
-    delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
     do = do.to(q.dtype)
+    if DELTA_BY_DOT:
+        # delta_i = dO_i · O_i as the dot dp_ij = dO_i · V_j is computed (the diagonal of dO · Oᵀ): where a row's
+        # weight is all on one key, its O is that key's V and dp - delta cancels exactly, as in eager's softmax
+        # backward; summed another way, the two roundings differ, and a saturated row's key gradient is that
+        # difference times |q| (q·kᵀ ~ 1e6: an exact 0 came out as 0.9).
+        square = dot(do, tl.trans(out))
+        diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+        delta = tl.sum(tl.where(diagonal, square, 0.0), 1)
+    else:
+        delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
     shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
 
     if KEEP is None:
@@ -445,7 +454,8 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p),
            dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m,
-                KV_TAIL=tail_placement(kv_len, config.block_n, True), **constants(config)))
+                KV_TAIL=tail_placement(kv_len, config.block_n, True), DELTA_BY_DOT=out.dtype == v.dtype,
+                **constants(config)))
 
     config = configs.dkdv
     q_lists = None

@@ -328,6 +328,16 @@ def _flash_forward_kernel(
     else:
         fallback = tl.zeros([BLOCK_M], tl.int1)
     fallback = fallback | ((~(tl.abs(m) < TAME)) & row_in)
+    # A row whose max element holds all its weight (the others vanished beside it in l, which is then that
+    # element's 2^excess) has an exact score gradient of 0, which eager's softmax backward gives exactly; here it
+    # is dp - delta, a rounding of the output's (the weight 2^excess, not 1, leaves O an ulp off that key's V). In a
+    # block where most rows are so (scores of 1e4 and more), those roundings are the block's whole gradient: its
+    # saturated rows are recomputed the exact way, whose weight is 1 and output that V exactly, so that the
+    # backward's delta (a dot as dp's) cancels. Elsewhere they are a rounding among the others' gradients.
+    weighted = row_in & (l > 0.0)  # rows without a kept key (l = 0) are the fallback's already
+    saturated = (l == tl.math.exp2(excess)) & weighted
+    most = 2 * tl.sum(saturated.to(tl.int32), 0) > tl.sum(weighted.to(tl.int32), 0)
+    fallback = fallback | (saturated & most)
     if tl.max(fallback.to(tl.int32), 0) > 0:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)

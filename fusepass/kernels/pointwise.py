@@ -217,7 +217,8 @@ def compiled_kernel(name: str, program: Program, variant: Variant) -> Any:
 class LaunchPlan:
     """Everything about a launch that depends only on input shapes and strides."""
 
-    launch: BoundLaunch  # the kernel with its block sizes, warps, and the sizes and strides it indexes with
+    launch: BoundLaunch | None  # the kernel with its block sizes, warps, and the sizes and strides it indexes with
+    # (None where the outputs are empty)
     root: tuple[int, ...]
     out_strides: tuple[tuple[int, ...], ...]
     grid: tuple[int]
@@ -320,6 +321,8 @@ class PointwiseLauncher:
         root = tuple(size if isinstance(size, int) else int(inputs[accesses[size[0]].input].shape[size[1]])
                      for size in lowered.root_shape)
         out_strides = tuple(_contiguous_strides(root, out.stride_order) for out in lowered.outputs)
+        if 0 in root:  # nothing to compute: empty outputs, no launch
+            return LaunchPlan(None, root, out_strides, (0,))
         tensor_loads = [k for k, a in enumerate(accesses) if not a.by_value]
         load_strides = {k: strides_at(accesses[k].map, inputs[accesses[k].input].stride(), lowered.rank)
                         for k in tensor_loads}

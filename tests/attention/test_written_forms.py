@@ -139,3 +139,28 @@ def test_attention_switched_off_is_a_hotspot():
     (hotspot,) = [h for h in report.hotspots if h.kind == "attention"]
     assert "attention=False" in hotspot.reason and "test_written_forms.py" in hotspot.location
     assert hotspot.bytes >= 2 * B * H * N * N * 4
+
+
+def unscaled(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+@pytest.mark.parametrize("scale", [1e4, 1e6])
+def test_a_saturated_softmax_has_eagers_gradients(scale):
+    """Queries so large that each row's weight is all on one key: the exact key gradient is 0, and eager's, whose
+    softmax backward cancels p · (dp - Σ p·dp) exactly there. fusepass computes Σ p·dp as dO · O: that must cancel
+    as exactly (it gave up to 0.92 for an exact 0)."""
+    torch.manual_seed(0)
+    q = random_tensor((1, 2, 13, 16), torch.float32) * scale
+    k, v = random_tensor((1, 2, 13, 16), torch.float32), random_tensor((1, 2, 13, 16), torch.float32)
+    grad = random_tensor((1, 2, 13, 16), torch.float32)
+
+    def gradients(fn, dtype):
+        xs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(fn(*xs), xs, grad.to(dtype))
+
+    fused = gradients(torch.compile(unscaled, backend="fusepass"), torch.float32)
+    eager, exact = gradients(unscaled, torch.float32), gradients(unscaled, torch.float64)
+    for name, f, e, x in zip("qkv", fused, eager, exact):
+        ours, eagers = (f.double() - x).norm(), (e.double() - x).norm()
+        assert ours <= 2 * eagers + 1e-6 * x.norm() + 1e-30, f"d{name}: {ours:.3g} from float64, eager {eagers:.3g}"
