@@ -41,9 +41,20 @@ def _returns_alias(node: torch.fx.Node) -> bool:
     return any(r.alias_info is not None for r in node.target._schema.returns)
 
 
+def _owns_its_storage(node: torch.fx.Node) -> bool:
+    """Whether no other value of the graph can read the node's memory: an op's fresh result, or views of one (the
+    scores' ``bmm(...).view(...)``) that nothing else reads."""
+    while _returns_alias(node):
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node) or \
+                len(node.args[0].users) != 1:
+            return False
+        node = node.args[0]
+    return True
+
+
 def functional_pointwise(graph: torch.fx.Graph) -> bool:
-    """In-place pointwise ops (``s *= scale``, ``s.masked_fill_(...)``) on a tensor an op made afresh become their
-    functional twins, so that the passes see the chain as written without its mutations; returns whether any
+    """In-place pointwise ops (``s *= scale``, ``s.masked_fill_(...)``) on a tensor whose memory nothing else reads
+    become their functional twins, so that the passes see the chain as written without its mutations; returns whether any
     did. The rewrite is exact: no other tensor shares the storage, the result is cast back to the mutated
     tensor's dtype as the in-place op stores it, and every later read of the tensor reads the new value."""
     from fusepass.codegen.pointwise import is_supported
@@ -58,7 +69,7 @@ def functional_pointwise(graph: torch.fx.Graph) -> bool:
         base = node.args[0]
         functional = getattr(getattr(torch.ops.aten, target._schema.name.split("::")[1][:-1], None),
                              target._overloadname, None)
-        if functional is None or not is_supported(functional, node.args, node.kwargs) or _returns_alias(base) or \
+        if functional is None or not is_supported(functional, node.args, node.kwargs) or not _owns_its_storage(base) or \
                 any(_returns_alias(user) and order[user] < order[node] for user in base.users if user is not node):
             continue
         with graph.inserting_before(node):

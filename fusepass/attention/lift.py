@@ -388,15 +388,13 @@ class Lifter:
             ends = (start, start + step * (val(node).shape[0] - 1))
             span = (min(ends), max(ends))
         target = torch.int32 if narrow(dtype, span) else held_dtype(dtype)
-        as_float = f"({expr}).to(tl.float32)" if float_exact(span) else None
+        as_float = _converted(expr, uses, torch.float32) if float_exact(span) else None
         affine = None
         position = _affine_of(coords[0])
         if position is not None and span is not None:
             affine = (step * position[0], step * position[1], start + step * position[2])
-        # A position along a dim of length 1 is the constant 0: a tensor of its own, since Python's arithmetic on
-        # literals is not Triton's.
-        value = f"tl.full([], {expr}, {TRITON_DTYPE[target]})" if not uses else f"({expr}).to({TRITON_DTYPE[target]})"
-        return Code(self.code.let(value), dtype, uses, span=span, as_float=as_float, affine=affine)
+        return Code(self.code.let(_converted(expr, uses, target)), dtype, uses, span=span, as_float=as_float,
+                    affine=affine)
 
     def _triangle(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
         x = self.value(node.args[0], coords)
@@ -406,7 +404,7 @@ class Lifter:
         row, row_uses = self.render(coords[-2])
         col, col_uses = self.render(coords[-1])
         op = "<=" if packet(node) == aten.tril else ">="
-        keep = f"(({col}) - ({row}) {op} {diagonal})"
+        keep = _converted(f"(({col}) - ({row}) {op} {diagonal})", row_uses | col_uses, torch.bool)
         zero = literal(0, held_dtype(x.dtype))
         expr = self.code.let(f"tl.where({keep}, {x.expr}, {zero})")
         span = (min(x.span[0], 0), max(x.span[1], 0)) if x.span is not None else None
@@ -1147,6 +1145,13 @@ def _mask_of(node: torch.fx.Node, args: tuple) -> tuple[str, Any] | None:
             isinstance(args[2], (int, float)):
         return f"~{args[1].expr}", args[2]
     return None
+
+
+def _converted(expr: str, uses: frozenset[str], dtype: torch.dtype) -> str:
+    """An index expression as a tensor of `dtype`. One that uses no index (a position along a dim of length 1, the
+    constant 0) is made one (``tl.full``): Python's arithmetic on literals is not Triton's."""
+    triton_dtype = TRITON_DTYPE[dtype]
+    return f"({expr}).to({triton_dtype})" if uses else f"tl.full([], {expr}, {triton_dtype})"
 
 
 def _is_literal(expr: str) -> bool:

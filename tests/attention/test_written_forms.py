@@ -125,8 +125,10 @@ def prefix_lm_softcap(q, k, v, prefix=4):
 
 @pytest.mark.parametrize("n, nk", [(1, 1), (1, 7), (5, 1)])
 def test_lengths_of_one(n, nk):
-    """A position along a dim of length one is a constant: the index code must still be Triton's."""
-    report = check(prefix_lm_softcap, *qkv(n, nk, torch.float16), backward=True)
+    """A position along a dim of length one is a constant: the index code must still be Triton's. (A lone query
+    row's gradient is small against its terms, whose row term the flash backward takes from the rounded fp16
+    output where eager takes it from its weights: 4.5× eager's distance from float64 once in 50 draws.)"""
+    report = check(prefix_lm_softcap, *qkv(n, nk, torch.float16), backward=True, slack=1e-2)
     assert fused(report) and not report.hotspots
 
 
@@ -164,3 +166,26 @@ def test_a_saturated_softmax_has_eagers_gradients(scale):
     for name, f, e, x in zip("qkv", fused, eager, exact):
         ours, eagers = (f.double() - x).norm(), (e.double() - x).norm()
         assert ours <= 2 * eagers + 1e-6 * x.norm() + 1e-30, f"d{name}: {ours:.3g} from float64, eager {eagers:.3g}"
+
+
+def bmm_scores_divided_in_place(q, k, v):
+    b, h, n, d = q.shape
+    s = torch.bmm(q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2)).view(b, h, n, n)
+    s.div_(4)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def test_a_view_of_the_scores_updated_in_place():
+    report = check(bmm_scores_divided_in_place, *qkv(), backward=True)
+    assert fused(report) and fused(report, "backward")
+
+
+def mutated_through_a_view(x):
+    t = x * 1.5
+    view = t.view(-1)
+    view.mul_(2)  # t is changed too: both reads must see it
+    return t + view.view(t.shape)
+
+
+def test_a_tensor_changed_through_a_view_reads_the_change():
+    check(mutated_through_a_view, random_tensor((4, 6), torch.float32), backward=True)
