@@ -297,7 +297,7 @@ def run(case: Case, shape: tuple[int, ...], peers: set[str], backward: bool) -> 
         row[f"{name} TFLOP/s"] = flops / ms / 1e9
         if backward:
             row[f"{name} GiB"] = peak_memory_gib(cased.step(name, backward))
-    # The timed calls replay their launches as CUDA graphs (fusepass.kernels.replay): one more, outputs and
+    # The timed calls replay their launches as CUDA graphs (fusepass.runtime.replay): one more, outputs and
     # gradients against the peer's, says what they computed.
     peer = "sdpa" if "sdpa" in variants else "flex"
     row["error of a later call"] = max(relative_error(got, expected) for got, expected in

@@ -17,7 +17,7 @@ from flash_sweep import CAUSAL, PACKED, PLAIN
 from harness import keep, median_ms
 from kernel_resources import DOCUMENT, WINDOW
 
-from fusepass.kernels import flash_bwd, flash_fwd
+from fusepass.flash import backward as flash_bwd, forward as flash_fwd
 
 CASES = {"plain": (PLAIN, 16), "causal": (CAUSAL, 16), "document": (DOCUMENT, 16), "document-kv4": (DOCUMENT, 4),
          "window-kv4": (WINDOW, 4), "packed": (PACKED, 16)}

@@ -20,7 +20,7 @@ from attention import CASES, SHAPES, setup
 from flash_sweep import CAUSAL_LINEAR, PLAIN_LINEAR
 from harness import keep, median_ms
 
-from fusepass.kernels.flash_fwd import flash_attention_forward
+from fusepass.flash.forward import flash_attention_forward
 
 KERNEL_MODS = {"causal": CAUSAL_LINEAR, "plain": PLAIN_LINEAR}
 

@@ -90,7 +90,7 @@ def child(name: str, backend_name: str, backward: bool) -> None:
 
     jit.JITFunction._do_compile = timed
     # Triton builds a kernel's launcher (C, compiled) and loads its binary at its first launch, unless a compile
-    # ahead did it on its thread (fusepass.kernels.launch): when, how long, and on which thread.
+    # ahead did it on its thread (fusepass.runtime.launch): when, how long, and on which thread.
     from triton.compiler.compiler import CompiledKernel
 
     init_handles = CompiledKernel._init_handles

@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 from harness import keep, median_ms, relative_error
 
-from fusepass.attention.score_mod import ScoreMod, SeparableKeep
-from fusepass.kernels import flash_bwd, flash_fwd
-from fusepass.kernels.flash_config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
+from fusepass.flash.score_mod import ScoreMod, SeparableKeep
+from fusepass.flash import backward as flash_bwd, forward as flash_fwd
+from fusepass.flash.config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
 
 
 # 1/sqrt(128) at every head dim (the score functions spell it out: Triton reads no plain globals); the SDPA

@@ -10,7 +10,7 @@ times 9 batches of 100 calls (the fastest batch): what the op's Python, torch's 
 autograd layers and Dynamo's guards cost per call, without Triton's launcher or the driver (``launch_cost.py``
 on the GPU has those). The kernels' outputs are left unwritten, so the figures are of the host path alone, not
 of its results. With --profile, the Python functions with the most host time, by own and by cumulative time.
-With --replayed, every attention call takes the path of a replayed one (`fusepass.kernels.replay`: the op
+With --replayed, every attention call takes the path of a replayed one (`fusepass.runtime.replay`: the op
 allocates its outputs and looks its launches up), without the driver's replay.
 
 Wall time on a shared virtual machine moves by up to 2x from run to run; instructions do not. With --calls N it
@@ -37,8 +37,9 @@ from launch_cost import replace_attention_launches  # noqa: E402
 
 from fusepass import pipeline  # noqa: E402
 from fusepass.attention import op  # noqa: E402
-from fusepass.kernels import flash_config, launch  # noqa: E402
-from fusepass.kernels.replay import LaunchReplays, tensor_key  # noqa: E402
+from fusepass.runtime import launch  # noqa: E402
+from fusepass.flash import config as flash_config
+from fusepass.runtime.replay import LaunchReplays, tensor_key  # noqa: E402
 
 # The fastest batch (torch on one thread): a virtual machine's neighbours only ever add, by up to 2x on this
 # one from run to run.

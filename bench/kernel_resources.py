@@ -32,9 +32,10 @@ from flash_sweep import CAUSAL, PACKED, PLAIN, minus_inf, scaled, scaled_grad
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
-from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels import flash_bwd, flash_config, flash_fwd, launch
-from fusepass.kernels.flash_config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
+from fusepass.flash.score_mod import ScoreMod
+from fusepass.flash import backward as flash_bwd, config as flash_config, forward as flash_fwd
+from fusepass.runtime import launch
+from fusepass.flash.config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
 
 H200 = GPUTarget("cuda", 90, 32)
 

@@ -6,7 +6,7 @@
 Runs each case of ``bench/attention.py`` (at one of its shapes, B2 H16 N8192 D128 bf16 unless told) under
 fusepass, warm, and times 20 calls on the host without waiting for the device (the launch queue is deep enough
 not to block): per call, the host time to return, the time inside each kernel's launch
-(``fusepass.kernels.launch.launch``: the signature lookup and the driver call, or Triton's binding and
+(``fusepass.runtime.launch.launch``: the signature lookup and the driver call, or Triton's binding and
 specialization on a new signature) and the rest (the op's Python, torch's custom-op and autograd wrappers). A
 call whose host time is above its device time leaves the GPU waiting. With --profile, the Python functions
 with the most host time over those calls, by own time and by cumulative time. With --layers, the host time of
@@ -27,8 +27,10 @@ import torch
 from attention import CASES, SHAPES, fusepass_call, setup
 from harness import keep
 
-from fusepass.attention import blockmap, op
-from fusepass.kernels import distance_table, flash_config, launch
+from fusepass.attention import op
+from fusepass.flash import blockmap
+from fusepass.flash import distance_table, config as flash_config
+from fusepass.runtime import launch
 
 CALLS = 20
 

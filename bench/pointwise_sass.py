@@ -31,7 +31,7 @@ N = 8192
 CHILD = f"""
 import json, sys, torch, torch.nn.functional as F
 import fusepass
-from fusepass.kernels import pointwise
+from fusepass.elementwise import kernel as pointwise
 seen = {{}}
 source = pointwise.kernel_source
 pointwise.kernel_source = lambda *a: seen.setdefault("source", source(*a))
@@ -79,7 +79,7 @@ def main() -> None:
     source, launch = generated()
     from fusepass.codegen.modules import load_module  # after the child: this process compiles for the GPU
 
-    from fusepass.kernels.pointwise import choose_blocks
+    from fusepass.elementwise.kernel import choose_blocks
 
     kernel = getattr(load_module(source), launch["name"])
     compiled = compile_launches()

@@ -1,4 +1,4 @@
-"""How the attention op's calls went through its launch replays (fusepass.kernels.replay) in a timed loop: per
+"""How the attention op's calls went through its launch replays (fusepass.runtime.replay) in a timed loop: per
 case, of the op's forward and backward calls, how many replayed a graph, and the keys met once, captured or
 refused; beside the host µs per call (no synchronization) and the wall ms per call.
 
@@ -13,7 +13,7 @@ import torch
 from attention import CASES, SHAPES, fusepass_call
 from harness import keep
 
-from fusepass.kernels.replay import attention_replays
+from fusepass.runtime.replay import attention_replays
 
 
 def main() -> None:

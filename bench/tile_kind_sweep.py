@@ -21,8 +21,9 @@ import torch
 from attention import CASES, SHAPES, fusepass_call
 from harness import keep, median_ms
 
-from fusepass.attention import blockmap, op
-from fusepass.kernels.flash_config import forward_config, kind_block_m, narrow_kv_tiles
+from fusepass.attention import op
+from fusepass.flash import blockmap
+from fusepass.flash.config import forward_config, kind_block_m, narrow_kv_tiles
 
 
 def main() -> None:

@@ -13,7 +13,6 @@ from fusepass.options import Options
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.report.report import Report
 
-
 # Dynamo's and AOTAutograd's own control flow (a restart of the analysis, a frame to skip), raised through a
 # backend: never a failure to fall back from.
 CONTROL_FLOW = (torch._dynamo.exc.RestartAnalysis, torch._dynamo.exc.SkipFrame, torch._dynamo.exc.ResetRequired)

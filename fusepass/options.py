@@ -11,7 +11,7 @@ class Options:
     elementwise: bool = True  # fuse chains of pointwise ops into generated kernels
     strict: bool = False  # raise instead of falling back to the unfused ops when a pass fails
     # replay an attention call's or a fused elementwise group's kernel launches as a CUDA graph where its tensors
-    # and values repeat an earlier call's (fusepass/kernels/replay.py): the host time of the launches
+    # and values repeat an earlier call's (fusepass/runtime/replay.py): the host time of the launches
     replay: bool = True
 
     @classmethod

@@ -25,13 +25,13 @@ from fusepass.attention.rewrite import list_unfused_attention, rewrite_attention
 from fusepass.capture import capture
 from fusepass.context import CONTROL_FLOW, PassContext, graph_device
 from fusepass.elementwise.fuse import fuse_elementwise
-from fusepass.kernels.pointwise import interpreting
 from fusepass.options import Options
 from fusepass.report import hooks, profile, roofline
 from fusepass.report.intermediates import largest_intermediates
 from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, discard, new_report
 from fusepass.runnable import copy_graph, on_device, runnable
+from fusepass.runtime.device import interpreting
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
 CPU_NOTICE = ("kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU): rewrites are planned and "

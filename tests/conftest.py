@@ -29,7 +29,7 @@ def device():
 def _fresh_dynamo():
     import torch._dynamo
 
-    from fusepass.kernels.launch import finish_compiles_ahead
+    from fusepass.runtime.launch import finish_compiles_ahead
 
     torch._dynamo.reset()
     yield

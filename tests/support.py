@@ -202,7 +202,7 @@ def random_tensor(shape: Sequence[int], dtype: torch.dtype, device: str = DEVICE
 def record_block_map_builds(monkeypatch) -> list[tuple[int, int, int]]:
     """The (block_m, block_n, kind_block_m) of every block map built from now on (`blockmap.build_block_map`,
     which still builds them); not of maps on "meta", which only start their kernels' compiles (the rewrite's)."""
-    from fusepass.attention import blockmap
+    from fusepass.flash import blockmap
 
     build = blockmap.build_block_map
     signature = inspect.signature(build)

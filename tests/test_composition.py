@@ -178,16 +178,16 @@ import fusepass
 sys.path.insert(0, {tests!r})
 from test_composition import Block
 
-rank = int(sys.argv[1])
+rank, device = int(sys.argv[1]), sys.argv[3]
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
 torch.manual_seed(0)
-model = Block()
-reference = Block()
+model = Block().to(device)
+reference = Block().to(device)
 reference.load_state_dict(model.state_dict())
 ddp = nn.parallel.DistributedDataParallel(model)
 compiled = torch.compile(ddp, backend="fusepass")
 torch.manual_seed(1 + rank)
-x = torch.randn(2, 11, 32)
+x = torch.randn(2, 11, 32, device=device)
 compiled(x).square().mean().backward()
 # The reference: every rank's loss on one process, averaged as DDP averages gradients.
 xs = [None, None]
@@ -206,9 +206,12 @@ print("rank", rank, "ok")
 def test_distributed_data_parallel_over_two_processes(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(textwrap.dedent(DDP_SCRIPT.format(tests=os.path.dirname(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "TRITON_INTERPRET": "1"}
+    # Both ranks on the one GPU where there is one (gloo reduces CUDA tensors too), else through the interpreter.
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    if DEVICE == "cpu":
+        env["TRITON_INTERPRET"] = "1"
     port = str(29500 + os.getpid() % 1000)
-    ranks = [subprocess.Popen([sys.executable, str(script), str(r), port], env=env, stdout=subprocess.PIPE,
+    ranks = [subprocess.Popen([sys.executable, str(script), str(r), port, DEVICE], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outputs = [p.communicate(timeout=600) for p in ranks]
     for p, (out, err) in zip(ranks, outputs):

@@ -10,7 +10,7 @@ from support import assert_close, check, random_tensor, rewrites
 
 import fusepass
 from fusepass import pipeline
-from fusepass.kernels import pointwise
+from fusepass.elementwise import kernel as pointwise
 
 
 def attention(q, k, v):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch._dynamo.convert_frame import compile_lock
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from fusepass.attention.layout import Unsupported, _walk_up
+from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch, val
 from fusepass.attention.op import autograd_enabled, with_strides
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
@@ -47,6 +48,7 @@ class DynamicSpec:
     module: torch.fx.GraphModule  # (*tensors, *sizes) -> (the matmul with V's output,)
     requires_grad: list[bool]  # per tensor input: whether a gradient flows to it
     options: Options
+    static_rewrite: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]  # the attention pass
     report: Report | None = None  # the compile's, where a kernel failing at a size planned at run time is recorded
     plans: OrderedDict[Signature, torch.fx.GraphModule] = field(default_factory=OrderedDict)
 
@@ -103,8 +105,6 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
     """``spec.module`` at concrete sizes, its attention rewritten: the sizes put in the graph as constants
     and fake values of the inputs' layouts propagated through it (``tensors`` need only shape, stride(),
     dtype and device). Also the strides of the module's output before the rewrite."""
-    from fusepass.attention.rewrite import rewrite_attention  # the static pass; it imports this module
-
     static = torch.fx.GraphModule(spec.module, copy.deepcopy(spec.module.graph))
     fake_mode = FakeTensorMode()
     with fake_mode:
@@ -124,8 +124,8 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
         mark_requires_grad(static.graph, [*fakes, *sizes])
     report = Report(graph=spec.name)
     device = next((t.device for t in tensors), torch.device("cpu"))
-    rewrite_attention(static, PassContext(report, spec.options, "forward", device, run_kernels=True,
-                                          failures=spec.report))
+    spec.static_rewrite(static, PassContext(report, spec.options, "forward", device, run_kernels=True,
+                                            failures=spec.report))
     with fake_mode:
         return static, report, tuple(torch.empty_like(out).stride())
 
@@ -134,7 +134,7 @@ def _external_inputs(graph: torch.fx.Graph, m: AttentionMatch
                      ) -> tuple[list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node]]:
     """(the ops the attention's rewrite replaces, the tensors they read from outside, the numbers: sizes and
     other ints Dynamo made symbolic)."""
-    sources = [_walk_up(operand)[0] for operand in (m.scores.left, m.scores.right, m.values.right)]
+    sources = [walk_up(operand)[0] for operand in (m.scores.left, m.scores.right, m.values.right)]
     replaced = replaced_subgraph(graph, removed_nodes(m), sources)
     _, externals = subgraph_module(replaced, [], m.pv)
     tensors = [n for n in externals if isinstance(val(n), torch.Tensor)]
@@ -147,10 +147,12 @@ def reads_symbolic_ints(graph: torch.fx.Graph, m: AttentionMatch) -> bool:
     return any(isinstance(val(n), torch.SymInt) for n in _external_inputs(graph, m)[2])
 
 
-def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, name: str, where: str
+def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, name: str, where: str,
+                    static_rewrite: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]
                     ) -> list[Rewrite]:
     """Cut the attention out as a module called through ``attention_dynamic``; its records at the sizes
-    Dynamo saw. Raises ``Unsupported`` (the graph untouched) where that plan does not rewrite it."""
+    Dynamo saw. Raises ``Unsupported`` (the graph untouched) where that plan does not rewrite it.
+    `static_rewrite` is the attention pass, which plans the module at each concrete size."""
     if m.dropout_p > 0:
         raise Unsupported("symbolic shapes with dropout (the backward could not replay the forward's mask)")
     replaced, tensors, sizes = _external_inputs(graph, m)
@@ -160,7 +162,8 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
         raise Unsupported("the score chain reads a float Dynamo made symbolic (a number that changed between calls, "
                           "or specialize_float=False); torch.compile(..., dynamic=False) keeps it a constant")
     module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
-    spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options)
+    spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options,
+                       static_rewrite)
 
     examples = [_AtHint(val(n)) for n in tensors]
     _, report, _ = plan_static(spec, examples, [_hint(val(n)) for n in sizes])

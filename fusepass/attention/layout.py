@@ -103,7 +103,7 @@ def _exact_widening(node: torch.fx.Node, source_dtype: torch.dtype | None) -> bo
         (_val(node.args[0]).dtype, _val(node).dtype) in EXACT_WIDENING and _val(node.args[0]).dtype == source_dtype
 
 
-def _walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
+def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
              ) -> tuple[torch.fx.Node, list[torch.fx.Node], tuple[int, int] | None]:
     """The source tensor, the view ops from it to ``node`` (in order), and the head repeat among them
     (``(index of the first op after it, group)``) if any. With `widen_from`, exact widening casts of tensors of
@@ -142,7 +142,7 @@ def _replay(node: torch.fx.Node, meta: torch.Tensor) -> torch.Tensor | None:
     """Apply one view op to a meta tensor that stands for the source's memory; None if it would copy."""
     if _packet(node) in (aten.clone, aten.contiguous, aten.lift_fresh_copy, aten.detach, aten.alias, aten.to,
                          aten._to_copy):
-        return meta  # the same values (a cast only if an exact widening: `_walk_up`): read the original
+        return meta  # the same values (a cast only if an exact widening: `walk_up`): read the original
     out = node.target(meta, *node.args[1:], **node.kwargs)
     return out if out._base is not None else None
 
@@ -178,8 +178,8 @@ class OperandView:
 
 def operand_view(operand: torch.fx.Node, widen_from: torch.dtype | None = None) -> OperandView:
     """Walk up from a matmul operand to its source, replaying the views on a meta tensor (and exact widening
-    casts of `widen_from` tensors: see `_walk_up`)."""
-    source, ops, repeat = _walk_up(operand, widen_from)
+    casts of `widen_from` tensors: see `walk_up`)."""
+    source, ops, repeat = walk_up(operand, widen_from)
     val = _val(source)
     if not _static(val.shape):
         raise Unsupported("symbolic shapes")

@@ -17,18 +17,18 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from fusepass.attention.blockmap import BlockMap, map_extent, packed_map_numel
 from fusepass.attention.layout import OperandLayout
 from fusepass.attention.lift import Lifted
-from fusepass.attention.score_mod import ScoreMod, SeparableKeep
 from fusepass.codegen.modules import load_module
-from fusepass.kernels.flash_ahead import compile_attention_ahead
-from fusepass.kernels.flash_bwd import flash_attention_backward
-from fusepass.kernels.flash_config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles
-from fusepass.kernels.flash_fwd import FlashForwardExtra, flash_attention_forward, forward_outputs
-from fusepass.kernels.replay import attention_replays
+from fusepass.flash.ahead import compile_attention_ahead
+from fusepass.flash.backward import flash_attention_backward
+from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
+from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles
+from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs
+from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 from fusepass.report import profile
 from fusepass.report.records import Rewrite
+from fusepass.runtime.replay import attention_replays
 
 
 @dataclass
@@ -115,7 +115,7 @@ class AttentionSpec:
     unfused: Unfused | None = None  # set by the rewrite, with the graph values it reads (after the aux)
     compiled_ahead: bool = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
     forward_tiles: FlashConfig | None = None  # set by the rewrite where the density model knows the mask's rows
-    replay: bool = True  # replay launches as CUDA graphs where arguments repeat (`fusepass.kernels.replay`)
+    replay: bool = True  # replay launches as CUDA graphs where arguments repeat (`fusepass.runtime.replay`)
     _mod: ScoreMod | None = field(default=None, repr=False)
     _passed_maps: dict[tuple[torch.dtype, torch.device], tuple] = field(default_factory=dict, repr=False)
 

@@ -20,11 +20,17 @@ from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes,
 from fusepass.attention.op import AttentionSpec, Unfused, compile_ahead_of_first_call, register
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
 from fusepass.context import PassContext, mark_planned
+from fusepass.flash.config import FlashConfig, ModeledRows, backward_configs, forward_config, narrow_kv_tiles
 from fusepass.fx_util import hold, infer_meta
-from fusepass.kernels.flash_config import (
-    FlashConfig, ModeledRows, backward_configs, forward_config, narrow_kv_tiles)
-from fusepass.report.ledger import (AttentionShape, AuxRead, Tiles, attention_rewrites, op_bytes, tile_density,
-                                    value_bytes)
+from fusepass.report.ledger import (
+    AttentionShape,
+    AuxRead,
+    Tiles,
+    attention_rewrites,
+    op_bytes,
+    tile_density,
+    value_bytes,
+)
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.source import keep_location, location
 
@@ -178,7 +184,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         try:
             m = match(softmax)
             if not _static(m) or reads_symbolic_ints(graph, m):
-                ctx.report.rewrites.extend(rewrite_dynamic(graph, m, ctx, name, where))
+                ctx.report.rewrites.extend(rewrite_dynamic(graph, m, ctx, name, where, rewrite_attention))
                 changed = changed or ctx.run_kernels
                 continue
             spec, sources, features = plan(m, name)

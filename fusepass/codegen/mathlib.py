@@ -7,21 +7,19 @@ the GPU tests check it: the functions eager's CUDA kernels take from CUDA's math
 like, at the end of this file), which the GPU calls too and the interpreter computes in float64; rounding to
 an integer (the GPU's own instruction); digamma (float32 on the GPU, float64 in the interpreter).
 """
-import os
 
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-# Triton's interpreter truncates float32 → bfloat16 (its round-to-nearest-even is off too); the GPU rounds.
-INTERPRETING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+from fusepass.runtime.device import INTERPRETED
 
 
 @triton.jit
 def to_bfloat16(x):
     """Round to bfloat16, to nearest even, as eager and the GPU do."""
     x = x.to(tl.float32)
-    if INTERPRETING:
+    if INTERPRETED:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + (((bits >> 16) & 1) + 0x7FFF)
         rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -79,7 +77,7 @@ def trunc(x):
 def round_half_even(x):
     # On the GPU its rounding instruction (as eager's nearbyint): there `x - floor(x)` below would be contracted
     # with the product that made x into one fused multiply-add, which sees the product unrounded.
-    if INTERPRETING:
+    if INTERPRETED:
         f = tl.floor(x)
         d = x - f
         f_is_odd = (f - 2.0 * tl.floor(f * 0.5)) != 0.0
@@ -554,7 +552,7 @@ def sinc(x):
 # computes the float64 forms above, within an ulp of the exact value.
 @triton.jit
 def atan(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _atan_in_float64(x)
     else:
         return libdevice.atan(x)
@@ -562,7 +560,7 @@ def atan(x):
 
 @triton.jit
 def asin(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _asin_in_float64(x)
     else:
         return libdevice.asin(x)
@@ -570,7 +568,7 @@ def asin(x):
 
 @triton.jit
 def acos(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _acos_in_float64(x)
     else:
         return libdevice.acos(x)
@@ -578,7 +576,7 @@ def acos(x):
 
 @triton.jit
 def atan2(y, x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _atan2_in_float64(y, x)
     else:
         return libdevice.atan2(y, x)
@@ -586,7 +584,7 @@ def atan2(y, x):
 
 @triton.jit
 def sinh(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _sinh_in_float64(x)
     else:
         return libdevice.sinh(x)
@@ -594,7 +592,7 @@ def sinh(x):
 
 @triton.jit
 def cosh(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _cosh_in_float64(x)
     else:
         return libdevice.cosh(x)
@@ -602,7 +600,7 @@ def cosh(x):
 
 @triton.jit
 def asinh(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _asinh_in_float64(x)
     else:
         return libdevice.asinh(x)
@@ -610,7 +608,7 @@ def asinh(x):
 
 @triton.jit
 def acosh(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _acosh_in_float64(x)
     else:
         return libdevice.acosh(x)
@@ -618,7 +616,7 @@ def acosh(x):
 
 @triton.jit
 def atanh(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _atanh_in_float64(x)
     else:
         return libdevice.atanh(x)
@@ -626,7 +624,7 @@ def atanh(x):
 
 @triton.jit
 def hypot(a, b):
-    if INTERPRETING:
+    if INTERPRETED:
         return _hypot_in_float64(a, b)
     else:
         return libdevice.hypot(a, b)
@@ -634,7 +632,7 @@ def hypot(a, b):
 
 @triton.jit
 def lgamma(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _lgamma_in_float64(x)
     else:
         return libdevice.lgamma(x)
@@ -676,7 +674,7 @@ def _digamma_float32(x):
 
 @triton.jit
 def digamma(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _digamma_in_float64(x)
     elif x.dtype == tl.float64:
         return _digamma_in_float64(x)
@@ -686,7 +684,7 @@ def digamma(x):
 
 @triton.jit
 def erfc(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _erfc_in_float64(x)
     else:
         return libdevice.erfc(x)
@@ -694,7 +692,7 @@ def erfc(x):
 
 @triton.jit
 def erfinv(x):
-    if INTERPRETING:
+    if INTERPRETED:
         return _erfinv_in_float64(x)
     else:
         return libdevice.erfinv(x)

@@ -18,7 +18,7 @@ _loaded: OrderedDict[str, ModuleType] = OrderedDict()
 LOADED = 256
 
 HEADER = ("import triton\nimport triton.language as tl\n\nfrom fusepass.codegen import mathlib as fm\n"
-          "from fusepass.kernels import distance_table as fd\n\n\n")
+          "from fusepass.flash import distance_table as fd\n\n\n")
 
 
 def cache_dir() -> str:

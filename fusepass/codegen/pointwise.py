@@ -297,7 +297,7 @@ for _packet, _fn in (
 
 
 # Translations whose code holds many values per element (digamma's unrolled shift and its float64 reflection):
-# their kernels take fewer elements a thread (`fusepass.kernels.pointwise.choose_blocks`).
+# their kernels take fewer elements a thread (`fusepass.elementwise.kernel.choose_blocks`).
 REGISTER_HUNGRY = frozenset({aten.digamma})
 
 

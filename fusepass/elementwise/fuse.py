@@ -14,9 +14,9 @@ from torch.fx.passes.tools_common import legalize_graph
 
 from fusepass.codegen.pointwise import constant_value, packet_of
 from fusepass.context import PassContext
+from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.lower import Lowered, lower
 from fusepass.elementwise.partition import Group, is_constant, partition
-from fusepass.kernels.pointwise import PointwiseLauncher
 from fusepass.report import profile, roofline
 from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes
 from fusepass.report.records import Hotspot, Rewrite

@@ -8,8 +8,11 @@ times (FUSEPASS_PROFILE) add crosses.
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
-from fusepass.report.report import Report
+if TYPE_CHECKING:  # the report renders itself through this module: no import back at run time
+    from fusepass.report.report import Report
+
 
 BEFORE, AFTER, MEASURED, ROOF = "#c0392b", "#1f6fb2", "#333333", "#777777"
 

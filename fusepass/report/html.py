@@ -6,9 +6,12 @@ tables. Numbers are formatted as in the text table.
 from __future__ import annotations
 
 from html import escape
+from typing import TYPE_CHECKING
 
 from fusepass.report.render import format_bytes, format_count, format_intensity, format_time
-from fusepass.report.report import Report
+
+if TYPE_CHECKING:  # the report renders itself through this module: no import back at run time
+    from fusepass.report.report import Report
 
 STYLE = """
 body { font: 13px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }

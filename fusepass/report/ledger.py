@@ -215,7 +215,7 @@ def elementwise_rewrite(phase: str, location: str, ops: tuple[str, ...], compute
 # ---------------------------------------------------------------------------------------------------
 # The flash-attention kernels' tiling model
 #
-# Tile sizes are the CUDA configs of fusepass/kernels/flash_config.py, also when the graph runs on the
+# Tile sizes are the CUDA configs of fusepass/flash/config.py, also when the graph runs on the
 # CPU: HBM traffic is a GPU's. A GPU runs a kernel's programs in waves of about one per SM, in grid order
 # (the first grid axis fastest). The programs of one wave that read the same tensor share it through L2
 # (they walk it in the same order at about the same pace), so a tensor read by `n` consecutive programs

@@ -8,9 +8,12 @@ kept for the backward, measured times, features). Hotspots follow, longest estim
 from __future__ import annotations
 
 import textwrap
+from typing import TYPE_CHECKING
 
 from fusepass.report.records import Hotspot, Rewrite
-from fusepass.report.report import Report
+
+if TYPE_CHECKING:  # the report renders itself through this module: no import back at run time
+    from fusepass.report.report import Report
 
 WIDTH = 100
 # Columns: kind and phase 22, HBM bytes 3 × 11, FLOP/B 9 + 8, est. time 2 × 10.

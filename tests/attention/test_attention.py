@@ -329,8 +329,8 @@ def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypa
 def test_backward_kernels_tiling_alike_read_one_map(monkeypatch):
     """Where the dQ and dK/dV kernels tile alike (both 64 × 64 at D ≤ 64 on a GPU) and unlike the forward, a
     mask that reads tensors is mapped once per backward, and the gradients are eager's."""
-    from fusepass.kernels import flash_bwd
-    from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
+    from fusepass.flash import backward as flash_bwd
+    from fusepass.flash.config import BackwardConfigs, FlashConfig
 
     alike = FlashConfig(16, 32, num_warps=1, num_stages=1)
     monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: BackwardConfigs(alike, alike))
@@ -345,8 +345,8 @@ def test_one_map_serves_the_forward_and_both_backward_kernels(monkeypatch):
     """Where the dK/dV kernel's q blocks divide the forward's (at D128 on a GPU: 64 and 128 rows, both 64 wide),
     a mask that reads tensors is mapped once per forward+backward: the forward's map has its kinds and cols
     lists at the dK/dV kernel's q blocks, its rows lists at its own; the gradients are eager's."""
-    from fusepass.kernels import flash_bwd, flash_config, flash_fwd
-    from fusepass.kernels.flash_config import BackwardConfigs, FlashConfig
+    from fusepass.flash import backward as flash_bwd, config as flash_config, forward as flash_fwd
+    from fusepass.flash.config import BackwardConfigs, FlashConfig
 
     tall, short = FlashConfig(32, 16, num_warps=1, num_stages=1), FlashConfig(16, 16, num_warps=1, num_stages=1)
     for module in (flash_fwd, op):

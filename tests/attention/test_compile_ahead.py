@@ -1,5 +1,5 @@
 """The first call of a compiled attention launches the flash kernels the rewrite started compiling ahead
-(`fusepass.kernels.flash_ahead`): the forward's and, where a gradient flows, the backward's two. On any machine:
+(`fusepass.flash.ahead`): the forward's and, where a gradient flows, the backward's two. On any machine:
 what the rewrite compiles ahead, from meta stand-ins of the graph's values, has the argument signatures of the
 launches that follow; on the GPU: each launch finds its kernel compiled instead of compiling it."""
 import dataclasses
@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from support import SUMMED_GRADIENT_FP32, assert_close, check, random_tensor, record_block_map_builds
 
 import fusepass
-from fusepass.attention import blockmap, op
-from fusepass.kernels import flash_ahead, flash_bwd, flash_config, flash_fwd
-from fusepass.kernels.launch import BoundLaunch, launch
-from fusepass.kernels.signature import CONSTANT, SPECIALIZED, signature
+from fusepass.attention import op
+from fusepass.flash import blockmap
+from fusepass.flash import ahead as flash_ahead, backward as flash_bwd, config as flash_config, forward as flash_fwd
+from fusepass.runtime.launch import BoundLaunch, launch
+from fusepass.runtime.signature import CONSTANT, SPECIALIZED, signature
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="kernels compile on the GPU machine only")
 
@@ -155,7 +156,7 @@ def test_the_first_call_launches_the_kernels_the_rewrite_compiled_ahead(monkeypa
     monkeypatch.setattr(BoundLaunch, "_compiled_ahead", recording)
     # A kernel another test launched in this process (the maps' lists kernel serves every mask) is launched
     # without asking for a compile ahead: each launch here starts from a new BoundLaunch.
-    monkeypatch.setattr("fusepass.kernels.launch._bound", OrderedDict())
+    monkeypatch.setattr("fusepass.runtime.launch._bound", OrderedDict())
     q, k, v = (torch.randn(1, 2, 300 + backward, 128, device="cuda", dtype=torch.bfloat16,
                            requires_grad=backward) for _ in range(3))
     reference = [x.detach().double().requires_grad_(backward) for x in (q, k, v)]
@@ -180,7 +181,7 @@ def test_the_first_call_launches_the_kernels_the_rewrite_compiled_ahead(monkeypa
 def test_the_first_backward_builds_no_block_map(monkeypatch):
     """A mask whose maps are cached per shape gets the backward's maps built on the first forward, while the
     flash kernels compile (on the GPU their tiles differ from the forward's)."""
-    from fusepass.attention import blockmap
+    from fusepass.flash import blockmap
 
     monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
     built = record_block_map_builds(monkeypatch)

@@ -1,5 +1,5 @@
 """On a GPU: attention calls whose tensors repeat an earlier call's replay its launches as a CUDA graph
-(`fusepass.kernels.replay`), and compute what the same kernels launched one by one compute, bit for bit, on
+(`fusepass.runtime.replay`), and compute what the same kernels launched one by one compute, bit for bit, on
 every call's values: forward and backward, a cached block map dropped from its cache meanwhile (held by the
 graphs that read it), a map built per call, dropout (a new seed per call: nothing to replay)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import fusepass
-from fusepass.attention import blockmap
-from fusepass.kernels.replay import attention_replays
+from fusepass.flash import blockmap
+from fusepass.runtime.replay import attention_replays
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need the GPU")
 

@@ -18,9 +18,10 @@ import torch
 from support import DEVICE, SUMMED_GRADIENT_FP32, assert_close, random_tensor
 
 import fusepass
-from fusepass.attention import blockmap, op
-from fusepass.kernels import distance_table, flash_config
-from fusepass.kernels.replay import LaunchReplays
+from fusepass.attention import op
+from fusepass.flash import blockmap
+from fusepass.flash import distance_table, config as flash_config
+from fusepass.runtime.replay import LaunchReplays
 
 
 class TracedReplays(LaunchReplays):

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from support import DEVICE, check, random_tensor
 
 from fusepass.attention import op
-from fusepass.attention.blockmap import EMPTY, FULL, SEPARABLE_TILES, build_block_map, launch_separable_kinds
-from fusepass.attention.score_mod import ScoreMod, SeparableKeep
+from fusepass.flash.blockmap import EMPTY, FULL, SEPARABLE_TILES, build_block_map, launch_separable_kinds
+from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 
 FULL_KIND, EMPTY_KIND = FULL.value, EMPTY.value  # constexprs in the kernels
 

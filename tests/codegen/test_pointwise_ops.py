@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fusepass.codegen.pointwise import held_dtype
 from fusepass.elementwise.lower import lower
 from fusepass.elementwise.partition import Group, is_constant
-from fusepass.kernels.pointwise import PointwiseLauncher
+from fusepass.elementwise.kernel import PointwiseLauncher
 
 aten = torch.ops.aten
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

@@ -193,7 +193,7 @@ def test_no_grad_and_inference_mode(mode):
 
 
 def test_dynamic_shapes_reuse_the_kernel():
-    from fusepass.kernels import pointwise
+    from fusepass.elementwise import kernel as pointwise
 
     fn = torch.compile(gelu_bias_sigmoid, backend="fusepass", dynamic=True)
     before = set(pointwise._kernels)  # other tests' (the same program at sizes its blocks divide: unmasked)
@@ -205,7 +205,7 @@ def test_dynamic_shapes_reuse_the_kernel():
 
 
 def test_identical_groups_share_one_kernel():
-    from fusepass.kernels import pointwise
+    from fusepass.elementwise import kernel as pointwise
 
     x, y = random_tensor((7, 9), torch.float32), random_tensor((7, 9), torch.float32)
     before = len(pointwise._kernels)

@@ -1,7 +1,7 @@
 """The host's launch arithmetic computes what Triton's constexpr functions do."""
 import triton
 
-from fusepass.kernels.sizes import cdiv, next_power_of_2
+from fusepass.runtime.sizes import cdiv, next_power_of_2
 
 
 def test_as_triton_computes_them():

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusepass.kernels.signature import CONSTANT, SPECIALIZED, UNSPECIALIZED, SignatureOf, signature
+from fusepass.runtime.signature import CONSTANT, SPECIALIZED, UNSPECIALIZED, SignatureOf, signature
 
 _BASE = torch.zeros(64, dtype=torch.float32)
 _TENSORS = [_BASE, _BASE[1:], _BASE[4:], _BASE.to(torch.float16), torch.zeros(3, 16, dtype=torch.bfloat16)]

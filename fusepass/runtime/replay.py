@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fusepass.kernels import launch
+from fusepass.runtime import launch
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -178,6 +178,6 @@ def _remember(keys: OrderedDict, key: Hashable, capacity: int) -> None:
 
 
 # The attention op's sequences (fusepass/attention/op.py) and the pointwise groups' launches
-# (fusepass/kernels/pointwise.py); `clear()` drops their graphs and memory.
+# (fusepass/elementwise/kernel.py); `clear()` drops their graphs and memory.
 attention_replays = LaunchReplays()
 pointwise_replays = LaunchReplays(capacity=1024)  # one kernel each, no memory of their own: many fit

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from triton.runtime.errors import OutOfResources
 
-from fusepass.kernels.flash_config import launch_fitting
+from fusepass.flash.config import launch_fitting
 
 
 class Kernel:

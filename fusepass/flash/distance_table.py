@@ -17,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels.launch import launch
-from fusepass.kernels.sizes import cdiv
+from fusepass.flash.score_mod import ScoreMod
+from fusepass.runtime.launch import launch
+from fusepass.runtime.sizes import cdiv
 
 BLOCK = 1024
 

@@ -4,8 +4,8 @@ replaced by a recorder here, so this runs on any machine; tests/attention/test_r
 import pytest
 import torch
 
-from fusepass.kernels import replay as replay_module
-from fusepass.kernels.replay import LaunchReplays
+from fusepass.runtime import replay as replay_module
+from fusepass.runtime.replay import LaunchReplays
 
 
 class _Graph:
@@ -115,7 +115,7 @@ def test_a_map_built_while_capturing_is_not_cached(monkeypatch):
     its own."""
     from types import SimpleNamespace
 
-    from fusepass.attention import blockmap
+    from fusepass.flash import blockmap
 
     monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
     monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: object())
@@ -134,7 +134,7 @@ def test_a_pointwise_replay_key_names_every_tensor_of_the_launch(monkeypatch):
     from support import random_tensor
 
     import fusepass
-    from fusepass.kernels import pointwise
+    from fusepass.elementwise import kernel as pointwise
 
     keys = []
 

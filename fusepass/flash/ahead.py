@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from fusepass.attention.blockmap import BlockMap, block_map_for, build_block_map, empty_block_map
-from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels.distance_table import distance_gradients, meta_distance_tables
-from fusepass.kernels.flash_bwd import backward_launches
-from fusepass.kernels.flash_config import (FlashConfig, backward_configs, compile_fitting_ahead, forward_config,
-                                            kind_block_m)
-from fusepass.kernels.flash_fwd import forward_launch, forward_outputs, forward_tile_configs
+from fusepass.flash.backward import backward_launches
+from fusepass.flash.blockmap import BlockMap, block_map_for, build_block_map, empty_block_map
+from fusepass.flash.config import FlashConfig, backward_configs, compile_fitting_ahead, forward_config, kind_block_m
+from fusepass.flash.distance_table import distance_gradients, meta_distance_tables
+from fusepass.flash.forward import forward_launch, forward_outputs, forward_tile_configs
+from fusepass.flash.score_mod import ScoreMod
 
 
 def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, *,

@@ -10,7 +10,6 @@ TensorIterator does: a contiguous chain becomes one flat dimension with no index
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -24,15 +23,12 @@ from fusepass.codegen.pointwise import REGISTER_HUNGRY, TRITON_DTYPE, Operand, h
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.lower import Lowered
 from fusepass.elementwise.program import Program, Ref
-from fusepass.kernels.launch import BoundLaunch
-from fusepass.kernels.replay import pointwise_replays
-from fusepass.kernels.sizes import cdiv, next_power_of_2
+from fusepass.runtime.device import interpreting
+from fusepass.runtime.launch import BoundLaunch
+from fusepass.runtime.replay import pointwise_replays
+from fusepass.runtime.sizes import cdiv, next_power_of_2
 
 INT32_MAX = 2**31 - 1
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -267,7 +263,7 @@ class PointwiseLauncher:
                  on_first_run: Callable[[Callable[[], Any], Callable[[], Any]], None] | None = None,
                  replay: bool = True) -> None:
         self.__name__ = self.__qualname__ = name
-        self.__module__ = "fusepass.kernels.pointwise"
+        self.__module__ = "fusepass.elementwise.kernel"
         self.lowered = lowered
         self.device = device
         self.fallback = fallback

@@ -12,7 +12,7 @@ from typing import Any
 @dataclass(frozen=True)
 class DistanceTable:
     """A value of the distance r = k - q alone, tabulated per call over r in [-(q_len - 1), kv_len - 1]
-    (`fusepass/kernels/distance_table.py`) by the jit function named `function`, ``(r, b, h, aux) → fp32``.
+    (`fusepass/flash/distance_table.py`) by the jit function named `function`, ``(r, b, h, aux) → fp32``.
     The table is [batch, heads, q_len + kv_len - 1], batch and heads 1 where the value does not vary with
     them; the score functions read it as the aux tensor after the chain's own and the tables before it."""
 

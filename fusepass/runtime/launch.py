@@ -7,7 +7,7 @@ once per signature of its positional arguments and then launches the compiled ke
 (``CompiledKernel[grid](*values)``, every parameter's value in order). `launch` keeps a `BoundLaunch` per
 kernel and keywords.
 
-The signature (`fusepass.kernels.signature`) is finer than Triton's specialization, so a compiled kernel is
+The signature (`fusepass.runtime.signature`) is finer than Triton's specialization, so a compiled kernel is
 never reused where Triton would have compiled another; keywords enter it by value, positional arguments as
 their parameters are specialized.
 
@@ -32,7 +32,7 @@ from triton.runtime import driver
 from triton.runtime.cache import triton_key
 from triton.runtime.jit import JITFunction
 
-from fusepass.kernels.signature import CONSTANT, SPECIALIZED, UNSPECIALIZED, SignatureOf
+from fusepass.runtime.signature import CONSTANT, SPECIALIZED, UNSPECIALIZED, SignatureOf
 
 
 class BoundLaunch:
@@ -208,7 +208,7 @@ _held: list | None = None
 
 @contextmanager
 def holding() -> Iterator[list]:
-    """Collect the compiled kernel and the arguments of every launch made inside (`fusepass.kernels.replay`
+    """Collect the compiled kernel and the arguments of every launch made inside (`fusepass.runtime.replay`
     keeps what a captured graph reads alive with them)."""
     global _held
     outer, _held = _held, []

@@ -7,9 +7,10 @@ from hypothesis import strategies as st
 from support import random_tensor
 
 import fusepass
-from fusepass.kernels import pointwise
-from fusepass.kernels.pointwise import HUNGRY_TILE, MAX_ROW_PADDING, MIN_ROW_TILE, choose_blocks, interpreting
-from fusepass.kernels.sizes import cdiv
+from fusepass.elementwise import kernel as pointwise
+from fusepass.elementwise.kernel import HUNGRY_TILE, MAX_ROW_PADDING, MIN_ROW_TILE, choose_blocks
+from fusepass.runtime.device import interpreting
+from fusepass.runtime.sizes import cdiv
 
 
 def _is_power_of_two(n):

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from triton.runtime.errors import OutOfResources
 
-from fusepass.attention.blockmap import BlockMap
-from fusepass.kernels.launch import compile_ahead, launch
-from fusepass.kernels.sizes import next_power_of_2
+from fusepass.flash.blockmap import BlockMap
+from fusepass.runtime.launch import compile_ahead, launch
+from fusepass.runtime.sizes import next_power_of_2
 
 
 @dataclass(frozen=True)

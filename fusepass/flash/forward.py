@@ -22,7 +22,6 @@ The jit helpers at the top are shared with the backward kernels (flash_bwd.py), 
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,12 +31,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusepass.attention.blockmap import BlockMap, block_map_for, row_lists, walk_start, walk_step
-from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels.distance_table import distance_tables
-from fusepass.kernels.flash_config import (
-    FlashConfig, forward_config, head_block, kind_block_m, launch_fitting, narrow_kv_tiles)
-from fusepass.kernels.sizes import cdiv
+from fusepass.flash.blockmap import BlockMap, block_map_for, row_lists, walk_start, walk_step
+from fusepass.flash.config import FlashConfig, forward_config, head_block, kind_block_m, launch_fitting, narrow_kv_tiles
+from fusepass.flash.distance_table import distance_tables
+from fusepass.flash.score_mod import ScoreMod
+from fusepass.runtime.device import INTERPRETED
+from fusepass.runtime.sizes import cdiv
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -48,9 +47,6 @@ SKIP_MARGIN = tl.constexpr(-60.0)
 # exponent by a few units more, so 2^δ stays far inside float32's range. Up to 2^125 (where m · log2(e) would
 # overflow) δ reached 2^100 and the weights inf (tests/kernels/test_flash.py, scores near 2^122).
 TAME = tl.constexpr(2.0 ** 24)
-# Triton's interpreter keeps bf16 as uint16 and its tl.dot multiplies the bit patterns
-# (triton-lang/triton#11584), so interpreted bf16 dots run in fp32. Compiled kernels never take that branch.
-INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit

@@ -21,15 +21,15 @@ import triton
 import triton.language as tl
 from support import record_block_map_builds
 
-from fusepass.attention import blockmap
-from fusepass.attention.blockmap import (
+from fusepass.flash import blockmap
+from fusepass.flash.blockmap import (
     EMPTY, FULL, PARTIAL, BlockMap, block_map_for, build_block_map, map_shapes, packed_map_numel)
-from fusepass.attention.score_mod import ScoreMod
-from fusepass.kernels import flash_bwd, flash_fwd
-from fusepass.kernels.flash_bwd import flash_attention_backward
-from fusepass.kernels.flash_config import (
+from fusepass.flash.score_mod import ScoreMod
+from fusepass.flash import backward as flash_bwd, forward as flash_fwd
+from fusepass.flash.backward import flash_attention_backward
+from fusepass.flash.config import (
     INTERPRETER_CONFIG, SHORT_ROWS, BackwardConfigs, FlashConfig, narrow_kv_tiles)
-from fusepass.kernels.flash_fwd import flash_attention_forward, has_partial_tiles, tile_operands
+from fusepass.flash.forward import flash_attention_forward, has_partial_tiles, tile_operands
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32_MIN = float(torch.finfo(torch.float32).min)

@@ -38,9 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.attention.score_mod import ScoreMod, SeparableKeep
-from fusepass.kernels.launch import compile_ahead, launch
-from fusepass.kernels.sizes import cdiv, next_power_of_2
+from fusepass.flash.score_mod import ScoreMod, SeparableKeep
+from fusepass.runtime.launch import compile_ahead, launch
+from fusepass.runtime.sizes import cdiv, next_power_of_2
 
 # Warps and kv tiles per `_tile_kind_kernel` program (bench/results/tile-kind-sweep-2026-11-30-1625, B2 N8192): the
 # document mask mapped in 38.4 µs at 64 × 64 kinds in programs of 128 rows (58–204 at 2 kv tiles or more, or 2
@@ -457,8 +457,8 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
     into `into` where given (see `build_block_map`). A cached map whose tiles are not the base tiles (of at
     most MAP_BASE_TILE each way) is derived from the cached map at those. A cached map is built without `aux`
     (its KEEP reads none). On "meta" nothing is evaluated or cached: the kernels that build the map start
-    compiling (`compile_ahead`; `fusepass.kernels.flash_ahead` at the rewrite). A map built while the stream
-    captures a CUDA graph (`fusepass.kernels.replay`) is not cached: it is written only when the graph
+    compiling (`compile_ahead`; `fusepass.flash.ahead` at the rewrite). A map built while the stream
+    captures a CUDA graph (`fusepass.runtime.replay`) is not cached: it is written only when the graph
     replays, and not at all if the capture fails."""
     if mod.keep_reads_aux:
         return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device, into, kind_block_m)

@@ -13,8 +13,8 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from fusepass.kernels import launch as launch_module
-from fusepass.kernels.launch import BoundLaunch, compile_ahead, launch
+from fusepass.runtime import launch as launch_module
+from fusepass.runtime.launch import BoundLaunch, compile_ahead, launch
 
 
 def _kernel_source(X, n, seed, scale, pair, SCALE_FN: tl.constexpr, BLOCK: tl.constexpr = 64):

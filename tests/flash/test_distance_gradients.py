@@ -10,7 +10,7 @@ import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusepass.kernels.distance_table import add_by_distance
+from fusepass.flash.distance_table import add_by_distance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
