@@ -36,7 +36,7 @@ from harness import keep  # noqa: E402
 from launch_cost import replace_attention_launches  # noqa: E402
 
 from fusepass import pipeline  # noqa: E402
-from fusepass.attention import op  # noqa: E402
+from fusepass.attention import call as attention_call  # noqa: E402
 from fusepass.runtime import launch  # noqa: E402
 from fusepass.flash import config as flash_config
 from fusepass.runtime.replay import LaunchReplays, tensor_key  # noqa: E402
@@ -88,7 +88,7 @@ def main() -> None:
     args = parser.parse_args()
     launched = stub_launches()
     if args.replayed:
-        op.attention_replays = ReplayedEveryCall()
+        attention_call.attention_replays = ReplayedEveryCall()
     torch.set_num_threads(1)
     b, h, _, d, kv_heads = SHAPES["small"]
     if args.calls is not None:

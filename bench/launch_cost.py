@@ -27,7 +27,7 @@ import torch
 from attention import CASES, SHAPES, fusepass_call, setup
 from harness import keep
 
-from fusepass.attention import op
+from fusepass.attention import call, op
 from fusepass.flash import blockmap
 from fusepass.flash import distance_table, config as flash_config
 from fusepass.runtime import launch
@@ -70,7 +70,7 @@ def host_us(fn) -> float:
 
 def op_layers(q, k, v) -> dict:
     """Host µs of the newest attention op's forward and backward, through the dispatcher and as Python."""
-    spec = list(op._specs)[-1]
+    spec = list(call._calls)[-1]
     seed = torch.empty(0, dtype=torch.int64, device=q.device)
     detached = [t.detach() for t in (q, k, v)]
     out, lse, log_sum, fallback, block_map = torch.ops.fusepass.attention(*detached, [], seed, spec)
@@ -88,7 +88,7 @@ def floor(case, backward: bool, shape: tuple[int, ...]) -> dict:
     cased = setup(case, shape, set(), backward)
     call = cased.step("fusepass", backward)
     call()
-    forward, backward_fn = op.flash_attention_forward, op.flash_attention_backward
+    forward, backward_fn = call.flash_attention_forward, call.flash_attention_backward
     results = {}
 
     def recorded(*args, **keywords):
@@ -96,12 +96,12 @@ def floor(case, backward: bool, shape: tuple[int, ...]) -> dict:
             results["forward"] = forward(*args, **keywords)
         return results["forward"]
 
-    op.flash_attention_forward = recorded
-    op.flash_attention_backward = lambda *args, **keywords: None  # writes the gradients in place
+    call.flash_attention_forward = recorded
+    call.flash_attention_backward = lambda *args, **keywords: None  # writes the gradients in place
     try:
         floor_us = host_us(call)
     finally:
-        op.flash_attention_forward, op.flash_attention_backward = forward, backward_fn
+        call.flash_attention_forward, call.flash_attention_backward = forward, backward_fn
     return {"floor µs": floor_us, "flex host µs": host_us(cased.step("flex", backward))}
 
 

@@ -21,7 +21,7 @@ import torch
 from attention import CASES, SHAPES, fusepass_call
 from harness import keep, median_ms
 
-from fusepass.attention import op
+from fusepass.attention import call as attention_call
 from fusepass.flash import blockmap
 from fusepass.flash.config import forward_config, kind_block_m, narrow_kv_tiles
 
@@ -44,7 +44,7 @@ def main() -> None:
     for name in args.cases.split(","):
         case = CASES[name]
         fusepass_call(case, backward=False)
-        spec = list(op._specs.values())[-1]
+        spec = list(attention_call._calls.values())[-1]
         aux = tuple(case.extra(b, h, n, "cuda"))
         for kind_rows, block_n, subtiles in sorted(variants):
             kinds = blockmap.build_block_map(spec.mod, aux, b, h, n, n, kind_rows, block_n, device).kind

@@ -1,11 +1,30 @@
-"""FX helpers every pass shares."""
+"""FX helpers every pass shares: a node's value, its op, what a pass inserts, what a graph keeps alive."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+
+def val(node: torch.fx.Node) -> Any:
+    """The node's fake value (a tensor, a list of them, a size)."""
+    return node.meta["val"]
+
+
+def packet(node: object) -> Any:
+    """The ATen op a node calls (``aten.mul``, every overload of it), or None."""
+    return getattr(getattr(node, "target", None), "overloadpacket", None)
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """``aten.matmul``, ``fusepass.attention``, or a launcher's kernel name: how the report names an op."""
+    op = packet(node)
+    if op is not None:
+        return op._qualified_op_name.replace("::", ".")
+    return getattr(node.target, "__name__", str(node.target))
 
 
 def infer_meta(nodes: Iterable[torch.fx.Node]) -> None:

@@ -17,14 +17,15 @@ from typing import Any
 import torch
 import torch.fx
 
+from fusepass.attention.call import call_named
 from fusepass.attention.dynamic import spec_named as dynamic_spec_named
-from fusepass.attention.op import run_attention, run_attention_backward, spec_named
+from fusepass.attention.op import run_attention, run_attention_backward
 from fusepass.fx_util import hold
 
 # fusepass's ops, as the compiled graph calls them: the spec each names is held by the graph (`fx_util.hold`).
 _NAMED_BY = {
-    torch.ops.fusepass.attention.default: spec_named, run_attention: spec_named,
-    torch.ops.fusepass.attention_backward.default: spec_named, run_attention_backward: spec_named,
+    torch.ops.fusepass.attention.default: call_named, run_attention: call_named,
+    torch.ops.fusepass.attention_backward.default: call_named, run_attention_backward: call_named,
     torch.ops.fusepass.attention_dynamic.default: dynamic_spec_named,
     torch.ops.fusepass.attention_dynamic_backward.default: dynamic_spec_named,
 }

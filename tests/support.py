@@ -233,3 +233,10 @@ def pointwise_program(program: Sequence[tuple[bool, int, int, int]], n_inputs: i
         return pool[-1], pool[n_inputs + len(program) // 2]
 
     return fn
+
+
+def last_attention():
+    """The attention op compiled last (an `AttentionCall`: its spec, score functions and run-time state)."""
+    from fusepass.attention.call import _calls
+
+    return list(_calls.values())[-1]

@@ -8,7 +8,7 @@ import torch
 from support import random_tensor
 
 import fusepass
-from fusepass.attention import dynamic, op
+from fusepass.attention import call, dynamic
 from fusepass.codegen import modules
 
 
@@ -16,7 +16,7 @@ def _counts() -> tuple[int, int]:
     """Attention specs and dynamic attention specs alive (with them their graphs and reports). Pointwise kernels
     are not counted: Triton keeps each function it ran (in the interpreter and on the GPU alike)."""
     gc.collect()
-    return len(op._specs), len(dynamic._specs)
+    return len(call._calls), len(dynamic._specs)
 
 
 def test_dropped_compiles_release_specs_kernels_and_modules():

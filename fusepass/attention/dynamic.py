@@ -26,12 +26,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.layout import Unsupported, walk_up
-from fusepass.attention.match import AttentionMatch, val
-from fusepass.attention.op import autograd_enabled, with_strides
+from fusepass.attention.match import AttentionMatch
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
+from fusepass.attention.unfused import autograd_enabled, with_strides
 from fusepass.capture import mark_requires_grad
 from fusepass.context import PassContext, mark_planned
-from fusepass.fx_util import hold, infer_meta
+from fusepass.fx_util import hold, infer_meta, val
 from fusepass.options import Options
 from fusepass.report.records import Rewrite
 from fusepass.report.report import Report

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from fusepass.fx_util import packet, val
+
 aten = torch.ops.aten
 
 VIEW_OPS = {aten.transpose, aten.t, aten.permute, aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze,
@@ -54,14 +56,6 @@ class OperandLayout:
         return True
 
 
-def _val(node: torch.fx.Node) -> torch.Tensor:
-    return node.meta["val"]
-
-
-def _packet(node: object):
-    return getattr(getattr(node, "target", None), "overloadpacket", None)
-
-
 def _static(shape) -> bool:
     return all(isinstance(s, int) for s in shape)
 
@@ -71,19 +65,19 @@ def _head_repeat(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
     ``group`` times in a row (``repeat_interleave``, or ``expand`` + ``reshape`` as Hugging Face's
     ``repeat_kv`` writes it); None otherwise."""
     # (a symbolic repeat count, a graph value, is found too: the dynamic path plans with it constant)
-    if _packet(node) == aten.repeat_interleave and isinstance(node.args[1], (int, torch.fx.Node)) \
+    if packet(node) == aten.repeat_interleave and isinstance(node.args[1], (int, torch.fx.Node)) \
             and len(node.args) > 2:
         x = node.args[0]
-        return x, node.args[2] % _val(x).dim(), node.args[1]
-    if _packet(node) in (aten.reshape, aten.view, aten._unsafe_view) and _packet(node.args[0]) == aten.expand:
+        return x, node.args[2] % val(x).dim(), node.args[1]
+    if packet(node) in (aten.reshape, aten.view, aten._unsafe_view) and packet(node.args[0]) == aten.expand:
         expand = node.args[0]
         unsqueezed = expand.args[0]
-        before, after = tuple(_val(unsqueezed).shape), tuple(_val(expand).shape)
-        merged = tuple(_val(node).shape)
+        before, after = tuple(val(unsqueezed).shape), tuple(val(expand).shape)
+        merged = tuple(val(node).shape)
         for d in range(len(before) - 1):
             if before[d + 1] == 1 and after[d + 1] > 1 and after[:d + 1] == before[:d + 1] and \
                     merged == after[:d] + (after[d] * after[d + 1],) + after[d + 2:]:
-                if _packet(unsqueezed) == aten.unsqueeze and unsqueezed.args[1] % len(before) == d + 1:
+                if packet(unsqueezed) == aten.unsqueeze and unsqueezed.args[1] % len(before) == d + 1:
                     return unsqueezed.args[0], d, after[d + 1]
     return None
 
@@ -95,12 +89,12 @@ EXACT_WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32
 def _exact_widening(node: torch.fx.Node, source_dtype: torch.dtype | None) -> bool:
     """Whether ``node`` is ``x.to(dtype)`` (``.float()``) of a ``source_dtype`` tensor, an exact widening that keeps
     its strides: reading ``x`` itself then reads the same values."""
-    if source_dtype is None or _packet(node) not in (aten.to, aten._to_copy) or not node.args or \
+    if source_dtype is None or packet(node) not in (aten.to, aten._to_copy) or not node.args or \
             not isinstance(node.args[0], torch.fx.Node):
         return False
     extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v not in (None, torch.preserve_format)}
     return not extra and len(node.args) <= 2 and \
-        (_val(node.args[0]).dtype, _val(node).dtype) in EXACT_WIDENING and _val(node.args[0]).dtype == source_dtype
+        (val(node.args[0]).dtype, val(node).dtype) in EXACT_WIDENING and val(node.args[0]).dtype == source_dtype
 
 
 def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
@@ -124,8 +118,8 @@ def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
             ops.append(node)
             node = x
             continue
-        if _packet(node) in VIEW_OPS and node.args and isinstance(node.args[0], torch.fx.Node):
-            if _packet(node) in (aten.clone, aten.contiguous) and node.kwargs.get("memory_format") not in (
+        if packet(node) in VIEW_OPS and node.args and isinstance(node.args[0], torch.fx.Node):
+            if packet(node) in (aten.clone, aten.contiguous) and node.kwargs.get("memory_format") not in (
                     None, torch.contiguous_format, torch.preserve_format):
                 break
             ops.append(node)
@@ -140,7 +134,7 @@ def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
 
 def _replay(node: torch.fx.Node, meta: torch.Tensor) -> torch.Tensor | None:
     """Apply one view op to a meta tensor that stands for the source's memory; None if it would copy."""
-    if _packet(node) in (aten.clone, aten.contiguous, aten.lift_fresh_copy, aten.detach, aten.alias, aten.to,
+    if packet(node) in (aten.clone, aten.contiguous, aten.lift_fresh_copy, aten.detach, aten.alias, aten.to,
                          aten._to_copy):
         return meta  # the same values (a cast only if an exact widening: `walk_up`): read the original
     out = node.target(meta, *node.args[1:], **node.kwargs)
@@ -180,14 +174,14 @@ def operand_view(operand: torch.fx.Node, widen_from: torch.dtype | None = None) 
     """Walk up from a matmul operand to its source, replaying the views on a meta tensor (and exact widening
     casts of `widen_from` tensors: see `walk_up`)."""
     source, ops, repeat = walk_up(operand, widen_from)
-    val = _val(source)
-    if not _static(val.shape):
+    value = val(source)
+    if not _static(value.shape):
         raise Unsupported("symbolic shapes")
-    meta = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
-    shape = tuple(val.shape)  # the logical shape so far (meta may be finer in its leading dims)
+    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    shape = tuple(value.shape)  # the logical shape so far (meta may be finer in its leading dims)
     group, group_dim = 1, None
     for i, op in enumerate(ops):
-        out_shape = tuple(_val(op).shape)
+        out_shape = tuple(val(op).shape)
         if repeat is not None and i == repeat[0]:
             if tuple(meta.shape) != shape:
                 raise Unsupported("K/V heads repeated after a reshape that copies")
@@ -199,7 +193,7 @@ def operand_view(operand: torch.fx.Node, widen_from: torch.dtype | None = None) 
                 # [B, H] → [B·H] for bmm: meta keeps its dims, the repeated one apart (see `canonical`).
                 shape = out_shape
                 continue
-            if _packet(op) not in (aten.transpose, aten.permute, aten.t):
+            if packet(op) not in (aten.transpose, aten.permute, aten.t):
                 raise Unsupported("a view after repeating K/V heads")
             if meta.dim() == len(shape):  # else only the last two dims may swap (`_replay_on_finer`)
                 group_dim = _moved_dim(op, group_dim, meta.dim())
@@ -217,7 +211,7 @@ def _batch_reshape(op: torch.fx.Node, shape: tuple[int, ...], out_shape: tuple[i
                    finer: tuple[int, ...] | None = None) -> bool:
     """Whether ``op`` reshapes leading dims only, into dims that merge whole dims of ``finer`` (``shape``'s
     leading dims unless given)."""
-    return out_shape[-2:] == shape[-2:] and _packet(op) in (
+    return out_shape[-2:] == shape[-2:] and packet(op) in (
         aten.reshape, aten.view, aten._unsafe_view, aten.flatten, aten.unflatten, aten.unsqueeze, aten.squeeze) \
         and math.prod(out_shape[:-2]) == math.prod(shape[:-2]) \
         and _nests(out_shape[:-2], shape[:-2] if finer is None else finer)
@@ -229,12 +223,12 @@ def _replay_on_finer(op: torch.fx.Node, meta: torch.Tensor, shape: tuple[int, ..
     swap of its last two dims."""
     if _batch_reshape(op, shape, out_shape, tuple(meta.shape[:-2])):
         return meta
-    if _packet(op) in (aten.transpose, aten.t, aten.permute):
+    if packet(op) in (aten.transpose, aten.t, aten.permute):
         rank = len(shape)
         order = list(range(rank))
-        if _packet(op) == aten.permute:
+        if packet(op) == aten.permute:
             order = [d % rank for d in op.args[1]]
-        elif _packet(op) == aten.transpose:
+        elif packet(op) == aten.transpose:
             a, b = op.args[1] % rank, op.args[2] % rank
             order[a], order[b] = order[b], order[a]
         else:
@@ -259,9 +253,9 @@ def _nests(coarse: tuple[int, ...], fine: tuple[int, ...]) -> bool:
 
 
 def _moved_dim(op: torch.fx.Node, dim: int, ndim: int) -> int:
-    if _packet(op) == aten.permute:
+    if packet(op) == aten.permute:
         return [d % ndim for d in op.args[1]].index(dim)
-    a, b = (op.args[1] % ndim, op.args[2] % ndim) if _packet(op) == aten.transpose else (0, 1)
+    a, b = (op.args[1] % ndim, op.args[2] % ndim) if packet(op) == aten.transpose else (0, 1)
     return b if dim == a else a if dim == b else dim
 
 

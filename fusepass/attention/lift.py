@@ -30,23 +30,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.attention.index import Idx, merge
 from fusepass.attention.layout import VIEW_OPS, Unsupported
-from fusepass.attention.match import AttentionMatch, packet, val
+from fusepass.attention.match import AttentionMatch
 from fusepass.attention.spans import Span, float_exact, float_rounding, narrow, result_span, truncated
-from fusepass.codegen.pointwise import (
-    CASTS,
-    CONSTANTS,
-    TRITON_DTYPE,
-    Emitter,
-    Operand,
-    bind,
-    constant_value,
-    float32_reciprocal,
-    held_dtype,
-    is_supported,
-    literal,
-    translate,
-)
+from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Emitter, Operand, bind, constant_value,
+                                        float32_reciprocal, held_dtype, is_supported, literal, translate)
 from fusepass.flash.score_mod import DistanceTable
+from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten
 LANES = 4  # the fake length of E's values: pointwise ops do not care

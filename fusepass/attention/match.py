@@ -15,6 +15,7 @@ import torch.fx
 
 from fusepass.attention.layout import VIEW_OPS, Unsupported
 from fusepass.codegen.pointwise import is_supported
+from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten
 
@@ -22,14 +23,6 @@ SOFTMAX = {aten.softmax, aten._softmax, aten._safe_softmax}
 MATMULS = {aten.matmul, aten.bmm, aten.mm, aten.einsum, aten.baddbmm}
 PROBABILITY_PATH = {aten.to, aten._to_copy, aten.type_as, aten.dropout, aten.clone, aten.contiguous,
                     aten.alias, aten.view, aten.reshape, aten._unsafe_view, aten.detach}
-
-
-def packet(node: object):
-    return getattr(getattr(node, "target", None), "overloadpacket", None)
-
-
-def val(node: torch.fx.Node) -> torch.Tensor:
-    return node.meta["val"]
 
 
 @dataclass

@@ -17,15 +17,11 @@ from fusepass.context import PassContext
 from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.lower import Lowered, lower
 from fusepass.elementwise.partition import Group, is_constant, partition
+from fusepass.fx_util import op_name
 from fusepass.report import profile, roofline
 from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.source import first_location, keep_location, location
-
-
-def op_name(node: torch.fx.Node) -> str:
-    return f"aten.{packet_of(node.target).__name__}" if hasattr(node.target, "overloadpacket") else str(
-        node.target)
 
 
 def kernel_name(group: Group) -> str:

@@ -16,6 +16,7 @@ import torch.fx
 from fusepass.elementwise.coords import Map, broadcast, identity, is_view, through_view
 from fusepass.elementwise.partition import Group, is_constant
 from fusepass.elementwise.program import Load, Program, Ref, Step
+from fusepass.fx_util import val
 
 
 class NotLowerable(Exception):
@@ -47,27 +48,23 @@ class Lowered:
     outputs: tuple[OutputLayout, ...]
 
 
-def _val(node: torch.fx.Node) -> torch.Tensor:
-    return node.meta["val"]
-
-
-def stride_order(val: torch.Tensor) -> tuple[int, ...]:
+def stride_order(tensor: torch.Tensor) -> tuple[int, ...]:
     """Dimensions from largest to smallest stride; ties keep logical order, so contiguous is (0, 1, ...)."""
-    strides = [int(s) if isinstance(s, int) else s.node.hint for s in val.stride()]
-    return tuple(sorted(range(val.dim()), key=lambda d: -strides[d]))
+    strides = [int(s) if isinstance(s, int) else s.node.hint for s in tensor.stride()]
+    return tuple(sorted(range(tensor.dim()), key=lambda d: -strides[d]))
 
 
 def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Node, Map]]:
     if is_view(node):
         return [(node.args[0], through_view(node, m, rank))]
-    shape = tuple(_val(node).shape)
-    return [(a, broadcast(m, shape, tuple(_val(a).shape), rank)) for a in node.all_input_nodes]
+    shape = tuple(val(node).shape)
+    return [(a, broadcast(m, shape, tuple(val(a).shape), rank)) for a in node.all_input_nodes]
 
 
 def lower(group: Group, device: torch.device) -> Lowered:
     members = set(group.nodes)
     inputs = group.inputs
-    root = tuple(_val(group.outputs[0]).shape)
+    root = tuple(val(group.outputs[0]).shape)
     rank = len(root)
 
     # Which maps each member is needed at, collected from the outputs backwards.
@@ -93,9 +90,9 @@ def lower(group: Group, device: torch.device) -> Lowered:
         if is_constant(arg):
             ref = _emit_constant(arg, steps)
         else:
-            val = _val(arg)
-            by_value = val.device != device
-            loads.append(Load(val.dtype, val.dim() == 0, by_value))
+            value = val(arg)
+            by_value = value.device != device
+            loads.append(Load(value.dtype, value.dim() == 0, by_value))
             accesses.append(Access(inputs.index(arg), m, by_value))
             ref = Ref("load", len(loads) - 1)
         refs[(arg, m)] = ref
@@ -115,27 +112,27 @@ def lower(group: Group, device: torch.device) -> Lowered:
                     return tuple(operand(x) for x in a)
                 return a
 
-            val = _val(node)
+            value = val(node)
             steps.append(Step(node.target, tuple(operand(a) for a in node.args),
                               tuple(sorted((k, operand(v)) for k, v in node.kwargs.items())),
-                              val.dtype, val.dim() == 0))
+                              value.dtype, value.dim() == 0))
             refs[(node, m)] = Ref("step", len(steps) - 1)
 
-    outputs = tuple((refs[(out, identity(rank))], _val(out).dtype) for out in group.outputs)
+    outputs = tuple((refs[(out, identity(rank))], val(out).dtype) for out in group.outputs)
     program = Program(tuple(loads), tuple(steps), outputs)
     return Lowered(
         program=program,
         accesses=tuple(accesses),
         rank=rank,
         root_shape=_root_shape(root, inputs, accesses),
-        outputs=tuple(OutputLayout(_val(o).dtype, stride_order(_val(o))) for o in group.outputs),
+        outputs=tuple(OutputLayout(val(o).dtype, stride_order(val(o))) for o in group.outputs),
     )
 
 
 def _emit_constant(node: torch.fx.Node, steps: list[Step]) -> Ref:
-    val = _val(node)
+    value = val(node)
     args = tuple(None if isinstance(a, torch.fx.Node) else a for a in node.args)
-    steps.append(Step(node.target, args, (), val.dtype, val.dim() == 0))
+    steps.append(Step(node.target, args, (), value.dtype, value.dim() == 0))
     return Ref("step", len(steps) - 1)
 
 
@@ -151,7 +148,7 @@ def _root_shape(root: tuple[Any, ...], inputs: list[torch.fx.Node], accesses: li
         for k, access in enumerate(accesses):
             if access.by_value:
                 continue
-            in_shape = _val(inputs[access.input]).shape
+            in_shape = val(inputs[access.input]).shape
             for i, row in enumerate(access.map):
                 unit = all(v == (1 if c == j else 0) for c, v in enumerate(row))
                 if unit and str(in_shape[i]) == str(size):

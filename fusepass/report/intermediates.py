@@ -12,7 +12,8 @@ import operator
 import torch
 import torch.fx
 
-from fusepass.report.ledger import aliased_input, op_name, storage_root, value_bytes
+from fusepass.fx_util import op_name
+from fusepass.report.ledger import aliased_input, storage_root, value_bytes
 from fusepass.report.records import Hotspot
 from fusepass.source import location
 

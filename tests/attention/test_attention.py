@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import DEVICE, SUMMED_GRADIENT_FP32, random_tensor, record_block_map_builds, rewrites
+from support import DEVICE, SUMMED_GRADIENT_FP32, last_attention, random_tensor, record_block_map_builds, rewrites
 from support import check as check_exactly
 
 import fusepass
-from fusepass.attention import op
+from fusepass.attention import call, op
 
 B, H, NQ, NK, D = 2, 3, 37, 45, 24
 # Scores of a few units in fp32: rounding differences of 1e-7 grow through exp to about 1e-5.
@@ -164,7 +164,7 @@ def test_alibi_with_baddbmm():
     report = check(bloom_alibi, *qkv(nk=NQ), slopes, backward=True, **SUMMED_GRADIENT_FP32)  # the slopes learn
     assert "alibi" in attention_rewrite(report).features
     # The bias reads the slopes, the mask only positions: its block map is cached, not rebuilt per call.
-    assert not list(op._specs.values())[-1].mod.keep_reads_aux
+    assert not last_attention().mod.keep_reads_aux
 
 
 def t5_bias(q, k, v, table):
@@ -230,7 +230,7 @@ def test_left_padded_batch_fully_masked_rows_match_eager(dtype):
     keep[0, :5] = False  # left padding: the first rows of batch 0 see no key at all
     report = check(padded_causal, *qkv(dtype, nk=NQ), keep, backward=True)
     assert "padding_mask" in attention_rewrite(report).features
-    assert list(op._specs.values())[-1].mod.keep_reads_aux  # the mask reads `keep`: mapped on every call
+    assert last_attention().mod.keep_reads_aux  # the mask reads `keep`: mapped on every call
 
 
 def offset_scores(q, k, v):
@@ -288,7 +288,7 @@ def test_a_bias_broadcast_over_queries_or_keys_gets_its_gradient_summed(shape):
     # Summed over the axis it is broadcast on, which the dK/dV kernel's [kv, q] tiles hold the other way round.
     bias = random_tensor(shape, torch.float32)
     check(dense_bias, *qkv(), bias, backward=True)
-    assert "q_idx.shape[0] == 1" in list(op._specs.values())[-1].lifted.source  # the summing path ran
+    assert "q_idx.shape[0] == 1" in last_attention().spec.lifted.source  # the summing path ran
 
 
 def document_mask(q, k, v, segments):
@@ -314,8 +314,8 @@ def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypa
     built.clear()
     out = compiled(q, k, v, segments)
     assert len(built) == 1  # the forward's map, which the op returns for the backward
-    spec = list(op._specs.values())[-1]
-    returned = op.run_attention(q.detach(), k.detach(), v.detach(), [segments], torch.empty(0), spec.name)[4]
+    spec = last_attention()
+    returned = op.run_attention(q.detach(), k.detach(), v.detach(), [segments], torch.empty(0), spec.spec.name)[4]
     assert [tuple(t.shape) for t in returned] == spec.map_shapes(q)
     built.clear()
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
@@ -349,7 +349,7 @@ def test_one_map_serves_the_forward_and_both_backward_kernels(monkeypatch):
     from fusepass.flash.config import BackwardConfigs, FlashConfig
 
     tall, short = FlashConfig(32, 16, num_warps=1, num_stages=1), FlashConfig(16, 16, num_warps=1, num_stages=1)
-    for module in (flash_fwd, op):
+    for module in (flash_fwd, call):
         monkeypatch.setattr(module, "forward_config", lambda *args: tall)
     for module in (flash_config, flash_bwd):
         monkeypatch.setattr(module, "backward_configs", lambda *args: BackwardConfigs(short, tall))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from support import SUMMED_GRADIENT_FP32, assert_close, check, random_tensor, record_block_map_builds
 
 import fusepass
-from fusepass.attention import op
+from fusepass.attention import call
 from fusepass.flash import blockmap
 from fusepass.flash import ahead as flash_ahead, backward as flash_bwd, config as flash_config, forward as flash_fwd
 from fusepass.runtime.launch import BoundLaunch, launch
@@ -58,7 +58,7 @@ def test_what_the_rewrite_compiles_ahead_has_the_signatures_of_the_launches(monk
     ahead, launched, starts = set(), [], []
     monkeypatch.setattr(flash_ahead, "compile_fitting_ahead",
                         lambda kernel, *args, **keywords: ahead.add(_launch_signature(kernel, args, keywords)))
-    start = op._compile_ahead
+    start = call._compile_ahead
 
     def from_the_rewrite_only(s, sources, qkv, aux, device):
         # The first call starts compiling again, from its tensors: what it starts is not counted.
@@ -66,7 +66,7 @@ def test_what_the_rewrite_compiles_ahead_has_the_signatures_of_the_launches(monk
         if qkv[0].device.type == "meta":
             start(s, sources, qkv, aux, device)
 
-    monkeypatch.setattr(op, "_compile_ahead", from_the_rewrite_only)
+    monkeypatch.setattr(call, "_compile_ahead", from_the_rewrite_only)
 
     def recording(kernel, grid, *args, **keywords):
         launched.append(_launch_signature(kernel, args, keywords))
@@ -194,7 +194,7 @@ def test_the_first_backward_builds_no_block_map(monkeypatch):
 
 
 def test_a_compile_ahead_that_fails_at_the_rewrite_leaves_it_to_the_first_call(monkeypatch):
-    start, starts = op._compile_ahead, []
+    start, starts = call._compile_ahead, []
 
     def failing_at_the_rewrite(s, sources, qkv, aux, device):
         starts.append(qkv[0].device.type)
@@ -202,7 +202,7 @@ def test_a_compile_ahead_that_fails_at_the_rewrite_leaves_it_to_the_first_call(m
             raise RuntimeError("planted failure at the rewrite")
         start(s, sources, qkv, aux, device)
 
-    monkeypatch.setattr(op, "_compile_ahead", failing_at_the_rewrite)
+    monkeypatch.setattr(call, "_compile_ahead", failing_at_the_rewrite)
     q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
     report = check(_alibi_learnable, q, k, v, random_tensor((3,), torch.float32), backward=True,
                    **SUMMED_GRADIENT_FP32)

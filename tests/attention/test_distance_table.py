@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import SUMMED_GRADIENT_FP32, check, random_tensor
+from support import SUMMED_GRADIENT_FP32, check, last_attention, random_tensor
 
-from fusepass.attention import op
+
 
 B, H, NQ, NK, D = 2, 3, 37, 45, 16
 FP32 = dict(rtol=1e-4, atol=1e-4)
@@ -40,7 +40,7 @@ def inputs(dtype=torch.float32):
 
 
 def spec():
-    return list(op._specs.values())[-1]
+    return last_attention()
 
 
 def score_source() -> str:
@@ -57,7 +57,7 @@ def test_t5_bias_is_read_from_a_table_per_distance(relative_of):
     report = check(lambda q, k, v: t5_bias(q, k, v, table, relative_of), *inputs(), backward=True, **FP32)
     (rewrite,) = [r for r in report.rewrites if r.kind == "attention" and r.phase == "forward"]
     assert "distance_table" in rewrite.features
-    (distance_table,) = spec().lifted.tables
+    (distance_table,) = spec().spec.lifted.tables
     assert (distance_table.batch, distance_table.heads, distance_table.q_len, distance_table.kv_len) == (1, H, NQ, NK)
     source = score_source()
     assert "tl.log" not in source and "aux[1]" in source, source
@@ -67,7 +67,7 @@ def test_a_table_varies_with_the_batch_where_the_term_does():
     table = random_tensor((16, H), torch.bfloat16)
     scale = random_tensor((B,), torch.bfloat16)
     check(lambda q, k, v: t5_bias(q, k, v, table, scale=scale), *inputs(torch.bfloat16), backward=True)
-    (distance_table,) = spec().lifted.tables
+    (distance_table,) = spec().spec.lifted.tables
     assert (distance_table.batch, distance_table.heads) == (B, H)
 
 
@@ -81,7 +81,7 @@ def alibi(q, k, v, slopes):
 def test_a_learnable_table_is_read_per_distance_and_its_gradient_summed_per_distance(dtype):
     table = random_tensor((16, H), dtype)
     check(t5_bias, *inputs(dtype), table, backward=True, **(SUMMED_GRADIENT_FP32 if dtype == torch.float32 else {}))
-    (distance_table,) = spec().lifted.tables
+    (distance_table,) = spec().spec.lifted.tables
     assert distance_table.grad_of == 0 and distance_table.offset_function
     source = score_source()
     assert "tl.log" not in source, source
@@ -97,7 +97,7 @@ def test_terms_stay_per_score(case):
         table = random_tensor((16, H), torch.float32)
         check(lambda q, k, v: t5_bias(q, k, v, table, lambda context, memory: memory - 2 * context), q, k, v,
               backward=True, **FP32)
-    assert not spec().lifted.tables
+    assert not spec().spec.lifted.tables
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -112,4 +112,4 @@ def test_only_functions_of_the_distance_are_tabulated(q_coef, k_coef, shift):
         return context * q_coef + memory * k_coef + shift
 
     check(lambda q, k, v: t5_bias(q, k, v, table, relative_of), *inputs(), backward=True, **FP32)
-    assert bool(spec().lifted.tables) == (q_coef == -k_coef != 0)
+    assert bool(spec().spec.lifted.tables) == (q_coef == -k_coef != 0)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from support import DEVICE, SUMMED_GRADIENT_FP32, check, random_tensor, rewrites
 
 import fusepass
-from fusepass.attention import op
+from fusepass.attention import call
 
 # Scores of a few units in fp32: rounding differences of 1e-7 grow through exp to about 1e-5.
 FP32 = dict(rtol=1e-4, atol=1e-4)
@@ -32,7 +32,7 @@ def _explode(*args, **kwargs):
 def _no_compiles_ahead(monkeypatch):
     """The failures here warn while the kernels they replace would still be compiling ahead, on threads that
     may swap the process's warning filters (`finish_compiles_ahead`)."""
-    monkeypatch.setattr(op, "_compile_ahead", lambda *args: None)
+    monkeypatch.setattr(call, "_compile_ahead", lambda *args: None)
 
 
 def _inputs():
@@ -42,7 +42,7 @@ def _inputs():
 
 @pytest.mark.parametrize("kernel", ["flash_attention_forward", "flash_attention_backward"])
 def test_a_failing_kernel_runs_the_replaced_ops(monkeypatch, kernel):
-    monkeypatch.setattr(op, kernel, _explode)
+    monkeypatch.setattr(call, kernel, _explode)
     with pytest.warns(RuntimeWarning, match="planted kernel failure"):
         report = check(alibi_causal, *_inputs(), backward=True, **SUMMED_GRADIENT_FP32)  # the slopes learn too
     assert not rewrites(report, kind="attention")  # it runs unfused from then on: a hotspot, not a rewrite
@@ -53,7 +53,7 @@ def test_a_failing_kernel_runs_the_replaced_ops(monkeypatch, kernel):
 
 
 def test_strict_raises_the_kernels_error(monkeypatch):
-    monkeypatch.setattr(op, "flash_attention_forward", _explode)
+    monkeypatch.setattr(call, "flash_attention_forward", _explode)
     with pytest.raises(RuntimeError, match="planted kernel failure"):
         torch.compile(alibi_causal, backend=fusepass.backend(strict=True))(*_inputs())
 
@@ -64,7 +64,7 @@ def dropout_attention(q, k, v):
 
 
 def test_dropout_fallback_draws_the_same_elements_forward_and_backward(monkeypatch):
-    monkeypatch.setattr(op, "flash_attention_forward", _explode)
+    monkeypatch.setattr(call, "flash_attention_forward", _explode)
     n = 24
     q, k = (random_tensor((2, 3, n, n), torch.float32).requires_grad_() for _ in range(2))
     eye = torch.eye(n, device=DEVICE).expand(2, 3, n, n).contiguous().requires_grad_()
@@ -76,7 +76,7 @@ def test_dropout_fallback_draws_the_same_elements_forward_and_backward(monkeypat
 
 
 def test_dropout_backward_failure_after_the_kernels_forward_is_an_error(monkeypatch):
-    monkeypatch.setattr(op, "flash_attention_backward", _explode)
+    monkeypatch.setattr(call, "flash_attention_backward", _explode)
     q, k, v = (random_tensor((2, 3, 24, 16), torch.float32).requires_grad_() for _ in range(3))
     out = torch.compile(dropout_attention, backend="fusepass")(q, k, v)
     with pytest.raises(RuntimeError, match="no gradient consistent with that forward"):
@@ -93,7 +93,7 @@ def test_a_kernel_failing_at_a_new_dynamic_size_is_in_the_compiles_report(monkey
     q = random_tensor((1, 2, 9, 16), torch.float32)
     compiled(q, q, q)
     (report,) = fusepass.reports()
-    monkeypatch.setattr(op, "flash_attention_forward", _explode)
+    monkeypatch.setattr(call, "flash_attention_forward", _explode)
     q = random_tensor((1, 2, 13, 16), torch.float32)
     with pytest.warns(RuntimeWarning, match="planted kernel failure"):
         torch.testing.assert_close(compiled(q, q, q), plain(q, q, q), **FP32)
@@ -102,7 +102,7 @@ def test_a_kernel_failing_at_a_new_dynamic_size_is_in_the_compiles_report(monkey
 
 
 def test_strict_raises_on_every_call(monkeypatch):
-    monkeypatch.setattr(op, "flash_attention_forward", _explode)
+    monkeypatch.setattr(call, "flash_attention_forward", _explode)
     compiled = torch.compile(plain, backend=fusepass.backend(strict=True))
     q = random_tensor((1, 2, 9, 16), torch.float32)
     for _ in range(2):

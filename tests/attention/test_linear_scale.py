@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
-from support import check, random_tensor
+from support import check, last_attention, random_tensor
 
-from fusepass.attention import op
+
 
 SHAPE = (2, 3, 37, 24)
 
@@ -43,4 +43,4 @@ def biased(q, k, v):
 def test_linear_scale(fn, dtype, scale):
     q, k, v = (random_tensor(SHAPE, dtype) for _ in range(3))
     check(fn, q, k, v, backward=True, **({} if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)))
-    assert list(op._specs.values())[-1].mod.linear_scale == scale
+    assert last_attention().mod.linear_scale == scale

@@ -18,7 +18,7 @@ import torch
 from support import DEVICE, SUMMED_GRADIENT_FP32, assert_close, random_tensor
 
 import fusepass
-from fusepass.attention import op
+from fusepass.attention import call as attention_call
 from fusepass.flash import blockmap
 from fusepass.flash import distance_table, config as flash_config
 from fusepass.runtime.replay import LaunchReplays
@@ -91,7 +91,7 @@ class TracedReplays(LaunchReplays):
 @pytest.fixture
 def traced(monkeypatch):
     replays = TracedReplays()
-    monkeypatch.setattr(op, "attention_replays", replays)
+    monkeypatch.setattr(attention_call, "attention_replays", replays)
     for module in (flash_config, blockmap, distance_table):  # where attention kernels are launched
         launch = module.launch
 

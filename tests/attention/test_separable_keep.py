@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import DEVICE, check, random_tensor
+from support import DEVICE, check, last_attention, random_tensor
 
-from fusepass.attention import op
+
 from fusepass.flash.blockmap import EMPTY, FULL, SEPARABLE_TILES, build_block_map, launch_separable_kinds
 from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 
@@ -89,14 +89,14 @@ def test_separable_keeps_compute_what_eager_does(fn, equal, ids):
     q, k, v = (random_tensor((B, H, N, D), torch.float32) for _ in range(3))
     document_ids = sorted_ids(4) if ids == "sorted" else interleaved_ids()
     check(fn, q, k, v, document_ids, backward=True, rtol=1e-4, atol=1e-4)
-    mod = list(op._specs.values())[-1].mod
+    mod = last_attention().mod
     assert (None if mod.separable_keep is None else mod.separable_keep.equal) == equal
 
 
 def test_float_ids_are_not_separable():
     q, k, v = (random_tensor((B, H, N, D), torch.float32) for _ in range(3))
     check(same_document, q, k, v, sorted_ids(4).float(), rtol=1e-4, atol=1e-4)
-    assert list(op._specs.values())[-1].mod.separable_keep is None
+    assert last_attention().mod.separable_keep is None
 
 
 @pytest.mark.parametrize("fn", [same_document, other_documents, same_document_causal, packed_causal])
@@ -107,7 +107,7 @@ def test_separable_maps_are_exact_where_they_say_full_or_empty(fn, documents, bl
     q, k, v = (random_tensor((B, H, N, D), torch.float32) for _ in range(3))
     ids = sorted_ids(documents)
     check(fn, q, k, v, ids, rtol=1e-4, atol=1e-4)
-    mod = list(op._specs.values())[-1].mod
+    mod = last_attention().mod
     assert mod.separable_keep is not None
     for document_ids in (ids, interleaved_ids()):
         separable, exact = (build_block_map(m, (document_ids,), B, H, N, N, block_m, block_n, DEVICE).kind
@@ -199,5 +199,5 @@ def test_other_separable_forms(form):
     else:
         fn, ids = same_flag, (torch.rand(B, N, device=DEVICE) > 0.5,)
     check(fn, q, k, v, *ids, backward=True, rtol=1e-4, atol=1e-4)
-    mod = list(op._specs.values())[-1].mod
+    mod = last_attention().mod
     assert mod.separable_keep is not None and mod.keep_uses_head == (form == "per head")

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import SUMMED_GRADIENT_FP32, check, random_tensor
+from support import SUMMED_GRADIENT_FP32, check, last_attention, random_tensor
 
-from fusepass.attention import op
+
 from fusepass.attention.spans import fits, float_rounding, result_span, truncated
 
 aten = torch.ops.aten
@@ -69,7 +69,7 @@ def alibi_through_int64_overflow(q, k, v, slopes):
 
 
 def _score_source() -> str:
-    spec = list(op._specs.values())[-1]
+    spec = last_attention()
     return inspect.getsource(getattr(spec.mod.score, "fn", spec.mod.score))
 
 
@@ -120,5 +120,5 @@ def test_log_buckets_run_in_int32_where_the_logs_are_bounded(log_of, int64):
     q, k, v = (random_tensor((2, 3, 37, 16), torch.float32) for _ in range(3))
     table = random_tensor((16, 3), torch.float32)
     check(lambda q, k, v, table: t5_bucket_bias(q, k, v, table, log_of), q, k, v, table, backward=True)
-    source = list(op._specs.values())[-1].lifted.source  # the buckets are computed per distance (a table)
+    source = last_attention().spec.lifted.source  # the buckets are computed per distance (a table)
     assert ("tl.int64" in source) == int64, source

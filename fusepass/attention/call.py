@@ -1,0 +1,287 @@
+"""An attention op at run time: its kernels launched, or replayed as a CUDA graph, on each call's tensors.
+
+An `AttentionCall` holds what a spec needs beyond its static plan: the ops it replaced (the fallback, `Unfused`),
+its score functions compiled on first use, the extents of the block map the forward returns (per dtype and
+device), and whether its kernels' compiles were started. The compiled graph names the spec; `call_named` finds
+the call.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from fusepass.attention.plan import AttentionSpec
+from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
+from fusepass.codegen.modules import load_module
+from fusepass.flash.ahead import compile_attention_ahead
+from fusepass.flash.backward import flash_attention_backward
+from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
+from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles
+from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs
+from fusepass.flash.score_mod import ScoreMod, SeparableKeep
+from fusepass.report import profile
+from fusepass.runtime.replay import attention_replays
+
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
+
+class AttentionCall:
+    def __init__(self, spec: AttentionSpec, unfused: Unfused) -> None:
+        self.spec = spec
+        self.unfused = unfused  # the replaced ops, over the op's inputs (q, k, v sources, aux, what else they read)
+        self.compiled_ahead = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
+        self._mod: ScoreMod | None = None
+        self._passed_maps: dict[tuple[torch.dtype, torch.device], tuple] = {}
+
+    # ------------------------------------------------------------------------------- the spec's kernel inputs
+
+    @property
+    def mod(self) -> ScoreMod:
+        """The score functions, compiled on first use (``triton.jit`` reads them from a file)."""
+        if self._mod is None:
+            spec, lifted = self.spec, self.spec.lifted
+            module = load_module(lifted.source)
+            fns = {k: getattr(module, v) for k, v in lifted.functions.items()}
+            self._mod = ScoreMod(
+                name=spec.name, score=fns["score"], score_grad=fns["score_grad"], keep=fns.get("keep"),
+                fill=fns.get("fill"), fill_grad=fns.get("fill_grad"), fill_bound=lifted.fill_bound,
+                has_aux_grad=any(lifted.aux_needs_grad),
+                keep_uses_batch="b" in lifted.keep_uses, keep_uses_head="h" in lifted.keep_uses,
+                keep_reads_aux=lifted.keep_reads_aux,
+                separable_keep=None if lifted.separable is None else SeparableKeep(
+                    lifted.separable.equal, fns["keep_rows"], fns["keep_cols"], self._others_mod(fns)),
+                tables=tuple((getattr(module, t.function),
+                              getattr(module, t.offset_function) if t.offset_function else None, t)
+                             for t in lifted.tables),
+                linear_scale=lifted.linear_scale)
+        return self._mod
+
+    def _others_mod(self, fns: dict) -> ScoreMod | None:
+        """The masks joined with a separable one, as a keep of its own (its map cached per shape), or None."""
+        separable = self.spec.lifted.separable
+        if separable.others is None:
+            return None
+        uses = separable.others_uses
+        return ScoreMod(name=f"{self.spec.name}_others", score=None, score_grad=None, keep=fns["keep_others"],
+                        keep_uses_batch="b" in uses, keep_uses_head="h" in uses)
+
+    def passed_map(self, q: torch.Tensor) -> tuple[FlashConfig, int, tuple[int, int, int, int, int]] | None:
+        """Where the op returns the forward's block map: the forward's tiles, as `flash_attention_forward` takes
+        them for a mask whose rows are not known, the q extent of the map's kinds (`kind_block_m`) and the map's
+        extent (see `blockmap.map_shapes`). Asked on every call, worked out once per dtype and device. `q`: the
+        op's input."""
+        spec = self.spec
+        if not spec.passes_map:
+            return None
+        key = (q.dtype, q.device)
+        if key not in self._passed_maps:
+            head_dim = spec.q.size[3]
+            tiles = narrow_kv_tiles(forward_config(head_dim, q.dtype, True, q.device), None)
+            kinds_at = kind_block_m(tiles, head_dim, q.dtype, q.device)
+            batch, heads, q_len, _ = spec.out_shape
+            uses = spec.lifted.keep_uses
+            extent = map_extent(batch if "b" in uses else 1, heads if "h" in uses else 1, q_len, spec.k.size[2],
+                                tiles.block_m, tiles.block_n, kinds_at)
+            self._passed_maps[key] = tiles, kinds_at, extent
+        return self._passed_maps[key]
+
+    def map_shapes(self, q: torch.Tensor) -> list[tuple[int, ...]]:
+        """Of the forward's block map as the op returns it, or none: one int32 buffer (`BlockMap.from_packed`) that
+        a call allocates, returns and saves for the backward. `q`: the op's input."""
+        passed = self.passed_map(q)
+        return [] if passed is None else [(packed_map_numel(passed[2]),)]
+
+    def block_map(self, packed: torch.Tensor, q: torch.Tensor) -> BlockMap:
+        """The forward's block map in the buffer `packed` (see `map_shapes`)."""
+        tiles, kinds_at, extent = self.passed_map(q)
+        return BlockMap.from_packed(tiles.block_m, tiles.block_n, kinds_at, packed, extent)
+
+    def views(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: Sequence[torch.Tensor]):
+        """The kernels' [B, H, N, D] views of the op's q, k, v sources; the aux tensors checked against the strides
+        the score functions were compiled for."""
+        spec = self.spec
+        for tensor, strides in zip(aux, spec.aux_strides):
+            if tuple(tensor.stride()) != strides:
+                raise RuntimeError(f"fusepass attention {spec.name}: a score input has strides {tensor.stride()}, "
+                                   f"compiled for {strides}")
+        return spec.q.view(q), spec.k.view(k), spec.v.view(v)
+
+    # ------------------------------------------------------------------------------- forward and backward
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch.Tensor],
+                seed: torch.Tensor) -> Outputs:
+        """(out [B, H, Nq, D], lse, log of the row sums, rows recomputed without tile skipping, the forward's block
+        map where it is not cached: see `map_shapes`)."""
+        s, unfused = self.spec, self.unfused
+        seed_value = _seed(seed)
+        if unfused.failed:
+            return self._unfused_forward((q, k, v, *aux), seed_value)
+        q4, k4, v4 = self.views(q, k, v, aux)
+        read = tuple(aux[:len(s.aux_strides)])
+
+        def forward(outputs: tuple | None = None, packed_map: Sequence[torch.Tensor] = ()):
+            if not self.compiled_ahead:
+                self.compiled_ahead = True
+                _compile_ahead(self, (q, k, v), (q4, k4, v4), aux, q.device)
+            map_into = self.block_map(packed_map[0], q) if packed_map else None
+            return flash_attention_forward(q4, k4, v4, self.mod, read, dropout_p=s.dropout_p, seed=seed_value,
+                                           out_dtype=s.out_dtype, outputs=outputs, map_into=map_into)
+
+        try:
+            # Everything the call returns is allocated here, outside the launches a replay repeats (the map's
+            # views are made inside: a replayed call needs only its buffer).
+            outputs = forward_outputs(q4, self.mod, s.out_dtype, q.device)
+            packed_map = [torch.empty(shape, dtype=torch.int32, device=q.device) for shape in self.map_shapes(q)]
+            if s.replay and attention_replays.can_replay(q):
+                # The outputs' layouts follow from the spec (named by the values) and q, k, v: keyed by pointer.
+                attention_replays.run((q4, k4, v4, *read), (s.name, seed_value),
+                                      lambda: forward(outputs, packed_map),
+                                      [t for t in (*outputs, *packed_map) if t is not None])
+            else:
+                forward(outputs, packed_map)
+            out, lse, log_sum, fallback_rows = outputs
+        except Exception as error:  # a kernel that fails to build or run must not break the model
+            unfused.fail(error, "forward")
+            return self._unfused_forward((q, k, v, *aux), seed_value)
+        if unfused.profiling and profile.can_profile(q.device) and not unfused.profiled_forward:
+            unfused.profiled_forward = True
+            profile.measure(unfused.forward_record, forward, lambda: unfused.forward((q, k, v, *aux), seed_value))
+        fallback = fallback_rows if fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
+        return out, lse, log_sum, fallback, packed_map
+
+    def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor, fallback: torch.Tensor,
+                 block_map: list[torch.Tensor], aux: list[torch.Tensor], seed: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """Gradients of the sources of q, k, v and of every aux tensor (zeros where none flows)."""
+        s, unfused = self.spec, self.unfused
+        inputs = (q, k, v, *aux)
+        seed_value = _seed(seed)
+        if unfused.failed:
+            return self._unfused_backward(inputs, grad_out, seed_value)
+        q4, k4, v4 = self.views(q, k, v, aux)
+        read = tuple(aux[:len(s.aux_strides)])
+        needs = s.aux_needs_grad(len(aux))
+
+        # The gradients take their sources' strides, and the kernels write them through the views the op read.
+        grads = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v)]
+        for grad, layout in zip(grads, (s.q, s.k, s.v)):
+            if not layout.covers(grad.numel()):
+                grad.zero_()
+
+        def new_aux_grad() -> tuple[torch.Tensor, ...]:
+            """fp32 accumulators for the aux tensors a gradient flows to; an empty stand-in for the others."""
+            return tuple(torch.zeros(a.shape, dtype=torch.float32, device=a.device) if n else a.new_empty(0)
+                         for a, n in zip(read, needs))
+
+        def backward(aux_grad: tuple[torch.Tensor, ...]) -> None:
+            # The forward's map, where the op returned one, viewed here: a replayed call needs only its buffer.
+            extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None,
+                                      self.block_map(block_map[0], q) if block_map else None)
+            flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, read, aux_grad,
+                                     dropout_p=s.dropout_p, seed=seed_value,
+                                     grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
+
+        aux_grad = new_aux_grad()
+        try:
+            if s.replay and attention_replays.can_replay(q):
+                # The gradients' layouts follow from q, k, v's (seen through the spec's views) and the aux tensors'.
+                attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, *block_map, *read),
+                                      (s.name, seed_value), lambda: backward(aux_grad), (*aux_grad, *grads))
+            else:
+                backward(aux_grad)
+        except Exception as error:  # as in the forward: the replaced ops take over
+            if s.dropout_p:
+                # The kernel's forward dropped other elements than the replaced ops would.
+                raise RuntimeError("fusepass: the attention backward kernel failed after its forward had run with "
+                                   "dropout; no gradient consistent with that forward can be computed") from error
+            unfused.fail(error, "backward")
+            return self._unfused_backward(inputs, grad_out, seed_value)
+        record = unfused.backward_record
+        if unfused.profiling and profile.can_profile(q.device) and record is not None and \
+                not unfused.profiled_backward:
+            unfused.profiled_backward = True
+            profile.measure_backward(record, lambda: backward(new_aux_grad()),
+                                     lambda: unfused.gradients(inputs, grad_out, seed_value),
+                                     unfused.forward_record.measured_unfused_ms or 0.0)
+        aux_grads = [g.to(a.dtype) for g, a in zip(aux_grad, read)] + [a.new_empty(0) for a in aux[len(read):]]
+        return grads[0], grads[1], grads[2], aux_grads
+
+    # ------------------------------------------------------------------------------- the replaced ops
+
+    def _unfused_forward(self, inputs: tuple[torch.Tensor, ...], seed: int) -> Outputs:
+        """The op's outputs from the replaced ops: their result, and row statistics the backward then ignores."""
+        s = self.spec
+        out = self.unfused.to_canonical(self.unfused.forward(inputs, seed), s.out_shape)
+        rows = s.out_shape[:3]
+        fallback = out.new_zeros(s.fallback_shape, dtype=torch.int8)
+        block_map = [out.new_zeros(shape, dtype=torch.int32) for shape in self.map_shapes(inputs[0])]
+        return (out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback,
+                block_map)
+
+    def _unfused_backward(self, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, seed: int):
+        """The op's gradients from the replaced ops, differentiated by autograd, laid out as the kernels' are."""
+        found = self.unfused.gradients(inputs, grad_out, seed)
+        q_k_v = [with_strides(g if g is not None else torch.zeros_like(x), x.stride())
+                 for g, x in zip(found[:3], inputs[:3])]
+        needs = self.spec.aux_needs_grad(len(inputs) - 3)
+        aux = [with_strides(g if g is not None else torch.zeros_like(x), contiguous_strides(x)) if n
+               else x.new_empty(0) for g, x, n in zip(found[3:], inputs[3:], needs)]
+        return q_k_v[0], q_k_v[1], q_k_v[2], aux
+
+    # ------------------------------------------------------------------------------- compiles ahead
+
+    def compile_ahead_of_first_call(self, sources: Sequence[torch.Tensor], aux: Sequence[torch.Tensor]) -> None:
+        """At the rewrite: start compiling the op's kernels (`_compile_ahead`) from meta stand-ins of the graph's
+        values of q, k, v and the score functions' inputs (fake tensors of their shapes and strides), for the
+        device they are on. A failure here is left to the first call, which starts them again and reports what
+        fails."""
+        device = sources[0].device
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with unset_fake_temporarily(), on_device:
+            q, k, v, *read = (torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+                              for x in (*sources, *aux))
+            try:
+                _compile_ahead(self, (q, k, v), self.views(q, k, v, read), read, device)
+            except Exception:
+                pass
+
+
+def _compile_ahead(call: AttentionCall, sources: tuple[torch.Tensor, ...], qkv: tuple[torch.Tensor, ...],
+                   aux: Sequence[torch.Tensor], device: torch.device) -> None:
+    """Start compiling the kernels of the forward and, where a gradient flows, of the backward, the gradients
+    laid out as `AttentionCall.backward` writes them (their sources' strides, seen through the op's views), to run
+    on `device`."""
+    s = call.spec
+    read = tuple(aux[:len(s.aux_strides)])
+    grads = aux_grad = None
+    if any(call.unfused.requires_grad):
+        grads = tuple(layout.view(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"))
+                      for layout, x in zip((s.q, s.k, s.v), sources))
+        aux_grad = tuple(torch.empty(a.shape if n else (0,), dtype=torch.float32 if n else a.dtype, device="meta")
+                         for a, n in zip(read, s.aux_needs_grad(len(read))))
+    compile_attention_ahead(*qkv, call.mod, read, dropout_p=s.dropout_p, out_dtype=s.out_dtype,
+                            forward_tiles=s.forward_tiles if device.type == "cuda" else None, grads=grads,
+                            aux_grad=aux_grad, device=device)
+
+
+def _seed(seed: torch.Tensor) -> int:
+    return int(seed.item()) if seed.numel() else 0
+
+
+# By name, weakly: a call lives as long as the graphs that name it hold it (`fx_util.hold`), so that compiled
+# functions dropped (torch._dynamo.reset()) leave nothing behind.
+_calls: weakref.WeakValueDictionary[str, AttentionCall] = weakref.WeakValueDictionary()
+
+
+def register(call: AttentionCall) -> str:
+    _calls[call.spec.name] = call
+    return call.spec.name
+
+
+def call_named(name: str) -> AttentionCall:
+    return _calls[name]
