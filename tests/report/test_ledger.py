@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from support import check, random_tensor, rewrites
 
 import fusepass
-from fusepass.report.ledger import (AttentionShape, AuxRead, Tiles, attention_backward_bytes,
-                                    attention_forward_bytes, causal_tile_fraction)
+from fusepass.attention.cost import (AttentionShape, AuxRead, Tiles, attention_backward_bytes, attention_forward_bytes,
+                                     causal_tile_fraction)
 from fusepass.report.roofline import H200
 
 

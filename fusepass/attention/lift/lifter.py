@@ -1,0 +1,367 @@
+"""The walk: each value the score chain reads, evaluated at the coordinates the kernel is at (`views`), becomes
+index code (`values.Code`) or a node of E (`values.Diff`); then the masks are split off (`masks`) and E and the
+index code are assembled into the kernel's functions (`emit`), with the tables (`tables`) and the features
+(`features`) found on the way.
+
+The forms recognized, by the ATen op at a value (`Lifter._evaluate`): the scores themselves (with baddbmm's bias
+and scales); views and copies (read through, `views.view_coords`); constants; ``arange`` (positions); ``tril`` and
+``triu`` (triangle masks); gathers (``embedding``, ``index``: a tensor read at computed indices); any pointwise op
+the translator has (`codegen/pointwise.py`): index code where no operand depends on the scores or takes a
+gradient, a node of E otherwise; and any other graph value outside the chain: a tensor loaded at its strides.
+Anything else in the chain is declined with its op named.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx
+
+from fusepass.attention.index import Idx, merge
+from fusepass.attention.layout import VIEW_OPS, Unsupported
+from fusepass.attention.lift.egraph import EGraph
+from fusepass.attention.lift.emit import ScoreFunctions, linear_scale
+from fusepass.attention.lift.features import Features
+from fusepass.attention.lift.index_code import IndexCode, load_text
+from fusepass.attention.lift.masks import split_masks
+from fusepass.attention.lift.tables import DistanceTables
+from fusepass.attention.lift.values import (Canon, Code, Diff, GradLeaf, Lifted, Separable, affine_of, affine_result,
+                                            converted, is_literal, mask_of, of_distance, op_span, span_of, tensor_of)
+from fusepass.attention.lift.views import (bounds, broadcast, needs_int64_offsets, offset_term, render, root_coords,
+                                           view_coords)
+from fusepass.attention.match import AttentionMatch
+from fusepass.attention.spans import Span, float_exact, narrow
+from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Operand, constant_value, held_dtype,
+                                        is_supported, literal, translate)
+from fusepass.fx_util import packet, val
+
+aten = torch.ops.aten
+# Integer ops whose fp32 form (Code.as_float) is exact when every value is.
+FLOAT_FORM_OPS = {aten.add, aten.sub, aten.neg, aten.abs, *CASTS}
+
+
+class Lifter:
+    def __init__(self, m: AttentionMatch, canon: Canon, name: str) -> None:
+        self.m = m
+        self.canon = canon
+        self.name = name
+        self.code = IndexCode()
+        self.tables = DistanceTables(canon, name, self.code)
+        self.e = EGraph(val(m.qk).dtype, self.tables.tabulated)
+        self.features = Features()
+        self.aux: list[torch.fx.Node] = []  # the tensors the score functions read, in their order in `aux`
+        self.memo: dict[tuple[torch.fx.Node, tuple[Idx, ...]], Code | Diff] = {}
+        self.chain = set(m.chain)
+
+    def lift(self) -> Lifted:
+        root = self.m.softmax.args[0]
+        final = self.value(root, root_coords(root))
+        if not isinstance(final, Diff):
+            raise Unsupported("the softmax input does not depend on the scores")
+        self.e.graph.output(final.node)
+        split = split_masks(self.e, self.code)
+        emit = ScoreFunctions(self.e, self.code, self.aux)
+        name = self.name
+        score_graph = split.score if split is not None else self.e.module()
+        chunks = [emit.score(f"{name}_score", score_graph), emit.gradient(f"{name}_score_grad", score_graph)]
+        functions = {"score": f"{name}_score", "score_grad": f"{name}_score_grad"}
+        if split is not None:
+            chunks.append(self.code.function(f"{name}_keep", "b, h, q_idx, kv_idx, aux", [], f"return {split.keep}"))
+            separable = split.separable
+            if separable is not None:
+                chunks.append(self.code.function(f"{name}_keep_rows", "b, h, q_idx, aux", [],
+                                                 f"return {separable.rows}"))
+                chunks.append(self.code.function(f"{name}_keep_cols", "b, h, kv_idx, aux", [],
+                                                 f"return {separable.cols}"))
+                functions.update(keep_rows=f"{name}_keep_rows", keep_cols=f"{name}_keep_cols")
+                if separable.others is not None:
+                    chunks.append(self.code.function(f"{name}_keep_others", "b, h, q_idx, kv_idx, aux", [],
+                                                     f"return {separable.others}"))
+                    functions["keep_others"] = f"{name}_keep_others"
+            chunks.append(emit.score(f"{name}_fill", split.fill))
+            functions.update(keep=f"{name}_keep", fill=f"{name}_fill")
+            # A fill that no gradient flows through (a constant) has no gradient function: the kernels then add
+            # no zero tile per masked tile (docs/flash-kernel-interface.md, fill_grad=None).
+            fill_grad = emit.gradient(f"{name}_fill_grad", split.fill, optional=True)
+            if fill_grad is not None:
+                chunks.append(fill_grad)
+                functions["fill_grad"] = f"{name}_fill_grad"
+        if self.tables.tables:
+            self.features.names.add("distance_table")
+        return Lifted(source=self.tables.placed("\n\n".join(chunks + self.tables.sources), len(self.aux)),
+                      functions=functions, aux=self.aux,
+                      aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
+                      fill_bound=split.fill_bound if split is not None else -math.inf,
+                      keep_uses=split.uses if split is not None else frozenset(),
+                      keep_reads_aux=split is not None and split.reads_aux,
+                      separable=split.separable if split is not None else None, features=self.features.all(),
+                      tables=self.tables.tables, linear_scale=linear_scale(score_graph, self.e.s_leaf))
+
+    # ---------------------------------------------------------------------------------- evaluation
+
+    def value(self, node: Any, coords: tuple[Idx, ...]) -> Any:
+        if not isinstance(node, torch.fx.Node):
+            return node
+        key = (node, coords)
+        if key not in self.memo:
+            self.memo[key] = self._evaluate(node, coords)
+        return self.memo[key]
+
+    def _evaluate(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        kind = packet(node)
+        if node is self.m.qk:
+            return self._scores(coords)
+        if kind in VIEW_OPS:
+            return self.value(node.args[0], view_coords(node, coords))
+        if node.op == "call_function" and kind in CONSTANTS:
+            value = constant_value(kind, node.args, node.kwargs)
+            return Code(literal(value, held_dtype(val(node).dtype)), val(node).dtype, frozenset(),
+                        val(node).dim() == 0, span=span_of(value))
+        if kind == aten.arange:
+            return self._arange(node, coords)
+        if kind in (aten.tril, aten.triu):
+            return self._triangle(node, coords)
+        if kind in (aten.embedding, aten.index):
+            return self._gather(node, coords)
+        if node.op == "call_function" and is_supported(node.target, node.args, node.kwargs):
+            return self._pointwise(node, coords)
+        if node in self.chain:
+            raise Unsupported(f"the score chain has {node.target}")
+        return self._load(node, coords)
+
+    def _scores(self, coords: tuple[Idx, ...]) -> Diff:
+        batch = tuple(val(self.m.qk).shape[:-2])
+        c = self.canon
+        if not (merge(coords[:-2], batch).is_var("f", c.batch * c.heads) and coords[-2].is_var("q", c.q_len)
+                and coords[-1].is_var("k", c.kv_len)):
+            raise Unsupported("the scores are read at other coordinates than they are computed at")
+        s = Diff(self.e.s_leaf, frozenset(("b", "h", "q", "k")))
+        ops = self.m.scores
+        if ops.bias is None:
+            return s
+        if ops.alpha != 1:
+            s = self.e.node(aten.mul.Tensor, (s, ops.alpha), {})
+        bias = self.value(ops.bias, broadcast(coords, tuple(val(self.m.qk).shape), tuple(tensor_of(ops.bias).shape)))
+        if ops.beta != 1:
+            bias = self._pointwise_value(aten.mul.Tensor, (bias, ops.beta), {}, val(self.m.qk).dtype)
+        return self.e.node(aten.add.Tensor, (s, bias), {})
+
+    def _arange(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
+        args = list(node.args)
+        start, step = (0, 1) if len(args) == 1 else (args[0], args[2] if len(args) > 2 else 1)
+        text, uses = render(coords[0], self.canon)
+        dtype = val(node).dtype
+        expr = f"({start} + {step} * {text})" if (start, step) != (0, 1) else text
+        span = None
+        if not dtype.is_floating_point and all(isinstance(x, int) for x in (start, step)):
+            ends = (start, start + step * (val(node).shape[0] - 1))
+            span = (min(ends), max(ends))
+        target = torch.int32 if narrow(dtype, span) else held_dtype(dtype)
+        as_float = converted(expr, uses, torch.float32) if float_exact(span) else None
+        affine = None
+        position = affine_of(coords[0])
+        if position is not None and span is not None:
+            affine = (step * position[0], step * position[1], start + step * position[2])
+        return Code(self.code.let(converted(expr, uses, target)), dtype, uses, span=span, as_float=as_float,
+                    affine=affine)
+
+    def _triangle(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code:
+        x = self.value(node.args[0], coords)
+        if not isinstance(x, Code):
+            raise Unsupported("tril/triu of the scores")
+        diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
+        row, row_uses = render(coords[-2], self.canon)
+        col, col_uses = render(coords[-1], self.canon)
+        op = "<=" if packet(node) == aten.tril else ">="
+        keep = converted(f"(({col}) - ({row}) {op} {diagonal})", row_uses | col_uses, torch.bool)
+        zero = literal(0, held_dtype(x.dtype))
+        expr = self.code.let(f"tl.where({keep}, {x.expr}, {zero})")
+        span = (min(x.span[0], 0), max(x.span[1], 0)) if x.span is not None else None
+        return Code(expr, x.dtype, x.uses | row_uses | col_uses, compares=x.compares + 1, span=span)
+
+    def _gather(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        """``table[i0, i1, ...]`` (``aten.index``, ``embedding``): index tensors evaluated at the output's
+        coordinates, the other dims read at theirs, as advanced indexing places them."""
+        if packet(node) == aten.embedding:
+            table, indices = node.args[0], [node.args[1]]
+        else:
+            table, indices = node.args[0], list(node.args[1])
+        present = [d for d, ix in enumerate(indices) if ix is not None]
+        index_shape = tuple(torch.broadcast_shapes(*[tuple(tensor_of(indices[d]).shape) for d in present]))
+        table_shape = tuple(val(table).shape)
+        adjacent = present == list(range(present[0], present[-1] + 1))
+        start = present[0] if adjacent else 0
+        index_coords = coords[start:start + len(index_shape)]
+        plain = iter(coords[:start] + coords[start + len(index_shape):])
+        parts, uses = [], set()
+        wide = needs_int64_offsets(val(table))
+        relative = True  # every index a value of the distance alone, no other dim read at q or k
+        for d, (size, stride) in enumerate(zip(table_shape, val(table).stride())):
+            if d in present:
+                i = self.value(indices[d], broadcast(index_coords, index_shape, tuple(val(indices[d]).shape)))
+                if not isinstance(i, Code):
+                    raise Unsupported("a gather whose indices depend on the scores")
+                wrapped = self.code.let(f"tl.where({i.expr} < 0, {i.expr} + {size}, {i.expr})")
+                parts.append(offset_term(wrapped, stride, wide))
+                uses |= i.uses
+                relative &= of_distance(i)
+            else:
+                text, u = render(next(plain), self.canon)
+                parts.append(offset_term(text, stride, wide))
+                uses |= u
+                relative &= not {"q", "k"} & u
+        if table.meta.get("requires_grad", False) or "q" in uses and "k" in uses:
+            self.features.names.add("relative_bias")
+        return self._read(table, " + ".join(parts), frozenset(uses), gathered=True, relative=relative)
+
+    def _load(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        tensor = tensor_of(node)
+        if not all(isinstance(s, int) for s in tensor.stride()):
+            raise Unsupported("a score input with symbolic strides")
+        coords = broadcast(coords, tuple(tensor.shape), tuple(tensor.shape))
+        parts, uses = [], set()
+        wide = needs_int64_offsets(tensor)
+        for c, stride, size in zip(coords, tensor.stride(), tensor.shape):
+            if size == 1:
+                continue
+            text, u = render(c, self.canon)
+            parts.append(offset_term(text, stride, wide))
+            uses |= u
+        return self._read(node, " + ".join(parts) if parts else "0", frozenset(uses))
+
+    def _read(self, tensor: torch.fx.Node, offset: str, uses: frozenset[str], gathered: bool = False,
+              relative: bool = False) -> Code | Diff:
+        t = val(tensor)
+        if t.device != val(self.m.qk).device:
+            raise Unsupported(f"a score input on {t.device}, the scores on {val(self.m.qk).device}")
+        index = self._aux_index(tensor)
+        mask = bounds(uses, self.canon)
+        if not gathered:
+            self.features.note_read(t, uses, index)
+        if tensor.meta.get("requires_grad", False):
+            leaf = self.tables.gathered(index, offset, mask, uses, relative, t.dtype) or \
+                GradLeaf(index, offset, mask, uses)
+            return self.e.grad_leaf(leaf, t.dtype, t.dim() == 0, uses)
+        load = load_text(index, offset, mask)
+        if held_dtype(t.dtype) != t.dtype:
+            load += f".to({TRITON_DTYPE[held_dtype(t.dtype)]})"
+        return Code(self.code.let(load), t.dtype, uses, t.dim() == 0, relative=relative)
+
+    def _aux_index(self, tensor: torch.fx.Node) -> int:
+        if tensor not in self.aux:
+            self.aux.append(tensor)
+        return self.aux.index(tensor)
+
+    def _pointwise(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
+        shape = tuple(val(node).shape)
+
+        def arg_value(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                return self.value(a, broadcast(coords, shape, tuple(tensor_of(a).shape)))
+            if isinstance(a, (list, tuple)):
+                return type(a)(arg_value(x) for x in a)
+            return a
+
+        args = tuple(arg_value(a) for a in node.args)
+        kwargs = {k: arg_value(v) for k, v in node.kwargs.items()}
+        result = self._pointwise_value(node.target, args, kwargs, val(node).dtype, val(node).dim() == 0)
+        if isinstance(result, Code) and packet(node) in (aten.where, aten.masked_fill):
+            result = replace(result, mask=mask_of(node, args), as_float=None, affine=None)
+        return result
+
+    def _pointwise_value(self, target: Any, args: tuple, kwargs: dict, dtype: torch.dtype,
+                         zero_dim: bool = False) -> Code | Diff:
+        flat = list(args) + list(kwargs.values())
+        if any(isinstance(a, Diff) for a in flat):
+            self.features.note_op(target, args)
+            return self.e.node(target, args, kwargs)
+
+        span = op_span(target, args, kwargs, dtype)
+        narrow_result = narrow(dtype, span)
+
+        codes = [a for a in flat if isinstance(a, Code)]
+        # Literals alone would compute in Python (constexpr) arithmetic, whose ~True is -2: the first is made a
+        # tensor, so that the op is Triton's.
+        literal_only = bool(codes) and all(is_literal(a.expr) for a in codes)
+
+        def operand(a: Any) -> Any:
+            nonlocal literal_only
+            if isinstance(a, Code) and literal_only:
+                literal_only = False
+                target_dtype = torch.int32 if a.narrow else held_dtype(a.dtype)
+                return Operand(f"tl.full([], {a.expr}, {TRITON_DTYPE[target_dtype]})",
+                               torch.int32 if a.narrow else a.dtype, a.zero_dim)
+            if isinstance(a, Code):
+                if a.as_float is not None and dtype == torch.float32:
+                    return Operand(a.as_float, torch.float32, a.zero_dim)
+                if a.narrow and dtype == torch.int64 and not narrow_result:
+                    # The result may leave int32: the operation runs in int64.
+                    return Operand(f"({a.expr}).to(tl.int64)", a.dtype, a.zero_dim)
+                return Operand(a.expr, torch.int32 if a.narrow else a.dtype, a.zero_dim)
+            if isinstance(a, (list, tuple)):
+                return type(a)(operand(x) for x in a)
+            return a
+
+        uses = frozenset().union(*[a.uses for a in codes])
+        compares = sum(a.compares for a in codes)
+        if getattr(target, "overloadpacket", None) in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
+            compares += 1
+        self.features.note_op(target, args)
+        result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()},
+                           torch.int32 if narrow_result else dtype, round_halves=False)
+        # Integers only have an fp32 form (a float result is its own).
+        as_float = None if dtype.is_floating_point else self._float_form(target, args, kwargs, span)
+        affine = None if dtype.is_floating_point or span is None else affine_result(target, args, kwargs)
+        nested = any(isinstance(a, (list, tuple)) for a in flat)  # operands in lists: not looked into
+        relative = not nested and all(of_distance(a) for a in codes) or \
+            affine is not None and affine[0] == -affine[1] != 0
+        return Code(self.code.let(result.expr), dtype, uses, zero_dim, compares=compares, span=span,
+                    as_float=as_float, affine=affine, relative=relative, separable=self._separable(target, args))
+
+    def _separable(self, target: Any, args: tuple) -> Separable | None:
+        """`Code.separable` of ``target(*args)``: an equality or inequality of an integer (or bool) of the query
+        position alone with one of the key position alone; its negation; its conjunction with index code that
+        reads no tensors."""
+        kind = getattr(target, "overloadpacket", None)
+        codes = [a for a in args if isinstance(a, Code)]
+        if len(codes) != len(args):
+            return None
+        if kind in (aten.eq, aten.ne) and len(args) == 2 and \
+                not any(a.dtype.is_floating_point or a.dtype.is_complex for a in codes):
+            for rows, cols in ((args[0], args[1]), (args[1], args[0])):
+                if "q" in rows.uses and rows.uses <= {"b", "h", "q"} and "k" in cols.uses and \
+                        cols.uses <= {"b", "h", "k"}:
+                    return Separable(kind == aten.eq, rows.expr, cols.expr)
+        if any(a.dtype != torch.bool for a in codes):
+            return None
+        if kind in (aten.logical_not, aten.bitwise_not) and len(args) == 1 and args[0].separable is not None:
+            return args[0].separable.negated()
+        if kind in (aten.logical_and, aten.bitwise_and, aten.__and__) and len(args) == 2:
+            for one, other in ((args[0], args[1]), (args[1], args[0])):
+                if one.separable is not None and other.separable is None and not self.code.reads_aux(other.expr):
+                    return one.separable.joined(other.expr, other.uses)
+        return None
+
+    def _float_form(self, target: Any, args: tuple, kwargs: dict, span: Span | None) -> str | None:
+        """The fp32 form of an integer result whose operands have one, where every value stays exact in fp32:
+        sums, differences, negations and absolute values of positions (ALiBi's and relative-position
+        distances) then cost a float op per score, not an int op and a conversion."""
+        kind = getattr(target, "overloadpacket", None)
+        if kind not in FLOAT_FORM_OPS or not float_exact(span) or kwargs.get("alpha", 1) != 1:
+            return None
+        if kind in CASTS:  # the value cast, not its dtype (or copy's destination)
+            args = (args[1] if kind == aten.copy else args[0],)
+        forms = []
+        for a in args:
+            if isinstance(a, Code) and a.as_float is not None:
+                forms.append(a.as_float)
+            elif isinstance(a, int) and not isinstance(a, bool) and float_exact((a, a)):
+                forms.append(f"{float(a)!r}")
+            else:
+                return None
+        if kind in CASTS:
+            return forms[0]
+        expr = {aten.add: "({0} + {1})", aten.sub: "({0} - {1})", aten.neg: "(-{0})", aten.abs: "tl.abs({0})"}[kind]
+        return self.code.let(expr.format(*forms))
