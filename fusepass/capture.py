@@ -57,7 +57,7 @@ def functional_pointwise(graph: torch.fx.Graph) -> bool:
     become their functional twins, so that the passes see the chain as written without its mutations; returns whether any
     did. The rewrite is exact: no other tensor shares the storage, the result is cast back to the mutated
     tensor's dtype as the in-place op stores it, and every later read of the tensor reads the new value."""
-    from fusepass.codegen.pointwise import is_supported
+    from fusepass.codegen.translate import is_supported
 
     order = {node: i for i, node in enumerate(graph.nodes)}
     changed = False

@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from fusepass.attention.layout import VIEW_OPS, Unsupported
-from fusepass.codegen.pointwise import is_supported
+from fusepass.codegen.translate import is_supported
 from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten

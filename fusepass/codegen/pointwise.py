@@ -1,13 +1,14 @@
-"""The one translator from ATen pointwise ops to Triton expressions.
+"""The one table of pointwise ops: each ATen op's rule, its Triton expression.
 
-Both generators use it: the elementwise pass emits a kernel body over a flat index, the attention pass
-emits score functions over index tiles. Each gives it operands (a Triton expression and the dtype eager
-would give that value) and gets an operand back.
+Both generators read it through the translator (`translate.py`): the elementwise pass emits a kernel body over a
+flat index, the attention pass emits score functions over index tiles. A rule gets its operands converted to the
+computation dtype PyTorch's type promotion gives the op (``torch._prims_common.elementwise_dtypes``): half and
+bfloat16 values are held and computed in float32 and rounded only when stored or explicitly cast
+(`operands.py`); integer division and remainder follow ATen's definitions.
 
-Numerics follow eager: PyTorch's type promotion decides each op's computation and result dtype
-(``torch._prims_common.elementwise_dtypes``), half and bfloat16 values are held and computed in float32
-and rounded only when stored or explicitly cast, integer division and remainder use Python's semantics
-where ATen does.
+To add an op: a function decorated with ``@rule(aten.op, operands=..., kind=...)`` that returns the expression
+(`Ctx` says what it may ask about the op), and the op among those tests/codegen/test_pointwise_ops.py checks
+against eager in every dtype it takes.
 """
 from __future__ import annotations
 
@@ -18,97 +19,10 @@ from typing import Any
 
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Kind
-from torch._prims_common import elementwise_dtypes
+
+from fusepass.codegen.operands import held_dtype, literal, round_to
 
 aten = torch.ops.aten
-prims = torch.ops.prims
-
-TRITON_DTYPE = {
-    torch.bool: "tl.int1",
-    torch.uint8: "tl.uint8",
-    torch.int8: "tl.int8",
-    torch.int16: "tl.int16",
-    torch.int32: "tl.int32",
-    torch.int64: "tl.int64",
-    torch.float16: "tl.float16",
-    torch.bfloat16: "tl.bfloat16",
-    torch.float32: "tl.float32",
-    torch.float64: "tl.float64",
-}
-
-SUPPORTED_DTYPES = frozenset(TRITON_DTYPE)
-
-
-def held_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a value of eager dtype ``dtype`` is held in inside a kernel."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-@dataclass(frozen=True)
-class Operand:
-    """A value inside a kernel: a Triton expression holding ``held_dtype(dtype)``."""
-
-    expr: str
-    dtype: torch.dtype  # what eager would give
-    zero_dim: bool = False  # 0-d tensors rank below dimensioned ones in type promotion
-
-
-class Emitter:
-    """Collects the statements of a kernel body; every op result gets its own name."""
-
-    def __init__(self, prefix: str = "t") -> None:
-        self.lines: list[str] = []
-        self.prefix = prefix  # names are the prefix and a number
-        self._count = 0
-
-    def let(self, expr: str) -> str:
-        name = f"{self.prefix}{self._count}"
-        self._count += 1
-        self.lines.append(f"{name} = {expr}")
-        return name
-
-
-def literal(value: Any, dtype: torch.dtype) -> str:
-    """A Python scalar as a Triton literal of ``dtype`` (held dtype)."""
-    if dtype == torch.bool:
-        return "True" if value else "False"
-    if dtype.is_floating_point:
-        value = float(value)
-        if math.isnan(value):
-            text = 'float("nan")'
-        elif math.isinf(value):
-            text = 'float("inf")' if value > 0 else 'float("-inf")'
-        else:
-            text = repr(value)
-        # A bare literal is float32 in Triton; a float64 computation needs a float64 constant.
-        return f"tl.full([], {text}, tl.float64)" if dtype == torch.float64 else text
-    return repr(int(value))
-
-
-def convert(value: Operand | bool | int | float, dtype: torch.dtype) -> str:
-    """``value`` as an expression of held dtype ``held_dtype(dtype)``."""
-    target = held_dtype(dtype)
-    if not isinstance(value, Operand):
-        return literal(value, target)
-    if held_dtype(value.dtype) == target:
-        return value.expr
-    if target == torch.bool:
-        return f"({value.expr} != 0)"
-    return to_stored(value.expr, held_dtype(value.dtype), target)
-
-
-def to_stored(expr: str, source: torch.dtype, dtype: torch.dtype) -> str:
-    """An expression of Triton type ``source`` as ``dtype``, rounding float downcasts to nearest even."""
-    if dtype == torch.bfloat16 and source != torch.bfloat16:
-        return f"fm.to_bfloat16({expr})"
-    return f"{expr}.to({TRITON_DTYPE[dtype]})"
-
-
-def round_to(expr: str, dtype: torch.dtype) -> str:
-    """Round a float32-held value to half/bfloat16 precision (an explicit cast in the user's code)."""
-    if dtype in (torch.float16, torch.bfloat16):
-        return f"{to_stored(expr, torch.float32, dtype)}.to(tl.float32)"
-    return expr
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -660,128 +574,3 @@ def _elu_backward(c, grad_output, alpha, scale, input_scale, is_result, self_or_
     negative = (f"{grad_output} * {c.lit(input_scale)} * {c.lit(alpha * scale)} * "
                 f"tl.exp({x} * {c.lit(input_scale)})")
     return f"tl.where({x} <= 0, {negative}, {grad_output} * {c.lit(scale)})"
-
-
-# ----------------------------------------------------------------------------------------------------
-# Casts, copies and constants: the result dtype comes from the graph, not from promotion.
-
-# Arithmetic whose result moves continuously with its operands (a division without a rounding mode).
-CONTINUOUS_ARITHMETIC = {aten.add, aten.sub, aten.rsub, aten.mul, aten.div}
-
-CASTS = {aten._to_copy, aten.to, prims.convert_element_type, aten.clone, aten.alias, aten.copy,
-         aten.lift_fresh_copy, aten.detach, aten.type_as}
-CONSTANTS = {aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.zeros_like, aten.ones_like,
-             aten.full_like, aten.new_ones, aten.new_zeros, aten.new_full}
-
-
-def cast(value: Operand | bool | int | float, dtype: torch.dtype) -> Operand:
-    """An explicit cast: the value eager held (rounded to its dtype) converted, then rounded to ``dtype``."""
-    if not isinstance(value, Operand) or value.dtype == dtype:
-        return Operand(convert(value, dtype), dtype)
-    source = Operand(round_to(value.expr, value.dtype), value.dtype)
-    return Operand(round_to(convert(source, dtype), dtype), dtype)
-
-
-def constant_value(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if packet in (aten.zeros, aten.zeros_like, aten.new_zeros):
-        return 0
-    if packet in (aten.ones, aten.ones_like, aten.new_ones):
-        return 1
-    if packet == aten.scalar_tensor:
-        return args[0]
-    if packet == aten.new_full:
-        return args[2]  # new_full(self, size, value)
-    return args[1]  # full(size, value), full_like(self, value)
-
-
-# ----------------------------------------------------------------------------------------------------
-
-
-def packet_of(target: Any) -> Any:
-    return getattr(target, "overloadpacket", target)
-
-
-def translation_gap(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """Why an op of `target` with these arguments has no translation, or None where it has one."""
-    packet = packet_of(target)
-    if packet in CASTS or packet in CONSTANTS:
-        return None
-    rule_ = RULES.get(packet)
-    if rule_ is None:
-        return f"no Triton translation for {target}"
-    reason = rule_.declines(bind(target, args, kwargs)) if rule_.declines else None
-    return None if reason is None else f"no Triton translation for {target}: {reason}"
-
-
-def is_supported(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    return translation_gap(target, args, kwargs) is None
-
-
-_PROMOTION_PROBES: dict[tuple[torch.dtype, bool], torch.Tensor] = {}
-
-
-def _probe(dtype: torch.dtype, zero_dim: bool) -> torch.Tensor:
-    key = (dtype, zero_dim)
-    if key not in _PROMOTION_PROBES:
-        _PROMOTION_PROBES[key] = torch.empty(() if zero_dim else (1,), dtype=dtype, device="meta")
-    return _PROMOTION_PROBES[key]
-
-
-def bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Arguments by schema name, defaults filled in."""
-    bound: dict[str, Any] = {}
-    for i, argument in enumerate(target._schema.arguments):
-        if i < len(args):
-            bound[argument.name] = args[i]
-        elif argument.name in kwargs:
-            bound[argument.name] = kwargs[argument.name]
-        elif argument.has_default_value():
-            bound[argument.name] = argument.default_value
-    return bound
-
-
-def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result_dtype: torch.dtype,
-              round_halves: bool = True) -> Operand:
-    """One op as an operand. Tensor arguments are ``Operand``s, the rest Python values.
-
-    ``result_dtype`` is what eager produces (the node's fake value), the authority on the output dtype.
-    ``round_halves=False`` keeps half values in float32 where only the result's precision depends on their
-    rounding: across casts between float dtypes and into arithmetic with float32 values (the attention
-    kernel's scores, closer to the exact function than eager's; eager's own fused attention does not round
-    them either). Comparisons and other discontinuous uses still see eager's rounded values.
-    """
-    packet = packet_of(target)
-    if packet in CASTS:
-        value = args[1] if packet == aten.copy else args[0]
-        if not round_halves and isinstance(value, Operand) and value.dtype.is_floating_point and \
-                held_dtype(result_dtype) == torch.float32:
-            return Operand(convert(value, torch.float32), result_dtype)
-        return cast(value, result_dtype)
-    if packet in CONSTANTS:
-        return Operand(literal(constant_value(packet, args, kwargs), held_dtype(result_dtype)), result_dtype)
-    rule_ = RULES[packet]
-    bound = bind(target, args, kwargs)
-    operand_names = [name for name in rule_.operands if bound.get(name) is not None]
-    if rule_.kind is None:
-        compute = result_dtype
-    else:
-        kind = rule_.kind(bound) if callable(rule_.kind) else rule_.kind
-        probes = [_probe(v.dtype, v.zero_dim) if isinstance(v, Operand) else v
-                  for v in (bound[name] for name in operand_names)]
-        compute, _ = elementwise_dtypes(*probes, type_promotion_kind=kind)
-    raw = {name: bound[name] for name in operand_names}
-    continuous = not round_halves and packet in CONTINUOUS_ARITHMETIC and not bound.get("rounding_mode")
-    for name in operand_names:
-        value = bound[name]
-        if isinstance(value, Operand) and value.dtype != result_dtype and not continuous:
-            # Where a half value meets another dtype (a comparison, a promotion), eager had already
-            # rounded it: do the same, so that results that depend on it discontinuously agree.
-            value = Operand(round_to(value.expr, value.dtype), value.dtype, value.zero_dim)
-        bound[name] = convert(value, compute)
-    for name, value in bound.items():
-        if isinstance(value, Operand):  # non-promoted tensor arguments (conditions, masks)
-            bound[name] = value.expr
-    expr = rule_.emit(Ctx(compute, result_dtype, raw), **bound)
-    if result_dtype != torch.bool and held_dtype(result_dtype) != held_dtype(compute):
-        expr = f"{expr}.to({TRITON_DTYPE[held_dtype(result_dtype)]})"
-    return Operand(expr, result_dtype)

@@ -12,7 +12,7 @@ import torch
 import torch.fx
 from torch.fx.passes.tools_common import legalize_graph
 
-from fusepass.codegen.pointwise import constant_value, packet_of
+from fusepass.codegen.translate import constant_value, packet_of
 from fusepass.context import PassContext
 from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.lower import Lowered, lower

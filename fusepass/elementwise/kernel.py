@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from fusepass.codegen.modules import load_module
-from fusepass.codegen.pointwise import REGISTER_HUNGRY, TRITON_DTYPE, Operand, held_dtype, to_stored, translate
+from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, to_stored
+from fusepass.codegen.pointwise import REGISTER_HUNGRY
+from fusepass.codegen.translate import translate
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.lower import Lowered
 from fusepass.elementwise.program import Program, Ref

@@ -18,7 +18,9 @@ import networkx as nx
 import torch
 import torch.fx
 
-from fusepass.codegen.pointwise import CONSTANTS, SUPPORTED_DTYPES, constant_value, packet_of, translation_gap
+from fusepass.codegen.operands import SUPPORTED_DTYPES
+
+from fusepass.codegen.translate import CONSTANTS, constant_value, packet_of, translation_gap
 from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_view, through_view
 

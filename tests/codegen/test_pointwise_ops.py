@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from support import DEVICE, assert_close, random_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fusepass.codegen.pointwise import held_dtype
+from fusepass.codegen.operands import held_dtype
 from fusepass.elementwise.lower import lower
 from fusepass.elementwise.partition import Group, is_constant
 from fusepass.elementwise.kernel import PointwiseLauncher

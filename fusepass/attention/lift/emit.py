@@ -13,8 +13,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fusepass.attention.lift.egraph import LANES, EGraph
 from fusepass.attention.lift.index_code import IndexCode, load_text
 from fusepass.attention.lift.values import Code, GradLeaf
-from fusepass.codegen.pointwise import (CASTS, TRITON_DTYPE, Operand, constant_value, float32_reciprocal, held_dtype,
-                                        literal, translate)
+from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, literal
+from fusepass.codegen.pointwise import float32_reciprocal
+from fusepass.codegen.translate import CASTS, constant_value, translate
 from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten

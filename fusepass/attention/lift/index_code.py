@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from fusepass.codegen.pointwise import Emitter
+from fusepass.codegen.operands import Emitter
 
 
 class IndexCode(Emitter):

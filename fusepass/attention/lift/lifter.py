@@ -33,8 +33,8 @@ from fusepass.attention.lift.views import (bounds, broadcast, needs_int64_offset
                                            view_coords)
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.spans import Span, float_exact, narrow
-from fusepass.codegen.pointwise import (CASTS, CONSTANTS, TRITON_DTYPE, Operand, constant_value, held_dtype,
-                                        is_supported, literal, translate)
+from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, literal
+from fusepass.codegen.translate import CASTS, CONSTANTS, constant_value, is_supported, translate
 from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten

@@ -13,7 +13,8 @@ import torch.fx
 from fusepass.attention.index import Idx
 from fusepass.attention.layout import Unsupported
 from fusepass.attention.spans import Span, float_rounding, narrow, result_span, truncated
-from fusepass.codegen.pointwise import CASTS, TRITON_DTYPE, bind
+from fusepass.codegen.operands import TRITON_DTYPE
+from fusepass.codegen.translate import CASTS, bind
 from fusepass.flash.score_mod import DistanceTable
 from fusepass.fx_util import packet, val
 
