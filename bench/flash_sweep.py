@@ -119,7 +119,7 @@ def main() -> None:
                         help="block_m,block_n,num_warps,num_stages[,head_group] of dK/dV")
     parser.add_argument("--dq", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages[,head_group] of dQ")
     parser.add_argument("--forward", nargs="*", default=None,
-                        help="block_m,block_n,num_warps,num_stages[,head_group] (flash_fwd.grouped_program)")
+                        help="block_m,block_n,num_warps,num_stages[,head_group] (tiles.grouped_program)")
     parser.add_argument("--mask", choices=MASKS, default="causal")
     args = parser.parse_args()
     masked = args.mask != "plain"

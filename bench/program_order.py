@@ -7,7 +7,7 @@ The GPU starts a kernel's programs in launch order, each as soon as a slot (an S
 frees. Taking each program's time as its tile count, the kernel ends when its last program does; against the
 total work spread evenly over the slots, the excess is the tail the order leaves. The flash kernels' grids run
 one (batch, head) pair's programs after another (its blocks longest first, for a causal mask); grouping the
-pairs (`FlashConfig.head_group`, `flash_fwd.grouped_program`) starts long programs of every group early.
+pairs (`FlashConfig.head_group`, `fusepass.flash.tiles.grouped_program`) starts long programs of every group early.
 Slots: the H200's 132 SMs times the programs one SM holds at the kernels' registers (1 at 8 warps and ~255
 registers, 2 at 4 warps).
 """

@@ -36,10 +36,10 @@ from fusepass.flash.blockmap import (EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, b
                                      row_lists, walk_start, walk_step)
 from fusepass.flash.config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.flash.distance_table import add_distance_gradients, distance_gradients, distance_tables
-from fusepass.flash.forward import (LOG2E, FlashForwardExtra, check_attention_inputs, dot, dropout_kept,
-                                    grouped_program, has_partial_tiles, load_kv_tile, load_tile, load_tiles,
-                                    masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
-                                    tile_positions)
+from fusepass.flash.forward import LOG2E, FlashForwardExtra, has_partial_tiles
+from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, grouped_program, load_kv_tile, load_tile,
+                                  load_tiles, masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
+                                  tile_positions)
 from fusepass.flash.score_mod import ScoreMod
 from fusepass.runtime.sizes import cdiv
 

@@ -29,10 +29,10 @@ class FlashConfig:
     num_warps: int
     num_stages: int
     # Per-tile operands (K and V in the forward and dQ kernels, Q and dO in dK/dV) loaded through TMA tensor
-    # descriptors where their layouts allow (see `flash_fwd.tile_operands`): one copy instruction per tile, no address
+    # descriptors where their layouts allow (see `tiles.tile_operands`): one copy instruction per tile, no address
     # arithmetic, rows past the end filled with zeros by the copy engine.
     descriptors: bool = False
-    # Programs of this many (batch, head) pairs take their blocks in turn (flash_fwd.grouped_program); 1: the
+    # Programs of this many (batch, head) pairs take their blocks in turn (tiles.grouped_program); 1: the
     # grid's own order, pair after pair.
     head_group: int = 1
 

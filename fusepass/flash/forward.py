@@ -18,24 +18,23 @@ TAME (|δ| could reach exp2's range: no finite score yet, a row masked with `fin
 of 2^24 and more) are recomputed in the form `exp2((x - m) · log2(e))`, exact at any magnitude, as are rows a
 skipped tile might have touched.
 
-The jit helpers at the top are shared with the backward kernels (flash_bwd.py), which recompute the scores.
+The jit helpers it shares with the backward kernels (backward.py), which recompute the scores, are tiles.py's.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusepass.flash.blockmap import BlockMap, block_map_for, row_lists, walk_start, walk_step
 from fusepass.flash.config import FlashConfig, forward_config, head_block, kind_block_m, launch_fitting, narrow_kv_tiles
 from fusepass.flash.distance_table import distance_tables
 from fusepass.flash.score_mod import ScoreMod
-from fusepass.runtime.device import INTERPRETED
+from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, load_kv_tile, load_tile, masked_scores,
+                                  q_block_program, store_rows, tail_placement, tile_operands, tile_positions)
 from fusepass.runtime.sizes import cdiv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -47,141 +46,6 @@ SKIP_MARGIN = tl.constexpr(-60.0)
 # exponent by a few units more, so 2^δ stays far inside float32's range. Up to 2^125 (where m · log2(e) would
 # overflow) δ reached 2^100 and the weights inf (tests/kernels/test_flash.py, scores near 2^122).
 TAME = tl.constexpr(2.0 ** 24)
-
-
-@triton.jit
-def dot(a, b, acc=None):
-    """acc + a @ b, accumulated in fp32 (in `acc` itself when given); fp32 operands in full precision (no TF32)
-    so results match eager fp32."""
-    if INTERPRETED and a.dtype == tl.bfloat16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
-def load_rows(base, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr,
-              CHECK_ROWS: tl.constexpr):
-    """A [len(rows), BLOCK_D] tile of an [n_rows, HEAD_DIM] matrix: zeros past HEAD_DIM and, when
-    CHECK_ROWS, past the last row."""
-    ptrs = base + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :] * d_stride
-    if CHECK_ROWS:
-        tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif offs_d.shape[0] == HEAD_DIM:
-        tile = tl.load(ptrs)
-    else:
-        tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
-    return tile
-
-
-@triton.jit
-def load_tile(src, b, head, row0, n_rows, strides, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-              BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, DESCRIPTOR: tl.constexpr):
-    """Rows row0 .. row0 + BLOCK_ROWS of one (batch, head) of a [B, H, n_rows, HEAD_DIM] tensor, zeros past
-    HEAD_DIM (and past n_rows, where CHECK_ROWS; a descriptor's copy always fills them with zeros). `src` is
-    the tensor's descriptor of [1, 1, BLOCK_ROWS, BLOCK_D] tiles when DESCRIPTOR (see `tile_operands`), else
-    the tensor, with `strides`."""
-    if DESCRIPTOR:
-        tile = src.load([b, head, row0, 0]).reshape(BLOCK_ROWS, BLOCK_D)
-    else:
-        base = src + b.to(tl.int64) * strides[0] + head.to(tl.int64) * strides[1]
-        tile = load_rows(base, row0 + tl.arange(0, BLOCK_ROWS), n_rows, strides[2], tl.arange(0, BLOCK_D),
-                         strides[3], HEAD_DIM, CHECK_ROWS)
-    return tile
-
-
-@triton.jit
-def load_tiles(first, second, b, head, row0, n_rows, first_strides, second_strides, HEAD_DIM: tl.constexpr,
-               BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, DESCRIPTOR: tl.constexpr):
-    """The same rows (`load_tile`) of two tensors of one shape: a tile's K and V, or Q and dO."""
-    return (load_tile(first, b, head, row0, n_rows, first_strides, HEAD_DIM, BLOCK_ROWS, BLOCK_D, CHECK_ROWS,
-                      DESCRIPTOR),
-            load_tile(second, b, head, row0, n_rows, second_strides, HEAD_DIM, BLOCK_ROWS, BLOCK_D, CHECK_ROWS,
-                      DESCRIPTOR))
-
-
-@triton.jit
-def store_rows(base, tile, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr):
-    ptrs = base + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :] * d_stride
-    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
-
-
-# Where the last tile along a walked axis lies (`tail_placement`): the axis's length a multiple of the tile
-# (WHOLE), the last tile moved back to end at the length (SHIFTED), or its positions clamped (CLAMPED).
-WHOLE = tl.constexpr(0)
-SHIFTED = tl.constexpr(1)
-CLAMPED = tl.constexpr(2)
-
-
-def tail_placement(n: int, block: int, shift: bool) -> int:
-    """How the kernels place the last of an axis's tiles of `block` positions (`tile_positions`): SHIFTED only
-    where `shift` (the axis's tiles past the last position are never FULL, so that loop takes no shifted tile)
-    and one tile fits."""
-    if n % block == 0:
-        return WHOLE.value
-    return SHIFTED.value if shift and n > block else CLAMPED.value
-
-
-@triton.jit
-def tile_positions(block, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
-    """(first row, positions, in range) of tile `block` along an axis of `n` positions, placed by TAIL
-    (`tail_placement`): the row its K and V are loaded from, the positions its score functions see (they may
-    read aux tensors by position: never past n), and which of them are the tile's own and before n (the kv
-    axis's others score -inf).
-
-    WHOLE: no tile reaches past n and every position is in range; a block past the end (the dK/dV walk takes
-    one: its rows, loaded past n, weigh nothing) sees the last block's positions. SHIFTED: the last tile starts at n - BLOCK, its positions before the block's own
-    first out of range (the tile before holds them). CLAMPED: positions past n read position n - 1. A clamp per
-    element hid the positions' contiguity from Triton: its loads by position (the document ids of a PARTIAL
-    tile) then took a copy and a 64-bit address per element and thread (16 LDGSTS.E.64 a tile in the dQ
-    kernel, sm_90, triton 3.6); shifted, they stay one run (aligned where n is a multiple of 16)."""
-    if TAIL == WHOLE:
-        positions = tl.minimum(block, n // BLOCK - 1) * BLOCK + tl.arange(0, BLOCK)
-        return block * BLOCK, positions, tl.full([BLOCK], 1, tl.int1)
-    elif TAIL == SHIFTED:
-        first = tl.minimum(block * BLOCK, n - BLOCK)
-        positions = first + tl.arange(0, BLOCK)
-        return first, positions, positions >= block * BLOCK
-    else:
-        positions = block * BLOCK + tl.arange(0, BLOCK)
-        return block * BLOCK, tl.minimum(positions, n - 1), positions < n
-
-
-@triton.jit
-def load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DESCRIPTORS: tl.constexpr,
-                 KV_TAIL: tl.constexpr):
-    """(columns, K tile, V tile) of kv tile `kv_block` where it lies (`tile_positions`): only PARTIAL tiles may
-    be the last."""
-    if PARTIAL:
-        first, _, _ = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
-    else:
-        first = kv_block * BLOCK_N
-    k, v = load_tiles(K, V, b, kv_head, first, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
-                      DESCRIPTORS)
-    return first + tl.arange(0, BLOCK_N), k, v
-
-
-@triton.jit
-def masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE: tl.constexpr, KEEP: tl.constexpr,
-                  FILL: tl.constexpr):
-    """Final scores of a PARTIAL tile, and where they are kept: `where(KEEP, SCORE, FILL)` inside the key
-    range, -inf past it (out-of-range keys never contribute, not even to a fully masked row)."""
-    if KEEP is None:
-        kept = kv_in
-        x = SCORE(s, b, h, q_idx, kv_idx, aux)
-    else:
-        kept = KEEP(b, h, q_idx, kv_idx, aux) & kv_in
-        x = tl.where(kept, SCORE(s, b, h, q_idx, kv_idx, aux), FILL(s, b, h, q_idx, kv_idx, aux))
-    return tl.where(kv_in, x, float("-inf")), kept
-
-
-@triton.jit
-def dropout_kept(seed, dropout_p, row_offsets, cols):
-    """The dropout mask of a tile (True: weight kept), from a counter-based RNG keyed by the element's
-    (b, h, q, kv) position, so the backward regenerates it exactly. `row_offsets` and `cols` broadcast to
-    the tile: ``(b · H + h) · Nq · Nk + q · Nk`` and ``kv``."""
-    return tl.rand(seed, row_offsets + cols) >= dropout_p
 
 
 @triton.jit
@@ -232,39 +96,6 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows[:, None], cols[None, :]), p, 0.0)
     acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l, excess
-
-
-@triton.jit
-def grouped_program(HEAD_GROUP: tl.constexpr):
-    """(block rank, head, batch) of this program of a (blocks, heads, batch) grid, the programs taken in launch
-    order: the (batch, head) pairs in groups of HEAD_GROUP, each group's programs block rank by block rank
-    with its pairs in turn (a last group may hold fewer pairs). With HEAD_GROUP 1, the grid's own order.
-
-    The GPU starts programs in launch order as others finish. In the grid's own order each pair's programs
-    run longest first but pair after pair, so the last pairs' long programs start late and end after the
-    others; taking the pairs in groups starts long programs of every group early, while the programs running
-    at once still read the tensors of a few heads only (bench/program_order.py models the tail)."""
-    if HEAD_GROUP == 1:
-        rank, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    else:
-        n_blocks, n_heads = tl.num_programs(0), tl.num_programs(1)
-        linear = tl.program_id(0) + n_blocks * (tl.program_id(1) + n_heads * tl.program_id(2))
-        group = linear // (n_blocks * HEAD_GROUP)
-        in_group = linear - group * (n_blocks * HEAD_GROUP)
-        pairs = tl.minimum(HEAD_GROUP, n_heads * tl.num_programs(2) - group * HEAD_GROUP)
-        rank = in_group // pairs
-        pair = group * HEAD_GROUP + in_group % pairs
-        h, b = pair % n_heads, pair // n_heads
-    return rank, h, b
-
-
-@triton.jit
-def q_block_program(HEAD_GROUP: tl.constexpr):
-    """(q block, head, batch, batch · heads + head) of a forward or dQ program (`grouped_program`): the last q
-    blocks first, which under a causal mask hold the most tiles, so the long programs start early and the
-    short ones fill the tail."""
-    rank, h, b = grouped_program(HEAD_GROUP)
-    return tl.num_programs(0) - 1 - rank, h, b, b.to(tl.int64) * tl.num_programs(1) + h
 
 
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
@@ -372,78 +203,6 @@ class FlashForwardExtra:
     log_sum: torch.Tensor  # [B, Hq, Nq] fp32
     fallback_rows: torch.Tensor | None  # [B, Hq, Nq] int8, 1 where the row was recomputed over all tiles
     block_map: BlockMap | None  # the forward's block map (the backward reuses it if its tiles match)
-
-
-def _descriptor_strides(t: torch.Tensor) -> list[int] | None:
-    """The strides a TMA descriptor of `t` takes, or None where its layout rules one out: the copy engine needs
-    16-byte aligned strides and unit stride along the last dim (and a 16-byte aligned base, checked per call).
-    A dim of extent 1 is never stepped along; it takes the stride a contiguous tensor would have there."""
-    if t.stride(-1) != 1:
-        return None
-    strides = list(t.stride())
-    for dim in range(t.dim() - 2, -1, -1):
-        if t.shape[dim] == 1:
-            strides[dim] = strides[dim + 1] * t.shape[dim + 1]
-        if strides[dim] <= 0 or strides[dim] * t.element_size() % 16:
-            return None
-    return strides
-
-
-# Triton's TensorDescriptor checks its fields on every construction (3.3 µs on the CPU, six descriptors per
-# attention forward+backward: ~11 % of a call's host path with its launches stubbed, bench/host_path.py). Each
-# layout (shape, strides, dtype, tile) is checked once, by Triton's constructor; later descriptors of the layout
-# take its checked fields and their own base, whose alignment is checked per call. None: no descriptor.
-_DESCRIPTOR_LAYOUTS = 256
-_descriptor_fields: dict[tuple, dict[str, Any] | None] = {}
-
-
-def _descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescriptor | None:
-    """A TMA descriptor of `t`'s [1, 1, block_rows, block_d] tiles, or None where `t` allows none."""
-    key = (t.shape, t.stride(), t.dtype, block_rows, block_d)
-    if key not in _descriptor_fields:
-        if len(_descriptor_fields) >= _DESCRIPTOR_LAYOUTS:
-            _descriptor_fields.clear()
-        strides = _descriptor_strides(t)
-        checked = None if strides is None else TensorDescriptor(t, list(t.shape), strides,
-                                                                [1, 1, block_rows, block_d])
-        # The checked fields without the base: a cached tensor would stay alive.
-        _descriptor_fields[key] = None if checked is None else {
-            name: value for name, value in vars(checked).items() if name != "base"}
-    fields = _descriptor_fields[key]
-    if fields is None or t.data_ptr() % 16:
-        return None
-    descriptor = TensorDescriptor.__new__(TensorDescriptor)
-    descriptor.__dict__.update(fields, base=t)
-    return descriptor
-
-
-def tile_operands(tiles: Sequence[tuple[torch.Tensor, int]], block_d: int, use: bool) -> tuple[tuple, bool]:
-    """The kernel arguments of a kernel's tiled operands ((tensor, block_rows) pairs: [B, H, N, D] tensors read
-    block_rows rows at a time) and whether they are descriptors: TMA descriptors of [1, 1, block_rows, block_d]
-    tiles when `use` and every tensor's layout allows one, else the tensors.
-
-    The tiles a program loads once (its Q rows in the forward) go through descriptors too: the copy fills what
-    lies past the head dim with zeros, where a masked load's predicates (head dims below block_d) were held
-    across the kernel's loops: 35 more registers in the forward at D96 (231 against 196, sm_90, triton 3.6)."""
-    tensors = tuple(t for t, _ in tiles)
-    if not use:
-        return tensors, False
-    descriptors = tuple(_descriptor(t, block_rows, block_d) for t, block_rows in tiles)
-    if any(descriptor is None for descriptor in descriptors):
-        return tensors, False
-    return descriptors, True
-
-
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    assert q.dim() == k.dim() == v.dim() == 4, "q, k, v must be [B, H, N, D]"
-    assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
-    assert q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3], f"q {tuple(q.shape)} vs k {tuple(k.shape)}"
-    assert q.shape[1] % k.shape[1] == 0, f"{q.shape[1]} query heads do not group over {k.shape[1]} kv heads"
-    assert 16 <= q.shape[3] <= 256, f"head dim {q.shape[3]} outside 16..256"
-    assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), \
-        f"unsupported dtypes {q.dtype}, {k.dtype}, {v.dtype}"
-    assert q.device == k.device == v.device
-    assert q.shape[2] > 0 and k.shape[2] > 0, "empty sequence"
 
 
 def forward_tile_configs(mod: ScoreMod, head_dim: int, dtype: torch.dtype, device: torch.device

@@ -29,7 +29,8 @@ from fusepass.flash import backward as flash_bwd, forward as flash_fwd
 from fusepass.flash.backward import flash_attention_backward
 from fusepass.flash.config import (
     INTERPRETER_CONFIG, SHORT_ROWS, BackwardConfigs, FlashConfig, narrow_kv_tiles)
-from fusepass.flash.forward import flash_attention_forward, has_partial_tiles, tile_operands
+from fusepass.flash.forward import flash_attention_forward, has_partial_tiles
+from fusepass.flash.tiles import tile_operands
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32_MIN = float(torch.finfo(torch.float32).min)
