@@ -41,7 +41,7 @@ import torch.fx
 
 from fusepass.flash.config import FlashConfig, ModeledRows, backward_configs, forward_config, narrow_kv_tiles
 from fusepass.fx_util import op_name, val
-from fusepass.report.ledger import (backward_ops, is_matmul, is_view, op_flops, saved_for_backward, storage_root,
+from fusepass.report.ledger import (backward_ops, is_matmul, moves_no_bytes, op_flops, saved_for_backward, storage_root,
                                     unfused_bytes, unfused_flops, value_bytes)
 from fusepass.report.records import Rewrite
 
@@ -209,7 +209,7 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
     ``replaced``: the ops the rewrite removes, in graph order (the matched ones and those only they used,
     such as a mask's construction); ``kept_by_kernel``: the tensors the fused op reads; ``backward_tiles``:
     the dK/dV kernel's and the dQ kernel's."""
-    compute = [n for n in replaced if not is_view(n)]
+    compute = [n for n in replaced if not moves_no_bytes(n)]
     flops = unfused_flops(compute)
     elementwise_flops = flops - sum(op_flops(n) for n in compute if is_matmul(n))
     parts, ideal = attention_forward_bytes(shape, forward_tiles, aux)

@@ -19,9 +19,10 @@ from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten
 
-VIEW_OPS = {aten.transpose, aten.t, aten.permute, aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze,
-            aten.squeeze, aten.expand, aten.slice, aten.select, aten.alias, aten.flatten, aten.unflatten,
-            aten.contiguous, aten.clone, aten.detach, aten.lift_fresh_copy}
+# Views, and copies that keep their input's values: read through to the tensor they started from.
+REARRANGING_OPS = {aten.transpose, aten.t, aten.permute, aten.view, aten.reshape, aten._unsafe_view, aten.unsqueeze,
+                   aten.squeeze, aten.expand, aten.slice, aten.select, aten.alias, aten.flatten, aten.unflatten,
+                   aten.contiguous, aten.clone, aten.detach, aten.lift_fresh_copy}
 
 
 class Unsupported(Exception):
@@ -118,7 +119,7 @@ def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
             ops.append(node)
             node = x
             continue
-        if packet(node) in VIEW_OPS and node.args and isinstance(node.args[0], torch.fx.Node):
+        if packet(node) in REARRANGING_OPS and node.args and isinstance(node.args[0], torch.fx.Node):
             if packet(node) in (aten.clone, aten.contiguous) and node.kwargs.get("memory_format") not in (
                     None, torch.contiguous_format, torch.preserve_format):
                 break

@@ -13,14 +13,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from fusepass.attention.layout import VIEW_OPS, Unsupported
+from fusepass.attention.layout import REARRANGING_OPS, Unsupported
 from fusepass.codegen.translate import is_supported
 from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten
 
 SOFTMAX = {aten.softmax, aten._softmax, aten._safe_softmax}
-MATMULS = {aten.matmul, aten.bmm, aten.mm, aten.einsum, aten.baddbmm}
+# The products an attention's two matmuls may be written as.
+ATTENTION_PRODUCTS = {aten.matmul, aten.bmm, aten.mm, aten.einsum, aten.baddbmm}
 PROBABILITY_PATH = {aten.to, aten._to_copy, aten.type_as, aten.dropout, aten.clone, aten.contiguous,
                     aten.alias, aten.view, aten.reshape, aten._unsafe_view, aten.detach}
 
@@ -96,7 +97,7 @@ def operands(node: torch.fx.Node, scores: bool) -> Operands:
 
 def _is_liftable_op(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and (is_supported(node.target, node.args, node.kwargs)
-                                           or packet(node) in VIEW_OPS)
+                                           or packet(node) in REARRANGING_OPS)
 
 
 def _score_chain(softmax_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
@@ -108,7 +109,7 @@ def _score_chain(softmax_input: torch.fx.Node) -> tuple[torch.fx.Node, list[torc
         if node in seen or not isinstance(node, torch.fx.Node):
             continue
         seen.add(node)
-        if packet(node) in MATMULS and tuple(val(node).shape[-2:]) == shape:
+        if packet(node) in ATTENTION_PRODUCTS and tuple(val(node).shape[-2:]) == shape:
             candidates.append(node)
             continue
         if _is_liftable_op(node):
@@ -165,7 +166,7 @@ def _probability_path(softmax: torch.fx.Node) -> tuple[list[torch.fx.Node], torc
             path.append(user)
             node = user
             continue
-        if packet(user) in MATMULS:
+        if packet(user) in ATTENTION_PRODUCTS:
             return path, user, dropout_p
         raise Unsupported(f"probabilities go to {packet(user) or user.op}, not to a matmul with V")
 

@@ -160,13 +160,14 @@ def _sliced(m: Map, in_shape: Sequence, node: torch.fx.Node, rank: int) -> Map |
     return m[:dim] + (row,) + m[dim + 1:]
 
 
-VIEW_OPS = frozenset({aten.expand, aten.permute, aten.transpose, aten.t, aten.numpy_T, aten.unsqueeze,
-                      aten.squeeze, aten.slice, aten.select, aten.view, aten.reshape, aten._unsafe_view,
-                      aten.alias, aten.flatten, aten.detach})
+# The views a group reads through as affine maps of its coordinates (`through_view`).
+MAPPED_VIEWS = frozenset({aten.expand, aten.permute, aten.transpose, aten.t, aten.numpy_T, aten.unsqueeze,
+                          aten.squeeze, aten.slice, aten.select, aten.view, aten.reshape, aten._unsafe_view,
+                          aten.alias, aten.flatten, aten.detach})
 
 
-def is_view(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in VIEW_OPS
+def is_mapped_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in MAPPED_VIEWS
 
 
 def strides_at(m: Map, strides: Sequence[int], rank: int) -> tuple[tuple[int, ...], int]:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fusepass.elementwise.coords import Map, broadcast, identity, is_view, through_view
+from fusepass.elementwise.coords import Map, broadcast, identity, is_mapped_view, through_view
 from fusepass.elementwise.partition import Group, is_constant
 from fusepass.elementwise.program import Load, Program, Ref, Step
 from fusepass.fx_util import val
@@ -55,7 +55,7 @@ def stride_order(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Node, Map]]:
-    if is_view(node):
+    if is_mapped_view(node):
         return [(node.args[0], through_view(node, m, rank))]
     shape = tuple(val(node).shape)
     return [(a, broadcast(m, shape, tuple(val(a).shape), rank)) for a in node.all_input_nodes]
@@ -100,7 +100,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
 
     for node in group.nodes:
         for m in needed.get(node, []):
-            if is_view(node):
+            if is_mapped_view(node):
                 refs[(node, m)] = ref_of(node.args[0], through_view(node, m, rank))
                 continue
             arg_maps = dict(_arg_maps(node, m, rank))

@@ -22,7 +22,7 @@ from fusepass.codegen.operands import SUPPORTED_DTYPES
 
 from fusepass.codegen.translate import CONSTANTS, constant_value, packet_of, translation_gap
 from fusepass.context import planned_attention
-from fusepass.elementwise.coords import identity, is_view, through_view
+from fusepass.elementwise.coords import identity, is_mapped_view, through_view
 
 
 @dataclass
@@ -33,7 +33,7 @@ class Group:
 
     @property
     def compute_nodes(self) -> list[torch.fx.Node]:
-        return [n for n in self.nodes if not is_view(n)]
+        return [n for n in self.nodes if not is_mapped_view(n)]
 
     @property
     def inputs(self) -> list[torch.fx.Node]:
@@ -76,7 +76,7 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
         return f"runs on {val.device}"
     if any(isinstance(a, torch.fx.Node) and _val(a) is None for a in node.all_input_nodes):
         return "reads a symbolic scalar"
-    if is_view(node):
+    if is_mapped_view(node):
         rank = val.dim()
         return None if through_view(node, identity(rank), rank) is not None else "view is not affine"
     gap = translation_gap(node.target, node.args, node.kwargs)
@@ -141,7 +141,7 @@ class _Groups:
 
 def _storage(node: torch.fx.Node, members: set[torch.fx.Node]) -> torch.fx.Node:
     """The member whose memory a value lives in: views resolve to what they view."""
-    while is_view(node) and node.args[0] in members:
+    while is_mapped_view(node) and node.args[0] in members:
         node = node.args[0]
     return node
 
@@ -204,16 +204,16 @@ def _finish(members: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> Gro
     while changed:
         changed = False
         for node in list(members):
-            if is_view(node) and (node.args[0] not in members or all(u not in members for u in node.users)):
+            if is_mapped_view(node) and (node.args[0] not in members or all(u not in members for u in node.users)):
                 members.discard(node)
                 changed = True
     nodes = sorted(members, key=order.__getitem__)
-    if sum(1 for n in nodes if not is_view(n)) < 2:
+    if sum(1 for n in nodes if not is_mapped_view(n)) < 2:
         return None
     escaping = _escaping(members)
     kept_views = set()
     for node in escaping:
-        while is_view(node) and node in members:
+        while is_mapped_view(node) and node in members:
             kept_views.add(node)
             node = node.args[0]
     outputs = sorted({_storage(n, members) for n in escaping}, key=order.__getitem__)

@@ -78,7 +78,7 @@ def aliased_input(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-def is_view(node: torch.fx.Node) -> bool:
+def moves_no_bytes(node: torch.fx.Node) -> bool:
     """Moves no bytes: a view of an input, or an element of a tuple an op returned."""
     return node.op == "call_function" and (node.target is operator.getitem or aliased_input(node) is not None)
 
@@ -90,7 +90,7 @@ def _dropout_mask_bytes(node: torch.fx.Node) -> int:
 
 def op_bytes(node: torch.fx.Node) -> int:
     """Bytes one op moves on its own: its tensor inputs read, its output written."""
-    if is_view(node):
+    if moves_no_bytes(node):
         return 0
     return sum(value_bytes(a) for a in node.all_input_nodes) + value_bytes(node) + _dropout_mask_bytes(node)
 
@@ -110,7 +110,7 @@ def _matmul_flops(node: torch.fx.Node) -> int:
 
 
 def op_flops(node: torch.fx.Node) -> int:
-    if is_view(node) or not isinstance(node.meta.get("val"), torch.Tensor):
+    if moves_no_bytes(node) or not isinstance(node.meta.get("val"), torch.Tensor):
         return 0
     if is_matmul(node):
         return _matmul_flops(node)
@@ -147,7 +147,7 @@ class BackwardOp:
 def backward_ops(node: torch.fx.Node) -> list[BackwardOp]:
     """What the backward of ``node`` runs, as eager autograd runs it; none for views and for ops no
     gradient flows to."""
-    if not _needs_grad(node) or is_view(node):
+    if not _needs_grad(node) or moves_no_bytes(node):
         return []
     out = value_bytes(node)
     if is_matmul(node):
@@ -176,7 +176,7 @@ def storage_root(node: torch.fx.Node) -> torch.fx.Node:
 def saved_for_backward(node: torch.fx.Node) -> tuple[list[torch.fx.Node], int]:
     """(values eager autograd keeps from the forward for ``node``'s backward, bytes of tensors it keeps that
     are no graph value). A lower bound: an op that keeps its own result (a softcap's tanh) is not counted."""
-    if not _needs_grad(node) or is_view(node):
+    if not _needs_grad(node) or moves_no_bytes(node):
         return [], 0
     if is_matmul(node):
         left, right = _operands(node)

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from fusepass.attention.index import Idx, merge
-from fusepass.attention.layout import VIEW_OPS, Unsupported
+from fusepass.attention.layout import REARRANGING_OPS, Unsupported
 from fusepass.attention.lift.egraph import EGraph
 from fusepass.attention.lift.emit import ScoreFunctions, linear_scale
 from fusepass.attention.lift.features import Features
@@ -113,7 +113,7 @@ class Lifter:
         kind = packet(node)
         if node is self.m.qk:
             return self._scores(coords)
-        if kind in VIEW_OPS:
+        if kind in REARRANGING_OPS:
             return self.value(node.args[0], view_coords(node, coords))
         if node.op == "call_function" and kind in CONSTANTS:
             value = constant_value(kind, node.args, node.kwargs)
