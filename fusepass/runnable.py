@@ -1,9 +1,8 @@
 """The graph a compiled callable runs: the reported graph less what would cost host time on every call.
 
 - fusepass's own ops are called as the Python functions that implement them: through the dispatcher each
-  call also passed the autograd and custom-op layers (~30 µs forward and ~65 µs backward per attention call
-  on the GPU machine, bench/results/launch-cost-*), which add nothing inside a compiled graph, where
-  AOTAutograd has already placed the backward;
+  call also passed the autograd and custom-op layers, host time on every forward and backward call that adds
+  nothing inside a compiled graph, where AOTAutograd has already placed the backward;
 - ``aten.detach`` nodes, which AOTAutograd adds to the values the forward saves for the backward, are
   dropped: the graphs run without autograd, where a detached tensor is the tensor.
 

@@ -157,9 +157,9 @@ def sinc(x):
 
 # The functions eager's CUDA kernels compute with CUDA's math library (``::atan`` and the like, in float32 for
 # half inputs): on the GPU the same library's functions (libdevice), so values agree with eager's bit for bit, at
-# float32's cost. Their forms in float64 ran 2.6× (atan) and 10× (lgamma) slower than Inductor's kernels, which
-# call libdevice too (bench/results/elementwise-2026-12-01-0558). The interpreter, which has no libdevice,
-# computes the float64 forms above, within an ulp of the exact value.
+# float32's cost. Their forms in float64 ran several times slower than Inductor's kernels, which call libdevice
+# too. The interpreter, which has no libdevice, computes the float64 forms above, within an ulp of the exact
+# value.
 @triton.jit
 def atan(x):
     if INTERPRETED:

@@ -37,10 +37,8 @@ INT32_MAX = 2**31 - 1
 # Configs
 
 
-# A program computes every lane of its tile, the masked ones too: rows of 11585 in tiles 2048 wide compute
-# 6 % more than they keep, which a chain heavy in special functions pays for (gelu(x*0.5+b)*sigmoid(x) ran at
-# 0.92x Inductor's speed, bench/results/elementwise-2026-11-30-0843). Row tiles narrow, down to MIN_ROW_TILE, until
-# the rows' padding is at most this fraction.
+# A program computes every lane of its tile, the masked ones too: rows of 11585 in tiles 2048 wide compute 6 %
+# more than they keep. Row tiles narrow, down to MIN_ROW_TILE, until the rows' padding is at most this fraction.
 MAX_ROW_PADDING = 1 / 32
 MIN_ROW_TILE = 128
 
@@ -48,9 +46,9 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis
 
 
 # A program of 2048 elements takes 8 warps: 8 elements a thread. A translation that holds many values per element
-# (REGISTER_HUNGRY) at 8 elements a thread takes ~150 registers, and 8 warps share an SM: its latencies go unhidden
-# (digamma's kernel ran at 0.86x Inductor's speed, bench/results/elementwise-2026-12-01-0620). At 2 elements a
-# thread it takes 46 registers, and 40 warps share an SM (offline, sm_90).
+# (REGISTER_HUNGRY) takes so many registers at 8 elements a thread that few warps share an SM: its latencies go
+# unhidden (digamma's kernel ran slower than Inductor's). At 2 elements a thread it takes a fraction of them, and
+# several times as many warps share an SM.
 HUNGRY_TILE = 512
 
 
@@ -82,9 +80,8 @@ class Variant:
     wide: bool  # offsets may pass 2**31: index in int64
     # Rank > 1: column blocks on the grid's first axis (the GPU starts programs along it first: neighbours in
     # memory run together), row blocks on its second (at most MAX_GRID_Y); else one axis, split by a division
-    # per program (~20 integer instructions per thread: 7 % of a compute-bound gelu(x*0.5+b)*sigmoid(x)'s
-    # instructions at 8 elements per thread, sm_90 SASS). Row blocks first moved x*row+col at 3711 GB/s
-    # against 3840 in one axis (bench/results/elementwise-2026-11-30-1432, -0843).
+    # per program (integer instructions per thread that a compute-bound chain such as gelu(x*0.5+b)*sigmoid(x)
+    # pays for). Row blocks first moved x*row+col slower than one axis did.
     grid_2d: bool
     even: bool  # the blocks divide the sizes: no masks
 

@@ -1,18 +1,16 @@
 """An attention's flash kernels compiled ahead of their first launch.
 
 The first call of a masked attention compiles the kernels of its block map (the mask evaluated per tile, its
-lists compacted), runs them, and only then compiles the forward kernel; its first backward compiles the dQ
-and dK/dV kernels, one after the other (~1.2–2.3 s each on the GPU machine, bench/results/compile-time-*).
-`compile_attention_ahead` starts compiling, on background threads (`launch.compile_ahead`), the forward
-kernel (at the tiles the rewrite's density model expects, else at each tile width it may take) and, where a
-gradient will flow, both backward kernels, from meta stand-ins of everything their launches will read: each
-launch then waits for its kernel's compile instead of starting its own. The rewrite starts it from stand-ins
-of the graph's values, the kernels of the forward's block maps included, so that they compile while
-AOTAutograd traces and partitions the graph (a forward+backward's first call came 2.7–2.9 s into its compile on
-the GPU machine, a forward's 0.5–1.1, compile-time-2026-11-30-2300); the first call again from its own inputs,
-which starts nothing where their signatures agree, and builds the backward's cached maps. A stand-in that
-differs from what a launch reads in its signature (a gradient of the output in another layout) only costs a
-compile that is not used.
+lists compacted), runs them, and only then compiles the forward kernel; its first backward compiles the dQ and
+dK/dV kernels, one after the other, each a long compile. `compile_attention_ahead` starts compiling, on
+background threads (`launch.compile_ahead`), the forward kernel (at the tiles the rewrite's density model
+expects, else at each tile width it may take) and, where a gradient will flow, both backward kernels, from meta
+stand-ins of everything their launches will read: each launch then waits for its kernel's compile instead of
+starting its own. The rewrite starts it from stand-ins of the graph's values, the kernels of the forward's block
+maps included, so that they compile while AOTAutograd traces and partitions the graph (a forward+backward's first
+call comes long after the rewrite, a forward's sooner); the first call again from its own inputs, which starts
+nothing where their signatures agree, and builds the backward's cached maps. A stand-in that differs from what a
+launch reads in its signature (a gradient of the output in another layout) only costs a compile that is not used.
 """
 from __future__ import annotations
 

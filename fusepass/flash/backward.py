@@ -204,9 +204,8 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
     # tiles. Where any of the walk's heads has any, the PARTIAL loop goes on past its list over every q block
     # for each head, and a block that adds nothing (not flagged, or its tile already listed) is walked as the
     # block past the last one, whose rows are out of range and weigh 0. A loop of its own, a third copy of the
-    # tile body, raised the kernel's registers: under triton 3.6 70 bytes spilled and the causal backward took
-    # 3.95 ms (bench/results/flash-sweep-d128-n8192-2026-11-30-1604), in this loop 30 bytes and 3.80 ms (the
-    # sweep recorded in bench/results/attention-2026-11-30-1610-stdout.md).
+    # tile body, raised the kernel's registers: under triton 3.6 it spilled more and the causal backward ran
+    # slower than with the walk in this loop.
     n_walked = n_partial
     if KEEP is not None:
         any_flagged = 0
@@ -369,8 +368,8 @@ def _flash_backward_dq_kernel(
         n_full, full_blocks, n_partial, partial_blocks = row_lists(kv_lists, b, h, q_block, n_q_blocks,
                                                                    n_kv_blocks)
         # A q block holding a row the forward recomputed over all tiles walks every kv tile instead, in the
-        # PARTIAL loop: in a loop of its own, a third copy of the tile body, ptxas took ~1.5× as long on the
-        # kernel (offline, triton 3.6; bench/NOTES.md).
+        # PARTIAL loop: in a loop of its own, a third copy of the tile body, ptxas took much longer on the kernel
+        # (offline, triton 3.6; bench/NOTES.md).
         recomputed = tl.load(fallback_rows + bh * Nq + rows, mask=rows < Nq, other=0)
         n_all = tl.max(recomputed.to(tl.int32), 0) * n_kv_blocks
         n_full = tl.where(n_all > 0, 0, n_full)

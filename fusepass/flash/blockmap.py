@@ -42,9 +42,10 @@ from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 from fusepass.runtime.launch import compile_ahead, launch
 from fusepass.runtime.sizes import cdiv, next_power_of_2
 
-# Warps and kv tiles per `_tile_kind_kernel` program (bench/results/tile-kind-sweep-2026-11-30-1625, B2 N8192): the
-# document mask mapped in 38.4 µs at 64 × 64 kinds in programs of 128 rows (58–204 at 2 kv tiles or more, or 2
-# warps or more) and 40.4 in programs of 64 rows; a padding mask 14.4 and 23.9 µs (5.7 and 8.5 at 8 kv tiles).
+# Warps and kv tiles per `_tile_kind_kernel` program: at the large shape one warp and one kv tile per program
+# mapped the document mask fastest (in programs of 128 rows a little faster than of 64), more kv tiles or more
+# warps per program slower. A padding mask maps faster with more kv tiles per program, but is cheaper than the
+# document mask either way.
 TILE_KIND_WARPS = 1
 TILE_KIND_GROUP = 1
 
@@ -167,10 +168,10 @@ def launch_tile_kinds(kind: torch.Tensor, keep, aux: tuple, q_len: int, kv_len: 
 
 
 # Each `_separable_kind_kernel` program maps SEPARABLE_TILES[0] q blocks × SEPARABLE_TILES[1] kv blocks with
-# SEPARABLE_TILES[2] warps, from one load of their q and one of their kv positions' values. For the document
-# mask at B2 H16 N8192 (64 × 64 kind tiles, tile-kind-sweep-2026-11-30-2130): 8 × 8 blocks per 1-warp program
-# 5.6 µs per call, 10.5 at 1 × 8 (4096 programs: as slow loaded as one tile or block by block, -2106), 6.0–8.2
-# at 8 × 16, 16 × 8, 16 × 16 and 32 × 32 with 2 to 8 warps.
+# SEPARABLE_TILES[2] warps, from one load of their q and one of their kv positions' values. For the document mask
+# at the large shape (64 × 64 kind tiles) 8 × 8 blocks per 1-warp program ran fastest; 1 × 8, with many more
+# programs, ran much slower whether its blocks were loaded as one tile or block by block (the programs' number,
+# not the loads' latency, was the cost), and larger groups or more warps a little slower.
 SEPARABLE_TILES = (8, 8, 1)
 
 
@@ -261,7 +262,7 @@ class BlockMap:
         """The map of `extent` (see `map_shapes`) whose tensors `packed` holds."""
         kind_shape, *list_shapes = map_shapes(*extent)
         offsets = _part_offsets(extent)
-        # Slices and views: as_strided on a meta tensor (compile_ahead's maps) took 0.14 s on its first call
+        # Slices and views: as_strided on a meta tensor (compile_ahead's maps) is slow on its first call
         kind_numel = math.prod(kind_shape)
         kind = packed[offsets[0]:offsets[1]].view(torch.int8)[:kind_numel].view(kind_shape)
         rows_count, rows_index, cols_count, cols_index = (
@@ -411,8 +412,8 @@ def build_block_map(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: in
         launch_separable_kinds(block_map.kind, separable, aux, q_len, kv_len, kind_block_m, block_n, others)
     else:
         # Each program evaluates tiles of the rows lists' height (a count per kind tile within): 64-row kinds
-        # under 128-row lists took 38.4 µs for the document mask (tile-kind-sweep-2026-11-30-1625), 128-row kinds
-        # alone 39.4 (-1617), where 64-row kinds in programs of their own took 40.4–62.
+        # under 128-row lists mapped the document mask as fast as 128-row kinds alone, and faster than 64-row
+        # kinds in programs of their own.
         launch_tile_kinds(block_map.kind, mod.keep, aux, q_len, kv_len, kind_block_m, block_n,
                           block_m // kind_block_m, TILE_KIND_WARPS, TILE_KIND_GROUP)
     _write_tile_lists(block_map)
@@ -424,8 +425,8 @@ _cache: OrderedDict[tuple, BlockMap] = OrderedDict()
 
 # The largest kind tile of the maps that cached maps at larger tiles are derived from: the finest tiles the
 # flash kernels take at D128 (dK/dV's 64 × 64), so the forward's 128 × 128 and dQ's 128 × 64 come from it.
-# Each kernel's map took a tile-kind kernel of its own, each compiled on a first call (0.29–1.35 s apiece with
-# an empty Triton cache; bench/compile_time.py on the GPU machine, 2026-11-30, printed only).
+# Each kernel's map took a tile-kind kernel of its own, each a slow compile on a first call with an empty Triton
+# cache.
 MAP_BASE_TILE = 64
 
 

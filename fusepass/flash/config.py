@@ -60,10 +60,9 @@ def forward_config(head_dim: int, dtype: torch.dtype, has_mask: bool, device: to
     return _on_gpu(_forward_tiles(head_dim, dtype, has_mask), device)
 
 
-# bench/results/flash-sweep-d128-n8192-forward-2026-11-30-1904, causal B2 H16 N8192 D128, scale folded: the
-# forward 1.17 ms in the grid's own order, 1.10 with (batch, head) pairs in groups of 4, 1.11 in groups of 8;
-# the backward 3.66 → 3.61 (dK/dV, -dkdv-…-1905) and 3.67 → 3.64 (dQ, -dq-…-1905). At B8 H16 N2048 D64 the
-# forward is within 2 % at 1, 8 and 16 (-d64-n2048-forward-…-1905).
+# Programs take (batch, head) pairs in groups of this many: at the large causal shape the forward ran faster in
+# groups of 4 than in the grid's own order and no faster in groups of 8, and both backward kernels gained a
+# little; at the small shape the forward runs alike in groups of 1, 8 and 16.
 GPU_HEAD_GROUP = 4
 
 
@@ -75,26 +74,25 @@ def _forward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> FlashCo
     block_d = head_block(head_dim)
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
     if block_d <= 64:
-        # bench/results/flash-sweep-d64-n2048-2026-11-30-1436, causal B8 H16 N2048 D64: 64 × 64 0.221 ms, 128 × 64
-        # 0.245, 128 × 128 0.225 (4 B spilled). Masked attentions take 64 × 64, the backward's tiles: a mask that
-        # reads tensors is mapped once per call for all three kernels. Unmasked ones take the widest tiles.
+        # At D64 (causal, the small shape) 64 × 64 and 128 × 128 tiles (the latter spilling a little) ran about
+        # level, 128 × 64 slower. Masked attentions take 64 × 64, the backward's tiles: a mask that reads tensors
+        # is mapped once per call for all three kernels. Unmasked ones take the widest tiles.
         if has_mask:
             return FlashConfig(64, 64, num_warps=4, num_stages=3)
         return FlashConfig(128, 64 if wide else 128, num_warps=4, num_stages=3)
     if block_d <= 128:
         if wide:
             return FlashConfig(64, 32, num_warps=4, num_stages=3)
-        # bench/results/flash-sweep-d128-n8192-2026-11-30-0225, causal B2 H16 N8192, K and V through
-        # descriptors: 128 × 128 1.20 ms, 128 × 64 1.29 (both 1.42 with pointer loads). Masks whose q blocks
-        # list few kv tiles take half-width tiles instead (see `narrow_kv_tiles`).
+        # At the large causal shape, with K and V through descriptors (faster at either width than pointer
+        # loads), 128 × 128 ran faster than 128 × 64. Masks whose q blocks list few kv tiles take half-width
+        # tiles instead (see `narrow_kv_tiles`).
         return FlashConfig(128, 128, num_warps=8, num_stages=3)
     return FlashConfig(32 if wide else 64, 32 if wide else 64, num_warps=4, num_stages=2)
 
 
 # Forward programs of masked attention walking fewer kv tiles than this (on average over the q blocks, at
-# 128-wide tiles) run faster at 64-wide ones: a sliding window of 1024 (9 tiles) took 0.60 ms at 128 × 128
-# and 0.40 at 128 × 64, causal (32 tiles on average) 1.22 and 1.29, the same work either way
-# (bench/results/attention-2026-11-30-0226, -0232).
+# 128-wide tiles) run faster at 64-wide ones: a sliding window of 1024 (9 tiles) ran much faster at 128 × 64 than
+# at 128 × 128 for the same work, where causal (32 tiles on average) ran a little faster at 128 × 128.
 SHORT_ROWS = 16
 
 
@@ -141,16 +139,15 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> Backwa
     # often per FLOP.
     if block_d <= 64:
         if not has_mask:
-            # bench/results/flash-sweep-d64-n2048-plain-dkdv-2026-11-30-1730, B8 H16 N2048 without a mask: 1.12 ms
-            # (1.21 at the masks' tiles below; -plain-dq-…-1728: dQ 64 × 128 best).
+            # Without a mask (the small shape) these tiles ran faster than the masks' below: dK/dV 32 × 128 with
+            # dQ 64 × 128, the best of the dQ tiles swept.
             return BackwardConfigs(FlashConfig(32, 128, num_warps=4, num_stages=3), FlashConfig(64, 128, 4, 3))
-        # bench/results/flash-sweep-d64-n2048-2026-11-30-0909, causal B8 H16 N2048: 0.683 ms (0.918 at 32 × 128
-        # and 8 warps, 0.680 at 32 × 64)
+        # Causal, the small shape: dK/dV at 64 × 64 ran level with 32 × 64 and well ahead of 32 × 128 at 8 warps.
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(64, 64, 4, 3))
     if block_d <= 128:
-        # bench/results/flash-sweep-d128-n8192-2026-11-30-0859, causal B2 H16 N8192, with descriptors: 3.68 ms
-        # (3.96 at 32 × 64 and 3 stages before dV's product took the weights ahead of dp; 4.10 after; 64 × 64
-        # at 3 stages 4.43: it spills 42 bytes under triton 3.6 where 2 stages spill 22)
+        # Causal, the large shape, with descriptors: dK/dV at 64 × 64 and 2 stages ran fastest. 32 × 64 at 3
+        # stages, the best before dV's product took the weights ahead of dp, has been slower since; 64 × 64 at 3
+        # stages spills more under triton 3.6 and runs slower.
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(128, 64, 8, 3))
     return BackwardConfigs(FlashConfig(16, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
 

@@ -198,10 +198,10 @@ def _descriptor_strides(t: torch.Tensor) -> list[int] | None:
     return strides
 
 
-# Triton's TensorDescriptor checks its fields on every construction (3.3 µs on the CPU, six descriptors per
-# attention forward+backward: ~11 % of a call's host path with its launches stubbed, bench/host_path.py). Each
-# layout (shape, strides, dtype, tile) is checked once, by Triton's constructor; later descriptors of the layout
-# take its checked fields and their own base, whose alignment is checked per call. None: no descriptor.
+# Triton's TensorDescriptor checks its fields on every construction, and an attention forward+backward constructs
+# several descriptors per call: a noticeable part of its host path. Each layout (shape, strides, dtype, tile) is
+# checked once, by Triton's constructor; later descriptors of the layout take its checked fields and their own
+# base, whose alignment is checked per call. None: no descriptor.
 _DESCRIPTOR_LAYOUTS = 256
 
 

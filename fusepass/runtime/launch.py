@@ -1,11 +1,10 @@
 """Launching Triton kernels without re-binding their arguments on every call.
 
-``kernel[grid](*args)`` binds and specializes every argument and builds a cache key string before it reaches
-the driver: 60–165 µs of host time per launch on the GPU machine (bench/results/launch-cost-*), more than some
-of the kernels take. A `BoundLaunch` (a kernel with its keywords fixed, as a launch plan fixes them) does that
-once per signature of its positional arguments and then launches the compiled kernel Triton returned for it
-(``CompiledKernel[grid](*values)``, every parameter's value in order). `launch` keeps a `BoundLaunch` per
-kernel and keywords.
+``kernel[grid](*args)`` binds and specializes every argument and builds a cache key string before it reaches the
+driver, at more host time per launch than some of the kernels take on the device. A `BoundLaunch` (a kernel with
+its keywords fixed, as a launch plan fixes them) does that once per signature of its positional arguments and
+then launches the compiled kernel Triton returned for it (``CompiledKernel[grid](*values)``, every parameter's
+value in order). `launch` keeps a `BoundLaunch` per kernel and keywords.
 
 The signature (`fusepass.runtime.signature`) is finer than Triton's specialization, so a compiled kernel is
 never reused where Triton would have compiled another; keywords enter it by value, positional arguments as
@@ -13,8 +12,8 @@ their parameters are specialized.
 
 `compile_ahead` starts compiling what a launch will need on a background thread, so that a caller can go on
 (building a block map, compiling another kernel) meanwhile: Triton's compiler passes and ptxas leave Python's
-lock to other threads, so compiles on threads overlap (bench/results/compile-time-*). The launch then waits
-for that compile instead of starting its own.
+lock to other threads, so compiles on threads overlap. The launch then waits for that compile instead of starting
+its own.
 """
 from __future__ import annotations
 
@@ -56,9 +55,8 @@ class BoundLaunch:
         self._compiled: dict[tuple, Any] = {}  # signature -> (compiled kernel, what it holds alive)
         self._ahead: dict[tuple, Future] = {}  # signature -> its compile on a background thread
         # Compiles ahead of one kernel and keywords run one at a time: signatures that differ where Triton does
-        # not specialize (sizes other than 1 and multiples of 16) are one compiled kernel, which the second
-        # then finds in Triton's cache (the maps' lists kernel was compiled twice at once, 0.3–0.6 s each,
-        # bench/results/compile-time-2026-12-01-0041).
+        # not specialize (sizes other than 1 and multiples of 16) are one compiled kernel, which the second then
+        # finds in Triton's cache (run at once, the maps' lists kernel at two maps' sizes was compiled twice).
         self._compiling_one = threading.Lock()
 
     def __call__(self, grid: tuple[int, ...], *args: Any) -> None:
@@ -138,8 +136,8 @@ def _make_cuda_context_current() -> None:
     some CUDA runtime call makes one current. Triton encodes a launch's TMA descriptors (the driver's
     ``cuTensorMapEncodeTiled``) before its launcher makes the context current, so where that thread's first
     CUDA work was such a launch (every block it allocated already in torch's cache), the encoding failed with
-    "invalid device context" (bench/results/gpu-tests-2026-12-01-0558.log). Querying the current stream is a
-    runtime call: it makes the context current and waits for nothing."""
+    "invalid device context". Querying the current stream is a runtime call: it makes the context current and
+    waits for nothing."""
     torch.cuda.current_stream().query()
     _thread.has_cuda_context = True
 
@@ -151,8 +149,7 @@ def _settle_cache_keys(kernel: JITFunction, keywords: dict) -> None:
     computed before (triton 3.6 `DependenciesFinder._update_hash` reads them first), so a key depends on the
     order in which keys were computed. Computed on compile threads, that order was whichever the threads ran
     in: a process repeating the same first call found none of its flash kernels in the warm disk cache and
-    compiled them again (bench/results/compile-time-2026-11-30-1931). On the caller's thread, keys follow the
-    program's order, the same in every run."""
+    compiled them again. On the caller's thread, keys follow the program's order, the same in every run."""
     for function in (kernel, *(value for value in keywords.values() if isinstance(value, JITFunction))):
         function.cache_key  # a property: computed on first reading, then kept
 
@@ -161,17 +158,15 @@ _starting = threading.Lock()
 
 
 def _start_triton() -> None:
-    """Triton's start in a process: the hash of its own library (`triton_key`, 0.5–0.7 s on the CPU, computed
-    once and kept) and its driver, on the thread that asks for the first compile ahead, before any compile
-    thread runs.
+    """Triton's start in a process: the hash of its own library (`triton_key`, computed once and kept) and its
+    driver, on the thread that asks for the first compile ahead, before any compile thread runs.
 
-    On a compile thread, while the caller's thread went on tracing (AOTAutograd's joint graph and partition,
-    ~1.3 s on the GPU machine), the hash crawled: it reads Triton's files one at a time, and each read gives up
-    Python's lock, which a thread gets back only once the busy thread lets go of it (every 5 ms). Offline,
-    beside a busy Python loop, it took 6.7 s against 0.58 alone (triton 3.6, 2 cores), and a forward+backward's
-    first call started its compiles 2.37 s in, against 1.09 for a forward (compile-time-2026-12-01-0110). The
-    hash may have been computed already (`start_triton_in_background`); every caller waits for the one that
-    computes it."""
+    On a compile thread, while the caller's thread went on tracing (AOTAutograd's joint graph and partition), the
+    hash crawled: it reads Triton's files one at a time, and each read gives up Python's lock, which a thread
+    gets back only once the busy thread lets go of it (at Python's switch interval). Beside a busy Python loop it
+    took many times as long as alone, so a forward+backward's first call, whose tracing keeps the caller's thread
+    busy longer, started its compiles well after a forward's did. The hash may have been computed already
+    (`start_triton_in_background`); every caller waits for the one that computes it."""
     with _starting:
         triton_key()
         driver.active.get_current_target()

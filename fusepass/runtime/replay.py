@@ -1,30 +1,29 @@
 """Launch sequences replayed as CUDA graphs.
 
-A kernel launch costs 50–110 µs of host time on the GPU machine (the Python that computes its arguments, Triton's
-launcher, the driver; bench/results/launch-cost-*), more than a small attention's kernels take: at B8 H16 N2048
-D64 a sliding window's forward+backward spent 1256 µs of host time per call against 798 µs of kernels
-(graph-replay-2026-11-30-1222). A launch is a function of its arguments alone (the kernel, the grid, the values,
-pointers among them), so a sequence of launches made with the same arguments as an earlier call's can replay a
-CUDA graph captured from that call: one driver call, none of the Python.
+A kernel launch's host time (the Python that computes its arguments, Triton's launcher, the driver) exceeds what
+a small attention's kernels take on the device: a small sliding window's forward+backward spent longer on the
+host per call than in its kernels. A launch is a function of its arguments alone (the kernel, the grid, the
+values, pointers among them), so a sequence of launches made with the same arguments as an earlier call's can
+replay a CUDA graph captured from that call: one driver call, none of the Python.
 
 `LaunchReplays.run(tensors, values, launches, allocated)` runs `launches` (a function making launches, nothing else)
 or replays it. Its key is the pointers, shapes, strides and dtypes of `tensors`, the host `values`, and the pointers
 alone of `allocated`, tensors the caller allocated for the call whose shapes, strides and dtypes follow from the
-rest of the key (its outputs): together they must determine every argument of every launch. The key took 11 % of a
-replayed document-mask forward+backward's host instructions on the CPU with every tensor named in full, 9.5 % with
-the op's outputs by pointer (bench/results/host-instructions-2026-11-30-1705). What a sequence returns or leaves for
-later is allocated by the caller, outside it: tensors allocated inside live in the graph's memory pool, and every
-replay writes them again. A key seen a second time is captured (a first call compiles kernels and builds cached
-block maps: work that cannot be captured); the calls after it replay. The tensors a captured launch reads without
-the key naming them (a cached block map, which its cache may drop) are held alive by the graph, as are the compiled
-kernels; the caller's are not (their memory must come back to the next call for its key to be the same).
-A sequence that cannot be captured (it waits on the device) is launched as it is, and not tried again.
+rest of the key (its outputs): together they must determine every argument of every launch. The key is built on
+every replayed call and is a noticeable part of its host instructions, so the tensors whose layouts the rest
+determines enter it by pointer alone. What a sequence returns or leaves for later is allocated by the caller,
+outside it: tensors allocated inside live in the graph's memory pool, and every replay writes them again. A key
+seen a second time is captured (a first call compiles kernels and builds cached block maps: work that cannot be
+captured); the calls after it replay. The tensors a captured launch reads without the key naming them (a cached
+block map, which its cache may drop) are held alive by the graph, as are the compiled kernels; the caller's are
+not (their memory must come back to the next call for its key to be the same). A sequence that cannot be captured
+(it waits on the device) is launched as it is, and not tried again.
 
 A key repeats only if the caller's allocations land where the last call's did, and a launched sequence's
 temporaries (a block map's scratch, the backward's flags) would otherwise come from the caller's pool and move
-them: a document mask's calls launched, captured and replayed by turns and met their keys again once in six
-calls (bench/results/gpu-tests-2026-11-30-1425.log). Launched sequences allocate from a pool of their own, as
-captured ones do, so launched, captured and replayed calls leave the caller's pool alike.
+them: a document mask's calls, launched, captured and replayed by turns, seldom met their keys again. Launched
+sequences allocate from a pool of their own, as captured ones do, so launched, captured and replayed calls leave
+the caller's pool alike.
 """
 from __future__ import annotations
 

@@ -7,11 +7,11 @@ their data; ints by value, or, for parameters Triton does not specialize (``do_n
 seed, a scalar read by value), by the width classes Triton picks their type from; floats by type (Triton
 specializes none on value); tuples and dataclasses (tensor descriptors) element by element.
 
-`signature` walks the values on every call: ~30 µs for the ~90 values of a flash kernel's launch on the CPU
-(bench/host_path.py), a third of the attention op's Python. A `SignatureOf` generates, per structure of the
-values it meets (the types, the tuples' lengths, the dataclasses' fields), a function that checks that
-structure and returns the structure's varying leaves in one expression: the structure's signature is fixed
-by the check, so the leaves alone say the rest.
+`signature` walks the values on every call, and a flash kernel's launch passes many: that walk was a large part
+of the attention op's Python. A `SignatureOf` generates, per structure of the values it meets (the types, the
+tuples' lengths, the dataclasses' fields), a function that checks that structure and returns the structure's
+varying leaves in one expression: the structure's signature is fixed by the check, so the leaves alone say the
+rest.
 """
 from __future__ import annotations
 

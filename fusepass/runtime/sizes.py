@@ -1,8 +1,8 @@
 """Integer arithmetic of launches on the host: grids, tile counts, padded extents.
 
 Triton's ``cdiv`` and ``next_power_of_2`` are constexpr functions (usable inside kernels too): a host call
-unwraps its arguments as constexprs, 3–4 µs each, and an attention call does a dozen of them. These are the
-same functions in plain Python.
+unwraps its arguments as constexprs, which costs far more than the arithmetic, and an attention call makes
+several of them. These are the same functions in plain Python.
 """
 from __future__ import annotations
 
