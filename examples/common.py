@@ -61,3 +61,47 @@ def qkv(batch: int, heads: int, length: int, head_dim: int, kv_heads: int | None
 
 def size(gpu: int, cpu: int) -> int:
     return gpu if ON_GPU else cpu
+
+
+# ---------------------------------------------------------------------------------------------------
+# The example models (gpt2.py, bert.py, ...): one runner
+
+
+def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: dict, default_seq: dict,
+              argv: list[str] | None = None, tolerance: float = 1e-3):
+    """Parse ``[--size tiny|small|medium] [--train] [--batch B] [--seq T]``, build the model at that size (`build`:
+    size name → nn.Module; `make_inputs`: (model, batch, seq) → the inputs; `loss`: outputs → scalar), and compare
+    eager, Inductor and fusepass on it (fusepass.compare): on a GPU in bf16, timed; without one at the tiny size in
+    float32 through Triton's interpreter, checked only. Returns the `fusepass.Comparison`; raises if fusepass's
+    outputs or gradients are not eager's."""
+    import argparse
+
+    import fusepass
+
+    parser = argparse.ArgumentParser(description=f"{name}: eager, Inductor and fusepass side by side")
+    parser.add_argument("--size", choices=sorted(sizes), default="small" if ON_GPU else "tiny")
+    parser.add_argument("--train", action="store_true", help="time the training step too (forward, loss, backward)")
+    parser.add_argument("--batch", type=int)
+    parser.add_argument("--seq", type=int)
+    args = parser.parse_args(argv)
+    batch = args.batch or default_batch[args.size]
+    seq = args.seq or default_seq[args.size]
+    torch.manual_seed(0)
+    model = build(args.size).to(DEVICE)
+    if ON_GPU:
+        model = model.to(torch.bfloat16)
+    inputs = make_inputs(model, batch, seq)
+    train = args.train or not ON_GPU  # on the CPU the gradients are checked whatever is timed
+    backends = ("eager", "inductor", "fusepass") if ON_GPU else ("eager", "fusepass")
+    result = fusepass.compare(model, *inputs, loss=loss if train else None, backends=backends, tokens=batch * seq)
+    print(f"{name}, size {args.size}, batch {batch}, sequence {seq}, {DEVICE}"
+          f"{' bf16' if ON_GPU else ' float32 (Triton interpreter)'}")
+    print(result)
+    print(fusepass.summarize(result.reports))
+    fused = result.result("fusepass")
+    # bf16 on the GPU: compared with eager bf16, whose own rounding is of this order.
+    bound = 5e-2 if ON_GPU else tolerance
+    if fused.missing_gradients or fused.output_error > bound or (fused.gradient_error or 0) > bound:
+        raise SystemExit(f"{name}: fusepass differs from eager (output {fused.output_error:.2e}, gradients "
+                         f"{fused.gradient_error}, missing {fused.missing_gradients})")
+    return result

@@ -5,15 +5,17 @@
 """
 from importlib.metadata import entry_points
 
+from fusepass.compare import Comparison, compare
 from fusepass.options import Options
 from fusepass.pipeline import Backend, backend, fusepass_backend
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.report.report import Report, last_report, reports, reset
 from fusepass.report.roofline import Ceilings, measure_ceilings, set_ceilings
+from fusepass.report.summary import summarize
 from fusepass.runtime.launch import start_triton_in_background
 
-__all__ = ["Backend", "Ceilings", "Hotspot", "Options", "Report", "Rewrite", "backend", "last_report",
-           "measure_ceilings", "reports", "reset", "set_ceilings"]
+__all__ = ["Backend", "Ceilings", "Comparison", "Hotspot", "Options", "Report", "Rewrite", "backend", "compare",
+           "last_report", "measure_ceilings", "reports", "reset", "set_ceilings", "summarize"]
 
 
 def _register() -> None:
@@ -28,6 +30,6 @@ def _register() -> None:
 
 
 _register()
-# Triton's start takes ~0.6 s of hashing, which crawls on a compile thread beside a busy caller: begun now, it
-# is usually done by the first compiled call (fusepass.runtime.launch).
+# Triton's start hashes its own files, which crawls on a compile thread beside a busy caller: begun now, it is
+# usually done by the first compiled call (fusepass.runtime.launch).
 start_triton_in_background()

@@ -25,6 +25,7 @@ from fusepass.attention.rewrite import list_unfused_attention, rewrite_attention
 from fusepass.capture import capture
 from fusepass.context import CONTROL_FLOW, PassContext, graph_device
 from fusepass.elementwise.fuse import fuse_elementwise
+from fusepass.matmul.pad import pad_matmuls
 from fusepass.options import Options
 from fusepass.report import hooks, profile, roofline
 from fusepass.report.intermediates import largest_intermediates
@@ -159,6 +160,7 @@ class Backend:
 
         def compiler(phase: str, backward_follows: bool = False) -> Callable[..., Any]:
             def compile_graph(module: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+                module = self._step(pad_matmuls, module, context(phase), "matmul padding")
                 if self.options.elementwise:
                     module = self._step(fuse_elementwise, module, context(phase), "elementwise fusion")
                 report.graphs[phase] = module

@@ -1,0 +1,88 @@
+"""The example models at realistic sizes on the GPU: eager, Inductor and fusepass side by side, in one process.
+
+    PYTHONPATH=. python bench/models.py [--models gpt2,llama,...] [--budget-s 500]
+
+Each model runs through `fusepass.compare` in bf16 with its training step (forward, cross-entropy, backward):
+forward and step milliseconds, tokens per second, peak memory and the first call (the compile), each backend in
+the same process. The rows (examples/<model>.py's sizes unless a row names its own) are those of the whole-model
+issue: GPT-2 small at T 1024 and 4096, Llama-style 1B-shaped layers at T 8192, BERT-base at T 512 with padding,
+T5-base, ViT-B/16, Gemma-2-style at T 8192. A model whose next row would pass `--budget-s` is left for the next
+run. Writes bench/results/models-<date>.md and .json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+import traceback
+
+import torch
+from harness import keep
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+# (model, size, batch, sequence, extra arguments)
+ROWS = [
+    ("gpt2", "small", 8, 1024, []),
+    ("gpt2", "small", 2, 4096, []),
+    ("llama", "small", 1, 8192, []),
+    ("llama", "small", 1, 8192, ["--window", "4096"]),
+    ("bert", "small", 8, 512, []),
+    ("t5", "small", 8, 512, []),
+    ("vit", "small", 32, 224, []),
+    ("gemma2", "small", 1, 8192, []),
+]
+COLUMNS = ["model", "size", "batch", "seq", "backend", "forward ms", "step ms", "tokens/s", "peak GiB",
+           "first call s", "output error", "gradient error", "step vs inductor", "forward vs inductor"]
+
+
+def run_row(name: str, size: str, batch: int, seq: int, extra: list[str]) -> list[dict]:
+    sys.path.insert(0, EXAMPLES)
+    module = importlib.import_module(name)
+    argv = ["--size", size, "--train", "--batch", str(batch), "--seq", str(seq), *extra]
+    result = module.main(argv) if hasattr(module, "main") else None
+    if result is None:
+        raise RuntimeError(f"examples/{name}.py has no main(argv) returning its comparison")
+    rows = []
+    for r in result.results:
+        row = {"model": name + (" " + " ".join(extra) if extra else ""), "size": size, "batch": batch, "seq": seq,
+               "backend": r.backend, "forward ms": r.forward_ms, "step ms": r.step_ms, "tokens/s": r.tokens_per_s,
+               "peak GiB": r.peak_memory_gib, "first call s": r.first_call_s, "output error": r.output_error,
+               "gradient error": r.gradient_error}
+        if r.backend == "fusepass":
+            row["step vs inductor"] = result.speedup("fusepass", "inductor", "step_ms")
+            row["forward vs inductor"] = result.speedup("fusepass", "inductor", "forward_ms")
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=",".join(dict.fromkeys(r[0] for r in ROWS)))
+    parser.add_argument("--budget-s", type=float, default=500)
+    args = parser.parse_args()
+    chosen = args.models.split(",")
+    started, rows, skipped = time.time(), [], []
+    for name, size, batch, seq, extra in ROWS:
+        if name not in chosen:
+            continue
+        if time.time() - started > args.budget_s:
+            skipped.append(f"{name} {size} B{batch} T{seq} {' '.join(extra)}")
+            continue
+        try:
+            rows += run_row(name, size, batch, seq, extra)
+        except Exception as error:  # one model failing must not lose the others' rows
+            traceback.print_exc()
+            rows.append({"model": name, "size": size, "batch": batch, "seq": seq,
+                         "backend": f"failed: {type(error).__name__}: {str(error)[:120]}"})
+        torch.cuda.empty_cache()
+    notes = "bf16, training step = forward + cross-entropy + backward; each backend in the same process."
+    if skipped:
+        notes += " Not run (time budget): " + "; ".join(skipped) + "."
+    print(keep("models", COLUMNS, rows, notes))
+
+
+if __name__ == "__main__":
+    main()

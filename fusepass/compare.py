@@ -1,0 +1,194 @@
+"""``fusepass.compare``: a model under eager, Inductor and fusepass, side by side, on the caller's inputs.
+
+Every backend's outputs, and with a loss every parameter's gradient, are checked against eager's: which
+parameters got a gradient, and how far each value is from eager's (relative, by norm). On a CUDA device each
+backend is timed in the same process (``triton.testing.do_bench`` medians): the forward, and with a loss the
+training step (forward, loss, backward); its peak memory over a step, and its first call (the compile). Without a
+GPU only the checks run.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+BACKENDS = ("eager", "inductor", "fusepass")
+
+
+@dataclass
+class BackendResult:
+    backend: str
+    output_error: float  # relative to eager's outputs, by norm (0 for eager itself)
+    gradient_error: float | None  # the largest over the parameters (None without a loss)
+    missing_gradients: list[str]  # parameters eager gives a gradient to and this backend does not
+    first_call_s: float | None = None  # the first call (its compile): forward, and backward with a loss
+    forward_ms: float | None = None
+    step_ms: float | None = None  # forward + loss + backward
+    peak_memory_gib: float | None = None  # over one step (or one forward without a loss)
+    tokens_per_s: float | None = None  # of the step (of the forward without a loss), given `tokens`
+
+
+@dataclass
+class Comparison:
+    results: list[BackendResult]
+    device: str
+    tokens: int | None = None
+    reports: list[Any] = field(default_factory=list, repr=False)  # fusepass's reports of its compile
+
+    def result(self, backend: str) -> BackendResult:
+        return next(r for r in self.results if r.backend == backend)
+
+    def speedup(self, backend: str, over: str, of: str = "step_ms") -> float | None:
+        """How many times faster `backend` runs than `over` (`of`: "forward_ms" or "step_ms")."""
+        a, b = getattr(self.result(backend), of), getattr(self.result(over), of)
+        return b / a if a and b else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"device": self.device, "tokens": self.tokens, "results": [asdict(r) for r in self.results]}
+
+    def __str__(self) -> str:
+        timed = any(r.forward_ms is not None for r in self.results)
+        header = ["backend", "output error", "gradient error", "missing grads"]
+        if timed:
+            header += ["first call s", "forward ms", "step ms", "peak GiB", "tokens/s"]
+        rows = [header]
+        for r in self.results:
+            row = [r.backend, f"{r.output_error:.2e}",
+                   "—" if r.gradient_error is None else f"{r.gradient_error:.2e}", str(len(r.missing_gradients))]
+            if timed:
+                row += [_fmt(r.first_call_s, "{:.2f}"), _fmt(r.forward_ms, "{:.3f}"), _fmt(r.step_ms, "{:.3f}"),
+                        _fmt(r.peak_memory_gib, "{:.2f}"), _fmt(r.tokens_per_s, "{:,.0f}")]
+            rows.append(row)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+                 for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        names = [r.backend for r in self.results]
+        if timed and "fusepass" in names:
+            for other in (n for n in names if n != "fusepass"):
+                parts = [f"{label} {s:.2f}x" for label, of in (("forward", "forward_ms"), ("step", "step_ms"))
+                         if (s := self.speedup("fusepass", other, of)) is not None]
+                if parts:
+                    lines.append(f"fusepass against {other}: " + ", ".join(parts))
+        elif not timed:
+            lines.append(f"on {self.device}: outputs and gradients checked; speed needs a CUDA device")
+        return "\n".join(lines)
+
+
+def _fmt(value: float | None, form: str) -> str:
+    return "—" if value is None else form.format(value)
+
+
+def _relative(actual: Any, expected: Any) -> float:
+    worst = 0.0
+    for a, e in zip(tree_leaves(actual), tree_leaves(expected)):
+        if isinstance(e, torch.Tensor) and e.is_floating_point():
+            scale = e.double().norm().item()
+            error = (a.double() - e.double()).norm().item()
+            worst = max(worst, error / scale if scale else error)
+    return worst
+
+
+def _compiled(model: torch.nn.Module | Callable, backend: str) -> Callable:
+    if backend == "eager":
+        return model
+    if backend == "inductor":
+        return torch.compile(model)
+    if backend == "fusepass":
+        from fusepass.pipeline import fusepass_backend
+
+        return torch.compile(model, backend=fusepass_backend)
+    return torch.compile(model, backend=backend)
+
+
+def _parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    return list(model.named_parameters()) if isinstance(model, torch.nn.Module) else []
+
+
+def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any], torch.Tensor] | None = None,
+            backends: Sequence[str] = BACKENDS, tokens: int | None = None, warmup_ms: float = 100,
+            rep_ms: float = 500) -> Comparison:
+    """Run `model(*inputs)` under each of `backends` ("eager", "inductor", "fusepass", or any other
+    ``torch.compile`` backend by name). With `loss` (a function of the outputs returning a scalar) the training step
+    runs too and every parameter's gradient is checked. `tokens`: how many tokens a call processes, for tokens/s.
+    The result prints as a table and converts to a dict (`Comparison.to_dict`); ``result.reports`` holds
+    fusepass's reports."""
+    import fusepass
+
+    parameters = _parameters(model)
+    device = next((t.device for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    on_gpu = device.type == "cuda"
+
+    def zero_grads() -> None:
+        for _, p in parameters:
+            p.grad = None
+
+    def run(fn: Callable) -> tuple[Any, dict[str, torch.Tensor | None]]:
+        zero_grads()
+        out = fn(*inputs)
+        if loss is not None:
+            loss(out).backward()
+        return out, {name: None if p.grad is None else p.grad.detach().clone() for name, p in parameters}
+
+    expected, expected_grads = run(model)
+    results = []
+    for backend in backends:
+        if backend == "fusepass":
+            fusepass.reset()
+        fn = _compiled(model, backend)
+        if on_gpu:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        out, grads = run(fn)
+        if on_gpu:
+            torch.cuda.synchronize()
+        first_call = time.perf_counter() - started
+        missing = [n for n, g in expected_grads.items() if g is not None and grads[n] is None]
+        gradient_error = None
+        if loss is not None:
+            gradient_error = max((_relative(grads[n], g) for n, g in expected_grads.items()
+                                  if g is not None and grads[n] is not None), default=0.0)
+        result = BackendResult(backend, _relative(out, expected), gradient_error, missing)
+        if backend != "eager":
+            result.first_call_s = first_call
+        if on_gpu:
+            _time(result, fn, inputs, loss, zero_grads, tokens, warmup_ms, rep_ms)
+        results.append(result)
+        if backend == "fusepass":
+            reports = fusepass.reports()
+    zero_grads()
+    return Comparison(results, str(device), tokens, reports if "fusepass" in backends else [])
+
+
+def _time(result: BackendResult, fn: Callable, inputs: Sequence[Any], loss: Callable | None, zero_grads: Callable,
+          tokens: int | None, warmup_ms: float, rep_ms: float) -> None:
+    import triton.testing
+
+    def bench(call: Callable[[], Any]) -> float:
+        return triton.testing.do_bench(call, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+    with torch.no_grad():
+        result.forward_ms = bench(lambda: fn(*inputs))
+
+    def step() -> None:
+        zero_grads()
+        out = fn(*inputs)
+        if loss is not None:
+            loss(out).backward()
+
+    if loss is not None:
+        result.step_ms = bench(step)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    result.peak_memory_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = result.step_ms if result.step_ms is not None else result.forward_ms
+    if tokens and ms and math.isfinite(ms):
+        result.tokens_per_s = tokens / (ms * 1e-3)
