@@ -24,8 +24,14 @@ BACKENDS = ("eager", "inductor", "fusepass")
 class BackendResult:
     backend: str
     output_error: float  # relative to eager's outputs, by norm (0 for eager itself)
-    gradient_error: float | None  # the largest over the parameters (None without a loss)
+    # the largest over the parameters, each relative to its own norm or, where that is tiny (a gradient that is
+    # exactly 0 but for rounding), to a thousandth of the largest parameter gradient's (None without a loss)
+    gradient_error: float | None
     missing_gradients: list[str]  # parameters eager gives a gradient to and this backend does not
+    # The same two against `reference` (the model in a wider dtype, eager), where one is given: for half-precision
+    # models, where eager's own rounding is the bar.
+    reference_output_error: float | None = None
+    reference_gradient_error: float | None = None
     first_call_s: float | None = None  # the first call (its compile): forward, and backward with a loss
     forward_ms: float | None = None
     step_ms: float | None = None  # forward + loss + backward
@@ -53,13 +59,18 @@ class Comparison:
 
     def __str__(self) -> str:
         timed = any(r.forward_ms is not None for r in self.results)
+        wide = any(r.reference_output_error is not None for r in self.results)
         header = ["backend", "output error", "gradient error", "missing grads"]
+        if wide:
+            header += ["vs float32: output", "gradients"]
         if timed:
             header += ["first call s", "forward ms", "step ms", "peak GiB", "tokens/s"]
         rows = [header]
         for r in self.results:
             row = [r.backend, f"{r.output_error:.2e}",
                    "—" if r.gradient_error is None else f"{r.gradient_error:.2e}", str(len(r.missing_gradients))]
+            if wide:
+                row += [_fmt(r.reference_output_error, "{:.2e}"), _fmt(r.reference_gradient_error, "{:.2e}")]
             if timed:
                 row += [_fmt(r.first_call_s, "{:.2f}"), _fmt(r.forward_ms, "{:.3f}"), _fmt(r.step_ms, "{:.3f}"),
                         _fmt(r.peak_memory_gib, "{:.2f}"), _fmt(r.tokens_per_s, "{:,.0f}")]
@@ -84,14 +95,22 @@ def _fmt(value: float | None, form: str) -> str:
     return "—" if value is None else form.format(value)
 
 
-def _relative(actual: Any, expected: Any) -> float:
+def _relative(actual: Any, expected: Any, floor: float = 0.0) -> float:
+    """The largest relative distance (by norm) between the tensors of `actual` and `expected`, each scaled by its
+    own norm or `floor`, whichever is larger."""
     worst = 0.0
     for a, e in zip(tree_leaves(actual), tree_leaves(expected)):
         if isinstance(e, torch.Tensor) and e.is_floating_point():
-            scale = e.double().norm().item()
+            scale = max(e.double().norm().item(), floor)
             error = (a.double() - e.double()).norm().item()
             worst = max(worst, error / scale if scale else error)
     return worst
+
+
+def _gradient_error(grads: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None]) -> float:
+    largest = max((g.double().norm().item() for g in expected.values() if g is not None), default=0.0)
+    return max((_relative(grads[n], g, 1e-3 * largest) for n, g in expected.items()
+                if g is not None and grads.get(n) is not None), default=0.0)
 
 
 def _compiled(model: torch.nn.Module | Callable, backend: str) -> Callable:
@@ -111,13 +130,15 @@ def _parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any], torch.Tensor] | None = None,
-            backends: Sequence[str] = BACKENDS, tokens: int | None = None, warmup_ms: float = 100,
-            rep_ms: float = 500) -> Comparison:
+            backends: Sequence[str] = BACKENDS, tokens: int | None = None, reference: Any = None,
+            reference_inputs: Sequence[Any] | None = None, warmup_ms: float = 100, rep_ms: float = 500
+            ) -> Comparison:
     """Run `model(*inputs)` under each of `backends` ("eager", "inductor", "fusepass", or any other
     ``torch.compile`` backend by name). With `loss` (a function of the outputs returning a scalar) the training step
     runs too and every parameter's gradient is checked. `tokens`: how many tokens a call processes, for tokens/s.
-    The result prints as a table and converts to a dict (`Comparison.to_dict`); ``result.reports`` holds
-    fusepass's reports."""
+    `reference` (with `reference_inputs`): the same model in a wider dtype (float32 for a bf16 model, its parameters
+    named alike), run eagerly; every backend's distance from it is kept too. The result prints as a table and
+    converts to a dict (`Comparison.to_dict`); ``result.reports`` holds fusepass's reports."""
     import fusepass
 
     parameters = _parameters(model)
@@ -135,6 +156,15 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             loss(out).backward()
         return out, {name: None if p.grad is None else p.grad.detach().clone() for name, p in parameters}
 
+    wide = wide_grads = None
+    if reference is not None:
+        reference_parameters = dict(_parameters(reference))
+        for _, p in reference_parameters.items():
+            p.grad = None
+        wide = reference(*(reference_inputs or inputs))
+        if loss is not None:
+            loss(wide).backward()
+        wide_grads = {n: None if p.grad is None else p.grad.detach() for n, p in reference_parameters.items()}
     expected, expected_grads = run(model)
     results = []
     for backend in backends:
@@ -149,11 +179,12 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             torch.cuda.synchronize()
         first_call = time.perf_counter() - started
         missing = [n for n, g in expected_grads.items() if g is not None and grads[n] is None]
-        gradient_error = None
-        if loss is not None:
-            gradient_error = max((_relative(grads[n], g) for n, g in expected_grads.items()
-                                  if g is not None and grads[n] is not None), default=0.0)
+        gradient_error = None if loss is None else _gradient_error(grads, expected_grads)
         result = BackendResult(backend, _relative(out, expected), gradient_error, missing)
+        if wide is not None:
+            result.reference_output_error = _relative(out, wide)
+            if loss is not None:
+                result.reference_gradient_error = _gradient_error(grads, wide_grads)
         if backend != "eager":
             result.first_call_s = first_call
         if on_gpu:

@@ -19,7 +19,7 @@ from fusepass.attention.dynamic import reads_symbolic_ints, rewrite_dynamic
 from fusepass.attention.layout import Unsupported
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes
 from fusepass.attention.plan import AttentionSpec, plan
-from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
+from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module, with_recomputed
 from fusepass.attention.unfused import Unfused
 from fusepass.context import PassContext, mark_planned
 from fusepass.fx_util import hold, infer_meta, val
@@ -71,6 +71,12 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             records, forward_tiles = attention_records(replaced, spec, sources, features, where,
                                                        ctx.report.ceilings.sms)
             spec = replace(spec, forward_tiles=forward_tiles)
+            module, extra = subgraph_module(with_recomputed(replaced, sources + spec.lifted.aux),
+                                            sources + spec.lifted.aux, m.pv)
+            lost = [n.name for n in extra if n.meta.get("requires_grad")]
+            if lost:
+                raise Unsupported(f"a gradient flows to {', '.join(lost)}, which the replaced ops read and which "
+                                  "cannot be recomputed from the fused op's inputs (a random op)")
         except Unsupported as reason:
             ctx.report.hotspots.append(_unfused_hotspot(softmax, str(reason)))
             continue
@@ -80,7 +86,6 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             continue
         ctx.report.rewrites.extend(records)
         if ctx.run_kernels:
-            module, extra = subgraph_module(replaced, sources + spec.lifted.aux, m.pv)
             ops, cost = records[0].ops, records[0].bytes_unfused
 
             def on_failure(error: Exception, phase: str, where: str = where, ops: tuple = ops,

@@ -41,3 +41,30 @@ def subgraph_module(replaced: list[torch.fx.Node], leading: list[torch.fx.Node],
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output((env[output],))
     return torch.fx.GraphModule({}, graph), extra
+
+
+def with_recomputed(replaced: list[torch.fx.Node], leading: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``replaced`` and the ops outside it that compute, from ``leading``, what it reads with a gradient (a bias
+    several attentions share, built from a table the score functions read), in graph order: a module of these
+    computes gradients that reach what the fused op's reach."""
+    members = set(replaced) | _recomputed(replaced, set(leading))
+    return [n for n in replaced[0].graph.nodes if n in members]
+
+
+def _recomputed(replaced: list[torch.fx.Node], leading: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Deterministic call_functions with a gradient that the replaced ops read, and theirs, up to ``leading``."""
+    found: set[torch.fx.Node] = set()
+    pending = [a for n in replaced for a in n.all_input_nodes]
+    members = set(replaced)
+    while pending:
+        node = pending.pop()
+        if node in found or node in members or node in leading or node.op != "call_function" or \
+                not node.meta.get("requires_grad") or _random(node):
+            continue
+        found.add(node)
+        pending.extend(node.all_input_nodes)
+    return found
+
+
+def _random(node: torch.fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())

@@ -410,7 +410,13 @@ def _hardtanh(c, self, min_val=-1, max_val=1):
     return _clamp_expr(c, self, c.lit(min_val), c.lit(max_val))
 
 
+def _elementwise_only(args: dict[str, Any]) -> str | None:
+    """min and max of two tensors (``min.other``) are minimum and maximum; their other overloads reduce."""
+    return None if "other" in args else "a reduction"
+
+
 @rule(aten.minimum, operands=BINARY)
+@rule(aten.min, operands=BINARY, declines=_elementwise_only)
 def _minimum(c, self, other):
     if c.is_float:
         return f"tl.minimum({self}, {other}, propagate_nan=tl.PropagateNan.ALL)"
@@ -418,6 +424,7 @@ def _minimum(c, self, other):
 
 
 @rule(aten.maximum, operands=BINARY)
+@rule(aten.max, operands=BINARY, declines=_elementwise_only)
 def _maximum(c, self, other):
     if c.is_float:
         return f"tl.maximum({self}, {other}, propagate_nan=tl.PropagateNan.ALL)"

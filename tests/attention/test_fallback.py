@@ -52,6 +52,26 @@ def test_a_failing_kernel_runs_the_replaced_ops(monkeypatch, kernel):
     assert f"attention {phase} kernel failed" in hotspot.reason and "planted" in hotspot.reason
 
 
+def shared_relative_bias(q, k, v, table):
+    """Two attentions reading one relative-position bias, gathered once from a learnable table (T5 passes its
+    first layer's bias down): the kernels read the table; the replaced ops, the shared bias."""
+    n = q.shape[-2]
+    i = torch.arange(n, device=q.device)
+    bias = F.embedding((i[None, :] - i[:, None]).clamp(-3, 3) + 3, table).permute(2, 0, 1)
+    for _ in range(2):
+        q = torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1) @ v
+    return q
+
+
+@pytest.mark.parametrize("kernel", ["flash_attention_forward", "flash_attention_backward"])
+def test_a_failing_kernel_with_a_shared_learnable_bias_keeps_its_gradient(monkeypatch, kernel):
+    monkeypatch.setattr(call, kernel, _explode)
+    q, k, v, _ = _inputs()
+    with pytest.warns(RuntimeWarning, match="planted kernel failure"):
+        check(shared_relative_bias, q, k, v, random_tensor((7, 3), torch.float32), backward=True,
+              **SUMMED_GRADIENT_FP32)
+
+
 def test_strict_raises_the_kernels_error(monkeypatch):
     monkeypatch.setattr(call, "flash_attention_forward", _explode)
     with pytest.raises(RuntimeError, match="planted kernel failure"):

@@ -166,6 +166,7 @@ BINARY = {
     "mul": torch.mul, "div": torch.div, "div_trunc": lambda a, b: torch.div(a, b, rounding_mode="trunc"),
     "div_floor": lambda a, b: torch.div(a, b, rounding_mode="floor"), "floor_divide": torch.floor_divide,
     "fmod": torch.fmod, "remainder": torch.remainder, "minimum": torch.minimum, "maximum": torch.maximum,
+    "min_other": torch.min, "max_other": torch.max,
     "eq": torch.eq, "ne": torch.ne, "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge,
     "logical_and": torch.logical_and, "logical_or": torch.logical_or, "logical_xor": torch.logical_xor,
     "where": lambda a, b: torch.where(a > b, a, b), "masked_fill": lambda a, b: a.masked_fill(b > 0, -7),
@@ -335,7 +336,7 @@ def test_math_library_functions_special_values_and_precision(name):
 
 BINARY_SPECIAL = {"atan2": torch.atan2, "hypot": torch.hypot, "logaddexp": torch.logaddexp,
                   "logaddexp2": torch.logaddexp2, "xlogy": torch.xlogy, "copysign": torch.copysign,
-                  "fmax": torch.fmax, "fmin": torch.fmin}
+                  "fmax": torch.fmax, "fmin": torch.fmin, "min_other": torch.min, "max_other": torch.max}
 
 
 @pytest.mark.parametrize("name", sorted(BINARY_SPECIAL))

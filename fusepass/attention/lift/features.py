@@ -2,6 +2,7 @@
 "bias", "mask", ...), read off the ops and the tensor reads as the chain is lifted."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ class Features:
         self.key_side_reads: set[int] = set()
         self.query_side_reads: set[int] = set()
         self.mask_compares = 0  # the most query-against-key comparisons a mask condition depends on
+        self.dense_reads: set[int] = set()  # aux tensors read at query and key positions
 
     def note_op(self, target: Any, args: tuple) -> None:
         """Features the report names, read off the ops as they are lifted."""
@@ -48,15 +50,19 @@ class Features:
         if uses and uses <= {"b", "k"} and "k" in uses:
             self.key_side_reads.add(index)
         elif {"q", "k"} <= uses:
-            self.names.add("mask" if tensor.dtype == torch.bool else "bias")
+            self.dense_reads.add(index)
         if "q" in uses:
             self.query_side_reads.add(index)
 
-    def all(self) -> list[str]:
-        """The names, with those the reads and comparisons imply."""
+    def all(self, key_side_mask: bool = False, keep_reads: Callable[[int], bool] = lambda i: False) -> list[str]:
+        """The names, with those the reads and comparisons imply: `key_side_mask`, whether a mask split off the
+        scores varies with the key positions alone (a padding mask, however it was built), and `keep_reads`,
+        whether that mask reads a given aux tensor (a dense tensor read there is a mask, a float one compared with
+        0 as nanoGPT's tril buffer is; read elsewhere, a bias)."""
         features = set(self.names)
-        if self.key_side_reads - self.query_side_reads:
+        if self.key_side_reads - self.query_side_reads or key_side_mask:
             features.add("padding_mask")
+        features |= {"mask" if keep_reads(i) else "bias" for i in self.dense_reads}
         if self.mask_compares == 1:
             features.add("causal")
         elif self.mask_compares > 1:

@@ -90,13 +90,16 @@ class Lifter:
                 functions["fill_grad"] = f"{name}_fill_grad"
         if self.tables.tables:
             self.features.names.add("distance_table")
+        keep_text = "" if split is None else "\n".join([split.keep, *self.code.closure(split.keep)])
         return Lifted(source=self.tables.placed("\n\n".join(chunks + self.tables.sources), len(self.aux)),
                       functions=functions, aux=self.aux,
                       aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
                       fill_bound=split.fill_bound if split is not None else -math.inf,
                       keep_uses=split.uses if split is not None else frozenset(),
                       keep_reads_aux=split is not None and split.reads_aux,
-                      separable=split.separable if split is not None else None, features=self.features.all(),
+                      separable=split.separable if split is not None else None,
+                      features=self.features.all(split is not None and split.key_side,
+                                                 lambda i: f"aux[{i}]" in keep_text),
                       tables=self.tables.tables, linear_scale=linear_scale(score_graph, self.e.s_leaf))
 
     # ---------------------------------------------------------------------------------- evaluation
@@ -298,6 +301,8 @@ class Lifter:
                     return Operand(a.as_float, torch.float32, a.zero_dim)
                 if a.narrow and dtype == torch.int64 and not narrow_result:
                     # The result may leave int32: the operation runs in int64.
+                    if is_literal(a.expr):
+                        return Operand(a.expr, torch.int64, a.zero_dim)
                     return Operand(f"({a.expr}).to(tl.int64)", a.dtype, a.zero_dim)
                 return Operand(a.expr, torch.int32 if a.narrow else a.dtype, a.zero_dim)
             if isinstance(a, (list, tuple)):
@@ -308,6 +313,8 @@ class Lifter:
         compares = sum(a.compares for a in codes)
         if getattr(target, "overloadpacket", None) in (aten.lt, aten.le, aten.gt, aten.ge) and {"q", "k"} <= uses:
             compares += 1
+        if getattr(target, "overloadpacket", None) == aten.abs and {"q", "k"} <= uses:
+            compares += 1  # |k - q| bounded is a band: two comparisons in one
         self.features.note_op(target, args)
         result = translate(target, operand(args), {k: operand(v) for k, v in kwargs.items()},
                            torch.int32 if narrow_result else dtype, round_halves=False)

@@ -33,12 +33,14 @@ class Mask:
 
 @dataclass(frozen=True)
 class KeepSplit:
-    """The masks split off: their conjunction `keep`, what it varies with, whether it loads tensors (then its block
+    """The masks split off: their conjunction `keep`, what it varies with, whether one of them is a key-side mask,
+    whether it loads tensors (then its block
     map is built per call, not cached), whether it is separable, the fill's bound (`Lifted.fill_bound`), and E as
     two modules: the scores under the masks and the fill where they mask."""
 
     keep: str
     uses: frozenset[str]
+    key_side: bool  # one of the masks varies with the key positions and not the query positions (padding)
     reads_aux: bool
     separable: Separable | None
     fill_bound: float
@@ -113,6 +115,7 @@ def split_masks(e: EGraph, code: IndexCode) -> KeepSplit | None:
                 break
     inner = masks[-1].inner
     top = masks[0].node
-    return KeepSplit(keep=keep, uses=frozenset().union(*[m.uses for m in masks]), reads_aux=code.reads_aux(keep),
+    return KeepSplit(keep=keep, uses=frozenset().union(*[m.uses for m in masks]),
+                     key_side=any("k" in m.uses and "q" not in m.uses for m in masks), reads_aux=code.reads_aux(keep),
                      separable=separable, fill_bound=bound, score=e.module(replace={top: inner}),
                      fill=e.module(replace={top: ("add", inner, fill) if additive else ("constant", fill)}))

@@ -1,0 +1,53 @@
+"""Logit soft-capping (Gemma 2, Grok-1): the scores squashed smoothly into (-cap, cap) by cap · tanh(s / cap)
+before the causal mask and the softmax. The tanh and its derivative are computed per score in the kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from attention.forms.common import check_declined, check_fused, qkv
+
+N = 23
+
+
+def gemma2_softcap(q, k, v, softcap=20.0):
+    i = torch.arange(q.size(-2), device=q.device)
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.size(-1) ** -0.5
+    scores = scores / softcap
+    scores = torch.tanh(scores)
+    scores = scores * softcap
+    scores = scores.masked_fill(i[None, :] > i[:, None], torch.finfo(scores.dtype).min)
+    return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def grok_softcap(q, k, v, cap=30.0):
+    n = q.size(-2)
+    scores = cap * torch.tanh(q @ k.transpose(-1, -2) / cap)  # Grok-1 leaves the scores unscaled
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(torch.where(causal, scores, float("-inf")), dim=-1) @ v
+
+
+FEATURES = ("causal", "softcap")
+
+
+def capped_relative_to_the_row_max(q, k, v, softcap=20.0):
+    """The capped scores divided by their row's largest magnitude: a reduction over all keys of a row."""
+    i = torch.arange(q.size(-2), device=q.device)
+    scores = softcap * torch.tanh(q @ k.transpose(-1, -2) * q.size(-1) ** -0.5 / softcap)
+    scores = scores / scores.abs().amax(dim=-1, keepdim=True)
+    scores = scores.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+DECLINED = capped_relative_to_the_row_max
+DECLINED_REASON = "the score chain has aten.amax, which has no per-tile form"
+SUMMARY = "cap · tanh(s / cap) on the scores (Gemma 2, Grok-1), with causal"
+
+
+@pytest.mark.parametrize("form", [gemma2_softcap, grok_softcap])
+def test_softcap(form):
+    check_fused(form, *qkv(N), expected=FEATURES)
+
+
+def test_declined_twin():
+    check_declined(DECLINED, *qkv(N), reason=DECLINED_REASON)
