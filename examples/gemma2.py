@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common import DEVICE, run_model
+# Gemma 2's rotary embedding, repeat_kv and eager masks are Llama's (Hugging Face's modeling file copies them).
+from llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, causal_mask, repeat_kv
 
 import torch
 import torch.nn as nn
@@ -58,62 +60,6 @@ class Gemma2RMSNorm(nn.Module):
         # Llama does x.to(float16) * w whilst Gemma2 is (x * w).to(float16)
         output = output * (1.0 + self.weight.float())
         return output.type_as(x)
-
-
-class Gemma2RotaryEmbedding(nn.Module):
-    def __init__(self, config: Config) -> None:
-        super().__init__()
-        dim = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
-        position_ids_expanded = position_ids[:, None, :].float()
-        freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos()
-        sin = emb.sin()
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Rotates half the hidden dims of the input."""
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    cos = cos.unsqueeze(unsqueeze_dim)
-    sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
-    return q_embed, k_embed
-
-
-def repeat_kv(hidden_states: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """(batch, num_key_value_heads, seqlen, head_dim) → (batch, num_attention_heads, seqlen, head_dim)."""
-    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
-    if n_rep == 1:
-        return hidden_states
-    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
-    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
-
-
-def causal_mask(seq: int, dtype: torch.dtype, device: torch.device, sliding_window: int | None = None
-                ) -> torch.Tensor:
-    """Hugging Face's eager mask, [1, 1, T, T]: 0 where a query sees a key (``kv_idx <= q_idx``, and with a window
-    ``kv_idx > q_idx - sliding_window``), the dtype's minimum elsewhere."""
-    cache_position = torch.arange(seq, device=device)
-    q_idx, kv_idx = cache_position[:, None], cache_position[None, :]
-    allowed = kv_idx <= q_idx
-    if sliding_window is not None:
-        allowed = allowed & (kv_idx > q_idx - sliding_window)
-    min_dtype = torch.finfo(dtype).min
-    return torch.where(allowed, torch.tensor(0.0, device=device, dtype=dtype), min_dtype)[None, None, :, :]
 
 
 class Gemma2Attention(nn.Module):
@@ -203,7 +149,7 @@ class Gemma2ForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab, config.width)
         self.layers = nn.ModuleList([Gemma2DecoderLayer(config, i) for i in range(config.layers)])
         self.norm = Gemma2RMSNorm(config.width, eps=config.rms_norm_eps)
-        self.rotary_emb = Gemma2RotaryEmbedding(config)
+        self.rotary_emb = LlamaRotaryEmbedding(config)
         self.lm_head = nn.Linear(config.width, config.vocab, bias=False)
         self.lm_head.weight = self.embed_tokens.weight  # tied
 

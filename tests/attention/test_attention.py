@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from attention.forms.test_alibi import bloom_alibi
 from support import DEVICE, SUMMED_GRADIENT_FP32, last_attention, random_tensor, record_block_map_builds, rewrites
 from support import check as check_exactly
 
@@ -131,18 +132,6 @@ def test_multi_query_by_broadcasting():
     q, k, v = qkv(kv_heads=1)
     report = check(plain, q, k, v, backward=True)
     assert "gqa" in attention_rewrite(report).features
-
-
-def bloom_alibi(q, k, v, slopes):
-    b, h, n, d = q.shape
-    positions = torch.arange(n, device=q.device)
-    alibi = (slopes[:, None] * positions[None, :]).reshape(1, h, 1, n).expand(b, h, 1, n).reshape(b * h, 1, n)
-    s = torch.baddbmm(alibi, q.reshape(b * h, n, d), k.reshape(b * h, n, d).transpose(1, 2), beta=1.0,
-                      alpha=1 / math.sqrt(d))
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    s = torch.where(causal, s, torch.finfo(s.dtype).min)
-    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.bmm(p, v.reshape(b * h, n, d)).view(b, h, n, d)
 
 
 def packed_projection(x, weight):
