@@ -93,6 +93,13 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
     return None
 
 
+def _host_scalar(node: torch.fx.Node, device: torch.device) -> bool:
+    """A 0-d tensor computed on the host for a graph on a device (Gemma's ``torch.tensor(sqrt(width))``
+    normalizer): no memory traffic to fuse, and kernels take it by value."""
+    val = _val(node)
+    return val is not None and val.dim() == 0 and val.device.type == "cpu" and device.type != "cpu"
+
+
 def is_constant(node: torch.fx.Node) -> bool:
     """A constant fill (``full``, ``zeros``, …): each group that reads it computes it in place."""
     val = _val(node)
@@ -163,7 +170,7 @@ def partition(graph: torch.fx.Graph, device: torch.device) -> tuple[list[Group],
     fusable = {n for n, reason in reasons.items() if reason is None}
     declined = [Declined(n, reasons[n]) for n in nodes
                 if is_pointwise(n) and reasons.get(n) is not None and not is_constant(n)
-                and not planned_attention(n)]
+                and not planned_attention(n) and not _host_scalar(n, device)]
 
     groups = _Groups(graph)
     for node in nodes:

@@ -243,3 +243,22 @@ def test_polygamma_of_another_order_is_a_hotspot_with_its_reason():
     (hotspot,) = report.hotspots
     assert hotspot.ops == ("aten.polygamma",)
     assert hotspot.reason == "no Triton translation for aten.polygamma.default: order 2 (only 1)"
+
+
+def test_host_scalar_arithmetic_of_a_device_graph_is_no_hotspot():
+    """A 0-d tensor computed on the host (Gemma's normalizer, ``torch.tensor(w ** 0.5, dtype=...)``) in a graph
+    on a device: nothing to fuse and nothing a kernel waits on; the device's ops are still declined by device."""
+    from fusepass.elementwise.partition import partition
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(8, device="meta")
+    scale = graph.placeholder("scale")
+    scale.meta["val"] = torch.empty((), dtype=torch.float64)
+    half = graph.call_function(torch.ops.aten.mul.Tensor, (scale, 0.5))
+    half.meta["val"] = torch.empty((), dtype=torch.float64)
+    on_host = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    on_host.meta["val"] = torch.empty(8)
+    graph.output((half, on_host))
+    _, declined = partition(graph, torch.device("meta"))
+    assert [(d.node, d.reason) for d in declined] == [(on_host, "runs on cpu")]

@@ -118,8 +118,9 @@ class Lifter:
             return self._scores(coords)
         if kind in REARRANGING_OPS:
             return self.value(node.args[0], view_coords(node, coords))
-        if node.op == "call_function" and kind in CONSTANTS:
-            value = constant_value(kind, node.args, node.kwargs)
+        if node.op == "call_function" and kind in CONSTANTS or _scalar_constant(node) is not None:
+            value = constant_value(kind, node.args, node.kwargs) if node.op == "call_function" else \
+                _scalar_constant(node)
             return Code(literal(value, held_dtype(val(node).dtype)), val(node).dtype, frozenset(),
                         val(node).dim() == 0, span=span_of(value))
         if kind == aten.arange:
@@ -372,3 +373,16 @@ class Lifter:
             return forms[0]
         expr = {aten.add: "({0} + {1})", aten.sub: "({0} - {1})", aten.neg: "(-{0})", aten.abs: "tl.abs({0})"}[kind]
         return self.code.let(expr.format(*forms))
+
+
+def _scalar_constant(node: torch.fx.Node) -> bool | int | float | None:
+    """The value of a one-element constant the trace baked into the graph (``torch.tensor(0.0)`` in the user's code
+    is a ``_tensor_constant`` attribute): a literal in the score functions, so that ``where(keep, tensor(0.0),
+    min)`` is a mask like ``where(keep, 0, min)``. Parameters and buffers are the graph's inputs, never these."""
+    if node.op != "get_attr":
+        return None
+    value = getattr(node.graph.owning_module, node.target, None)
+    if not isinstance(value, torch.Tensor) or value.numel() != 1 or value.requires_grad or \
+            isinstance(value, torch._subclasses.FakeTensor) or value.is_meta:
+        return None
+    return value.item()

@@ -37,7 +37,7 @@ def max_logit_tracked(q, k, v, bias):
 
 DECLINED = max_logit_tracked
 DECLINED_REASON = "scores also used by aten.amax"
-SUMMARY = "a learned dense bias added to the scores ([1 or B, H, N, N], sliced or projected), with its gradient"
+SUMMARY = "a learned dense [1 or B, H, N, N] bias, with its gradient"
 
 
 @pytest.mark.parametrize("form", [learned_bias, pair_bias])

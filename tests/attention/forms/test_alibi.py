@@ -55,7 +55,7 @@ def biased_scores_returned(q, k, v, slopes):
 
 DECLINED = biased_scores_returned
 DECLINED_REASON = "scores also used by output"
-SUMMARY = "per-head slope × (j - i), or BLOOM's slope × j through baddbmm; slopes fixed or learned; with causal"
+SUMMARY = "slope × (j - i) per head, or BLOOM's slope × j by baddbmm; slopes fixed or learned"
 
 
 @pytest.mark.parametrize("form", [alibi, bloom_alibi])

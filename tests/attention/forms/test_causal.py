@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention.forms.common import check_declined, check_fused, qkv
+from support import DEVICE
 from torch import nn
 
 
@@ -56,6 +57,15 @@ class NanoGPTAttention(nn.Module):
         scores = scores.masked_fill(self.bias[:, :, :n, :n] == 0, float("-inf"))
         return F.softmax(scores, dim=-1) @ v
 
+def causal_additive_mask(q, k, v):
+    """Hugging Face's eager mask for Llama: 0 where a key is seen, the dtype's minimum elsewhere, made with a
+    `torch.tensor(0.0)` (a constant of the trace) and added to the scores."""
+    position = torch.arange(q.size(-2), device=q.device)
+    allowed = position[None, :] <= position[:, None]
+    mask = torch.where(allowed, torch.tensor(0.0, device=q.device, dtype=q.dtype), torch.finfo(q.dtype).min)
+    scores = torch.matmul(q, k.transpose(2, 3)) / math.sqrt(q.size(-1)) + mask[None, None]
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
 
 FEATURES = ("causal",)
 # A buffer's values are not known when the graph is compiled: the mask is read from it, as any mask tensor.
@@ -69,21 +79,32 @@ def causal_with_8_wide_heads(q, k, v):
 
 DECLINED = causal_with_8_wide_heads
 DECLINED_REASON = "head dim 8 outside 16..256"
-SUMMARY = "causal mask from arange or tril in the graph (a registered tril buffer: a mask read per tile)"
+SUMMARY = "from arange or tril, Hugging Face's additive 0/min mask; a tril buffer is read as a mask"
 
 
-@pytest.mark.parametrize("form", [causal_from_arange, causal_from_tril])
+@pytest.mark.parametrize("form", [causal_from_arange, causal_from_tril, causal_additive_mask])
 def test_causal(form):
     check_fused(form, *qkv(23), expected=FEATURES)
 
 
 def test_registered_buffer():
-    check_fused(GPT2Attention(), *qkv(23, d=24), expected=BUFFER_FEATURES)
+    check_fused(GPT2Attention().to(DEVICE), *qkv(23, d=24), expected=BUFFER_FEATURES)
 
 
 def test_float_buffer_compared_with_zero():
-    check_fused(NanoGPTAttention(), *qkv(13), expected=BUFFER_FEATURES)
+    check_fused(NanoGPTAttention().to(DEVICE), *qkv(13), expected=BUFFER_FEATURES)
 
 
 def test_declined_twin():
     check_declined(DECLINED, *qkv(23, d=8), reason=DECLINED_REASON)
+
+
+def test_an_additive_mask_that_keeps_an_offset_is_no_mask():
+    """`where(allowed, tensor(1.0), min)` adds 1 where a key is seen: not a mask alone; computed per score."""
+    def offset_mask(q, k, v):
+        position = torch.arange(q.size(-2), device=q.device)
+        allowed = position[None, :] <= position[:, None]
+        mask = torch.where(allowed, torch.tensor(1.0, device=q.device), torch.finfo(q.dtype).min)
+        return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + mask, dim=-1) @ v
+
+    check_fused(offset_mask, *qkv(23), expected=())  # fused, no tile skipped

@@ -41,7 +41,7 @@ def average_weights_returned(q, k, v, document_ids):
 
 DECLINED = average_weights_returned
 DECLINED_REASON = "probabilities also used by"
-SUMMARY = "per-token document ids (or their cumsum from document starts), compared at query and key, with causal"
+SUMMARY = "per-token document ids (or their cumsum) compared at query and key, with causal"
 
 
 def starts():

@@ -40,7 +40,7 @@ def dropkey(q, k, v, p=P):
 
 DECLINED = dropkey
 DECLINED_REASON = "the score chain has aten.bernoulli, which has no per-tile form"
-SUMMARY = "dropout(p) on the probabilities in training, the mask drawn per tile from a seed (eval: plain)"
+SUMMARY = "dropout on the probabilities, drawn per tile from a seed"
 
 
 def test_dropout_drops_a_fraction_p_and_scales_the_rest():

@@ -52,7 +52,7 @@ def weights_returned(q, k, v):
 
 DECLINED = weights_returned
 DECLINED_REASON = "probabilities also used by"
-SUMMARY = "K/V heads shared by groups of query heads: repeat_kv, repeat_interleave, or one head broadcast (MQA)"
+SUMMARY = "repeat_kv, repeat_interleave, or one K/V head broadcast (MQA)"
 
 
 @pytest.mark.parametrize("form, kv_heads", [(llama_gqa, 2), (interleaved_gqa, 2), (multi_query, 1)])

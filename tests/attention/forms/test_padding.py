@@ -49,7 +49,7 @@ def masked_after_the_softmax(q, k, v, key_padding_mask):
 
 DECLINED = masked_after_the_softmax
 DECLINED_REASON = "not to a matmul with V"
-SUMMARY = "[B, Nk] key padding mask: bool, BERT's 0/1 made additive, or built in the graph from lengths"
+SUMMARY = "[B, Nk] key mask: bool, BERT's additive 0/1, or built from lengths"
 
 
 def lengths():

@@ -34,7 +34,7 @@ def minus_the_row_max(q, k, v):
 
 DECLINED = minus_the_row_max
 DECLINED_REASON = "the score chain has aten.max, which has no per-tile form"
-SUMMARY = "softmax(Q Kᵀ / √d) V on [B, H, N, D] tensors or split from one packed QKV projection"
+SUMMARY = "softmax(Q Kᵀ / √d) V, heads split or from one packed QKV projection"
 
 
 def test_scaled_dot_product():

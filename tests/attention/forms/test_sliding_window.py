@@ -37,6 +37,17 @@ def local_both_ways(q, k, v, window=WINDOW):
     return torch.softmax(scores, dim=-1) @ v
 
 
+def mistral_additive_mask(q, k, v, window=WINDOW):
+    """Hugging Face's eager mask for Mistral: 0 where a key is seen, the dtype's minimum elsewhere, made with a
+    `torch.tensor(0.0)` (a constant of the trace) and added to the scores."""
+    position = torch.arange(q.size(-2), device=q.device)
+    q_idx, kv_idx = position[:, None], position[None, :]
+    allowed = (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+    mask = torch.where(allowed, torch.tensor(0.0, device=q.device, dtype=q.dtype), torch.finfo(q.dtype).min)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + mask[None, None]
+    return torch.softmax(scores, dim=-1) @ v
+
+
 FEATURES = ("window",)
 
 
@@ -54,10 +65,10 @@ def top_k_in_the_window(q, k, v, window=WINDOW, top=3):
 
 DECLINED = top_k_in_the_window
 DECLINED_REASON = "the score chain has aten.topk, which has no per-tile form"
-SUMMARY = "causal band of width w, from the distance i - j or as tril & triu(diagonal=1 - w)"
+SUMMARY = "a causal band from i - j, tril & triu, or Hugging Face's additive mask"
 
 
-@pytest.mark.parametrize("form", [window_from_distance, window_as_a_band])
+@pytest.mark.parametrize("form", [window_from_distance, window_as_a_band, mistral_additive_mask])
 def test_sliding_window(form):
     check_fused(form, *qkv(33), expected=FEATURES)
 

@@ -41,7 +41,7 @@ def capped_relative_to_the_row_max(q, k, v, softcap=20.0):
 
 DECLINED = capped_relative_to_the_row_max
 DECLINED_REASON = "the score chain has aten.amax, which has no per-tile form"
-SUMMARY = "cap · tanh(s / cap) on the scores (Gemma 2, Grok-1), with causal"
+SUMMARY = "cap · tanh(s / cap) on the scores (Gemma 2, Grok-1)"
 
 
 @pytest.mark.parametrize("form", [gemma2_softcap, grok_softcap])

@@ -58,7 +58,7 @@ def contextual_positions(q, k, v, position_logits_weight):
 
 DECLINED = contextual_positions
 DECLINED_REASON = "the score chain has aten.flip, which has no per-tile form"
-SUMMARY = "T5's log-bucketed relative position, a learned per-head table gathered per bucket (self or cross)"
+SUMMARY = "T5's log-bucketed relative positions gathered from a learned table"
 
 
 def table():
