@@ -1,4 +1,5 @@
-"""The one table of pointwise ops: each ATen op's rule, its Triton expression.
+"""The pointwise table's arithmetic, comparisons and math functions: each ATen op's rule, its Triton expression
+(the activations are `activations.py`'s; the table and what a rule gets, `rules.py`'s).
 
 Both generators read it through the translator (`translate.py`): the elementwise pass emits a kernel body over a
 flat index, the attention pass emits score functions over index tiles. A rule gets its operands converted to the
@@ -14,62 +15,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Kind
 
-from fusepass.codegen.operands import held_dtype, literal, round_to
+from fusepass.codegen.operands import held_dtype, round_to
+from fusepass.codegen.rules import BINARY, clamp_expr, rule
 
 aten = torch.ops.aten
-
-
-# ----------------------------------------------------------------------------------------------------
-# The table. A rule names the arguments that take part in type promotion ("operands", converted to the
-# computation dtype before the rule sees them) and the promotion kind; the other arguments arrive as
-# Python values. A rule returns an expression in the computation dtype (bool for ALWAYS_BOOL).
-
-
-@dataclass(frozen=True)
-class Rule:
-    emit: Callable[..., str]
-    operands: tuple[str, ...]
-    kind: Kind | Callable[[dict[str, Any]], Kind] | None
-    # Why the rule does not translate an op with these (bound) arguments, or None where it does.
-    declines: Callable[[dict[str, Any]], str | None] | None = None
-
-
-RULES: dict[Any, Rule] = {}
-
-
-def rule(*packets: Any, operands: tuple[str, ...] = ("self",), kind: Any = Kind.DEFAULT,
-         declines: Callable[[dict[str, Any]], str | None] | None = None):
-    def register(fn: Callable[..., str]) -> Callable[..., str]:
-        for packet in packets:
-            RULES[packet] = Rule(fn, operands, kind, declines)
-        return fn
-
-    return register
-
-
-class Ctx:
-    """What a rule may ask about the op it translates."""
-
-    def __init__(self, compute: torch.dtype, result: torch.dtype, raw: dict[str, Any]):
-        self.compute = compute
-        self.result = result
-        self.raw = raw  # operands as given: Operands, or Python numbers before they became literals
-
-    @property
-    def is_float(self) -> bool:
-        return self.compute.is_floating_point
-
-    def lit(self, value: Any) -> str:
-        return literal(value, self.compute)
-
-
-BINARY = ("self", "other")
 
 
 @rule(aten.add, operands=BINARY)
@@ -308,106 +262,26 @@ def _polygamma(c, n, self):
     return f"fm.trigamma({self})"
 
 
-@rule(aten.relu)
-def _relu(c, self):
-    # where, not maximum: NaN passes through as in eager.
-    return f"tl.where({self} < 0, {c.lit(0)}, {self})"
-
-
-@rule(aten.gelu)
-def _gelu(c, self, approximate="none"):
-    return f"fm.tanh_gelu({self})" if approximate == "tanh" else f"fm.erf_gelu({self})"
-
-
-@rule(aten.silu)
-def _silu(c, self):
-    return f"({self} * tl.sigmoid({self}))"
-
-
-@rule(aten.mish)
-def _mish(c, self):
-    return f"fm.mish({self})"
-
-
-@rule(aten.leaky_relu)
-def _leaky_relu(c, self, negative_slope=0.01):
-    return f"tl.where({self} > 0, {self}, {self} * {c.lit(negative_slope)})"
-
-
-@rule(aten.elu)
-def _elu(c, self, alpha=1, scale=1, input_scale=1):
-    return f"fm.elu({self}, {c.lit(alpha)}, {c.lit(scale)}, {c.lit(input_scale)})"
-
-
-@rule(aten.logit, kind=Kind.INT_TO_FLOAT)
-def _logit(c, self, eps=None):
-    # The bounds in float32, as eager's CUDA kernel holds them (its CPU kernel rounds them to a half input's dtype).
-    x = self if eps is None else _clamp_expr(c, self, c.lit(eps), c.lit(1 - eps))
-    return f"tl.log({x} / ({c.lit(1)} - {x}))"
-
-
-@rule(aten.logit_backward, operands=("grad_output", "self"))
-def _logit_backward(c, grad_output, self, eps=None):
-    # Eager's: NaN outside [0, 1] without eps, 0 outside [eps, 1 - eps] with it.
-    derivative = f"({grad_output} / ({self} * ({c.lit(1)} - {self})))"
-    if eps is None:
-        return f"tl.where(({self} < 0) | ({self} > 1), {c.lit(float('nan'))}, {derivative})"
-    return f"tl.where(({self} < {c.lit(eps)}) | ({self} > {c.lit(1 - eps)}), {c.lit(0)}, {derivative})"
-
-
-@rule(aten.celu)
-def _celu(c, self, alpha=1.0):
-    # ATen's celu is its elu with input_scale 1 / alpha.
-    return _elu(c, self, alpha, 1, 1.0 / alpha)
-
-
-@rule(aten.threshold)
-def _threshold(c, self, threshold, value):
-    return f"tl.where({self} <= {c.lit(threshold)}, {c.lit(value)}, {self})"
-
-
-@rule(aten.softplus)
-def _softplus(c, self, beta=1, threshold=20):
-    return f"fm.softplus({self}, {c.lit(beta)}, {c.lit(threshold)})"
-
-
-@rule(aten.hardsigmoid)
-def _hardsigmoid(c, self):
-    return f"({_clamp_expr(c, f'({self} + {c.lit(3)})', c.lit(0), c.lit(6))} / {c.lit(6)})"
-
-
-@rule(aten.hardswish)
-def _hardswish(c, self):
-    return f"({self} * {_hardsigmoid(c, self)})"
-
-
-def _clamp_expr(c, x: str, low: str | None, high: str | None) -> str:
-    # Comparisons rather than minimum/maximum: NaN in x passes through as in eager.
-    if low is not None:
-        x = f"tl.where({x} < {low}, {low}, {x})"
-    if high is not None:
-        x = f"tl.where({x} > {high}, {high}, {x})"
-    return x
 
 
 @rule(aten.clamp, operands=("self", "min", "max"))
 def _clamp(c, self, min=None, max=None):
-    return _clamp_expr(c, self, min, max)
+    return clamp_expr(c, self, min, max)
 
 
 @rule(aten.clamp_min, operands=("self", "min"))
 def _clamp_min(c, self, min):
-    return _clamp_expr(c, self, min, None)
+    return clamp_expr(c, self, min, None)
 
 
 @rule(aten.clamp_max, operands=("self", "max"))
 def _clamp_max(c, self, max):
-    return _clamp_expr(c, self, None, max)
+    return clamp_expr(c, self, None, max)
 
 
 @rule(aten.hardtanh)
 def _hardtanh(c, self, min_val=-1, max_val=1):
-    return _clamp_expr(c, self, c.lit(min_val), c.lit(max_val))
+    return clamp_expr(c, self, c.lit(min_val), c.lit(max_val))
 
 
 def _elementwise_only(args: dict[str, Any]) -> str | None:
@@ -526,58 +400,3 @@ def _addcdiv(c, self, tensor1, tensor2, value=1):
 @rule(aten.lerp, operands=("self", "end", "weight"))
 def _lerp(c, self, end, weight):
     return f"({self} + {weight} * ({end} - {self}))"
-
-
-# Backward ops AOTAutograd emits for the activations above.
-
-@rule(aten.threshold_backward, operands=("grad_output", "self"))
-def _threshold_backward(c, grad_output, self, threshold):
-    return f"tl.where({self} <= {c.lit(threshold)}, {c.lit(0)}, {grad_output})"
-
-
-@rule(aten.sigmoid_backward, operands=("grad_output", "output"))
-def _sigmoid_backward(c, grad_output, output):
-    return f"({grad_output} * {output} * ({c.lit(1)} - {output}))"
-
-
-@rule(aten.tanh_backward, operands=("grad_output", "output"))
-def _tanh_backward(c, grad_output, output):
-    return f"({grad_output} * ({c.lit(1)} - {output} * {output}))"
-
-
-@rule(aten.gelu_backward, operands=("grad_output", "self"))
-def _gelu_backward(c, grad_output, self, approximate="none"):
-    fn = "fm.tanh_gelu_backward" if approximate == "tanh" else "fm.erf_gelu_backward"
-    return f"{fn}({grad_output}, {self})"
-
-
-@rule(aten.silu_backward, operands=("grad_output", "self"))
-def _silu_backward(c, grad_output, self):
-    return f"fm.silu_backward({grad_output}, {self})"
-
-
-@rule(aten.leaky_relu_backward, operands=("grad_output", "self"))
-def _leaky_relu_backward(c, grad_output, self, negative_slope, self_is_result):
-    return f"tl.where({self} > 0, {grad_output}, {grad_output} * {c.lit(negative_slope)})"
-
-
-@rule(aten.hardtanh_backward, operands=("grad_output", "self"))
-def _hardtanh_backward(c, grad_output, self, min_val, max_val):
-    return (f"tl.where(({self} <= {c.lit(min_val)}) | ({self} >= {c.lit(max_val)}), {c.lit(0)}, "
-            f"{grad_output})")
-
-
-@rule(aten.softplus_backward, operands=("grad_output", "self"))
-def _softplus_backward(c, grad_output, self, beta, threshold):
-    return f"fm.softplus_backward({grad_output}, {self}, {c.lit(beta)}, {c.lit(threshold)})"
-
-
-@rule(aten.elu_backward, operands=("grad_output", "self_or_result"))
-def _elu_backward(c, grad_output, alpha, scale, input_scale, is_result, self_or_result):
-    x = self_or_result
-    if is_result:
-        negative = f"{grad_output} * {c.lit(input_scale)} * ({x} + {c.lit(alpha * scale)})"
-        return f"tl.where({x} <= 0, {negative}, {grad_output} * {c.lit(scale)})"
-    negative = (f"{grad_output} * {c.lit(input_scale)} * {c.lit(alpha * scale)} * "
-                f"tl.exp({x} * {c.lit(input_scale)})")
-    return f"tl.where({x} <= 0, {negative}, {grad_output} * {c.lit(scale)})"

@@ -1,5 +1,5 @@
 """An ATen pointwise op translated: its arguments bound, PyTorch's type promotion deciding the computation and result
-dtypes (``torch._prims_common.elementwise_dtypes``), its rule in the table (`pointwise.RULES`) given operands
+dtypes (``torch._prims_common.elementwise_dtypes``), its rule in the table (`rules.RULES`) given operands
 converted to the computation dtype, the result rounded where eager would have materialized it. Casts, copies and
 constants take their dtype from the graph."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 from torch._prims_common import elementwise_dtypes
 
 from fusepass.codegen.operands import TRITON_DTYPE, Operand, convert, held_dtype, literal, round_to
-from fusepass.codegen.pointwise import RULES, Ctx
+from fusepass.codegen import activations, pointwise  # noqa: F401  (their rules fill the table)
+from fusepass.codegen.rules import RULES, Ctx
 
 aten = torch.ops.aten
 prims = torch.ops.prims

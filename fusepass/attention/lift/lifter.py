@@ -6,7 +6,7 @@ index code are assembled into the kernel's functions (`emit`), with the tables (
 The forms recognized, by the ATen op at a value (`Lifter._evaluate`): the scores themselves (with baddbmm's bias
 and scales); views and copies (read through, `views.view_coords`); constants; ``arange`` (positions); ``tril`` and
 ``triu`` (triangle masks); gathers (``embedding``, ``index``: a tensor read at computed indices); any pointwise op
-the translator has (`codegen/pointwise.py`): index code where no operand depends on the scores or takes a
+the translator has (`codegen/rules.py`): index code where no operand depends on the scores or takes a
 gradient, a node of E otherwise; and any other graph value outside the chain: a tensor loaded at its strides.
 Anything else in the chain is declined with its op named.
 """
