@@ -46,12 +46,14 @@ class Comparison:
     tokens: int | None = None
     reports: list[Any] = field(default_factory=list, repr=False)  # fusepass's reports of its compile
 
-    def result(self, backend: str) -> BackendResult:
-        return next(r for r in self.results if r.backend == backend)
+    def result(self, backend: str) -> BackendResult | None:
+        return next((r for r in self.results if r.backend == backend), None)
 
     def speedup(self, backend: str, over: str, of: str = "step_ms") -> float | None:
-        """How many times faster `backend` runs than `over` (`of`: "forward_ms" or "step_ms")."""
-        a, b = getattr(self.result(backend), of), getattr(self.result(over), of)
+        """How many times faster `backend` runs than `over` (`of`: "forward_ms" or "step_ms"); None where either
+        was not run or not timed."""
+        mine, theirs = self.result(backend), self.result(over)
+        a, b = (getattr(mine, of), getattr(theirs, of)) if mine and theirs else (None, None)
         return b / a if a and b else None
 
     def to_dict(self) -> dict[str, Any]:
