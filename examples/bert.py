@@ -216,7 +216,7 @@ def readout_loss(hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None):
-    return run_model("BERT", lambda size: BertModel(SIZES[size]), inputs, readout_loss, SIZES, BATCH, SEQ, argv)
+    return run_model("BERT", lambda size, seq: BertModel(SIZES[size]), inputs, readout_loss, SIZES, BATCH, SEQ, argv)
 
 
 if __name__ == "__main__":

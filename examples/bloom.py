@@ -267,7 +267,7 @@ def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None):
-    return run_model("BLOOM", lambda size: BloomForCausalLM(SIZES[size]), inputs, next_token_loss,
+    return run_model("BLOOM", lambda size, seq: BloomForCausalLM(SIZES[size]), inputs, next_token_loss,
                      SIZES, BATCH, SEQ, argv)
 
 

@@ -70,7 +70,7 @@ def size(gpu: int, cpu: int) -> int:
 def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: dict, default_seq: dict,
               argv: list[str] | None = None, tolerance: float = 1e-3):
     """Parse ``[--size tiny|small|medium] [--train] [--batch B] [--seq T]``, build the model at that size (`build`:
-    size name → nn.Module; `make_inputs`: (model, batch, seq) → the inputs; `loss`: outputs → scalar), and compare
+    (size name, sequence length) → nn.Module; `make_inputs`: (model, batch, seq) → the inputs; `loss`: outputs → scalar), and compare
     eager, Inductor and fusepass on it (fusepass.compare): on a GPU in bf16, timed; without one at the tiny size in
     float32 through Triton's interpreter, checked only. Returns the `fusepass.Comparison`; raises if fusepass's
     outputs or gradients are not eager's."""
@@ -87,7 +87,7 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
     batch = args.batch or default_batch[args.size]
     seq = args.seq or default_seq[args.size]
     torch.manual_seed(0)
-    model = build(args.size).to(DEVICE)
+    model = build(args.size, seq).to(DEVICE)
     inputs = make_inputs(model, batch, seq)
     reference = reference_inputs = None
     if ON_GPU:  # bf16, judged against the same model in float32 with eager bf16's own distance as the bar

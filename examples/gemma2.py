@@ -191,7 +191,7 @@ def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None):
-    return run_model("Gemma 2", lambda size: Gemma2ForCausalLM(SIZES[size]), inputs, next_token_loss, SIZES, BATCH,
+    return run_model("Gemma 2", lambda size, seq: Gemma2ForCausalLM(SIZES[size]), inputs, next_token_loss, SIZES, BATCH,
                      SEQ, argv)
 
 

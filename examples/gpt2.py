@@ -9,7 +9,7 @@ Triton's interpreter, checked only) and prints fusepass's summary of what it fus
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common import DEVICE, run_model
 
@@ -111,7 +111,10 @@ def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None):
-    return run_model("GPT-2", lambda size: GPT(SIZES[size]), inputs, next_token_loss, SIZES, BATCH, SEQ, argv)
+    def build(size: str, seq: int) -> GPT:  # positions for every token of a longer sequence than the size's
+        return GPT(replace(SIZES[size], context=max(SIZES[size].context, seq)))
+
+    return run_model("GPT-2", build, inputs, next_token_loss, SIZES, BATCH, SEQ, argv)
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None):
     window_parser.add_argument("--window", type=int)
     window, argv = window_parser.parse_known_args(argv)
     name = "Llama" if window.window is None else f"Mistral (Llama, sliding window {window.window})"
-    return run_model(name, lambda size: LlamaForCausalLM(replace(SIZES[size], sliding_window=window.window)),
+    return run_model(name, lambda size, seq: LlamaForCausalLM(replace(SIZES[size], sliding_window=window.window)),
                      inputs, next_token_loss, SIZES, BATCH, SEQ, argv)
 
 

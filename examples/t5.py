@@ -333,7 +333,7 @@ def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None):
-    return run_model("T5", lambda size: T5ForConditionalGeneration(SIZES[size]), inputs, next_token_loss, SIZES,
+    return run_model("T5", lambda size, seq: T5ForConditionalGeneration(SIZES[size]), inputs, next_token_loss, SIZES,
                      BATCH, SEQ, argv)
 
 

@@ -182,7 +182,7 @@ def classification_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv: list[str] | None = None):
-    return run_model("ViT", lambda size: VisionTransformer(SIZES[size]), inputs, classification_loss,
+    return run_model("ViT", lambda size, seq: VisionTransformer(SIZES[size]), inputs, classification_loss,
                      SIZES, BATCH, SEQ, argv)
 
 
