@@ -65,7 +65,7 @@ def _build(example, seq: int) -> torch.nn.Module:
     captured = {}
 
     def run_model(name, build, *rest, **kwargs):
-        captured["model"] = build("small", seq)
+        captured["model"] = build(os.environ.get("SIZE", "small"), seq)
 
     example.run_model, original = run_model, example.run_model
     try:

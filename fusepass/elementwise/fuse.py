@@ -15,8 +15,10 @@ from torch.fx.passes.tools_common import legalize_graph
 from fusepass.codegen.translate import constant_value, packet_of
 from fusepass.context import PassContext
 from fusepass.elementwise.kernel import PointwiseLauncher
-from fusepass.elementwise.lower import Lowered, lower
-from fusepass.elementwise.partition import Group, is_constant, partition
+from fusepass.elementwise.lower import Lowered, NotLowerable, lower
+from fusepass.elementwise.reduction import is_row_reduction
+from fusepass.elementwise.partition import Group, is_constant, partition, root_shape
+from fusepass.elementwise.row_kernel import RowLauncher
 from fusepass.fx_util import op_name
 from fusepass.report import profile, roofline
 from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes
@@ -34,8 +36,27 @@ def kernel_name(group: Group) -> str:
     return "fused_" + "_".join(names[:6])
 
 
+def lowerable_partition(graph: torch.fx.Graph, device: torch.device) -> tuple[list[Group], list]:
+    """`partition`, with the row reductions of a group that cannot be lowered (one read in another row than it
+    reduces) left as ATen ops, and the rest grouped again."""
+    apart: frozenset[torch.fx.Node] = frozenset()
+    while True:
+        groups, declined = partition(graph, device, apart)
+        unlowerable = set()
+        for group in groups:
+            if root_shape(group.nodes) is None:
+                continue
+            try:
+                lower(group, device)
+            except NotLowerable:
+                unlowerable |= {n for n in group.nodes if is_row_reduction(n)}
+        if not unlowerable:
+            return groups, declined
+        apart |= unlowerable
+
+
 def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    groups, declined = partition(gm.graph, ctx.device)
+    groups, declined = lowerable_partition(gm.graph, ctx.device)
     for d in declined:
         ctx.report.hotspots.append(Hotspot(kind="elementwise", phase=ctx.phase, location=location(d.node),
                                            reason=d.reason, ops=(op_name(d.node),), bytes=op_bytes(d.node),
@@ -46,9 +67,12 @@ def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gra
         where = first_location(group.nodes)
         try:
             # Recorded before the graph changes: the ledger reads the group's nodes as they are.
+            root = root_shape(group.nodes)
             record = elementwise_rewrite(
                 ctx.phase, where, ops, group.compute_nodes, group.inputs, group.outputs,
-                detail={"kernel": kernel_name(group), "shape": list(map(str, group.outputs[0].meta["val"].shape))})
+                detail={"kernel": kernel_name(group),
+                        "shape": list(map(str, root if root is not None else group.outputs[0].meta["val"].shape))},
+                kind="elementwise" if root is None else "reduction")
             lowered = lower(group, ctx.device)
             if ctx.run_kernels:
                 _replace(gm, group, lowered, ctx, where, ops, record)
@@ -96,8 +120,9 @@ def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: Pass
         ctx.fallback("elementwise", where, f"kernel {name} failed", error, ops, failure_bytes, withdrawn=[record])
         roofline.estimate(ctx.report)  # the report was estimated when compiled; this hotspot came after
 
-    launcher = PointwiseLauncher(name, lowered, ctx.device, fallback, on_failure,
-                                 profile.first_call_profiler(record, ctx.device), ctx.options.replay)
+    kind = RowLauncher if root_shape(group.nodes) is not None else PointwiseLauncher
+    launcher = kind(name, lowered, ctx.device, fallback, on_failure, profile.first_call_profiler(record, ctx.device),
+                    ctx.options.replay)
     graph = gm.graph
     members = set(group.nodes)
     with graph.inserting_before(group.nodes[0]):

@@ -192,15 +192,15 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
 
 
 # Weakly: a kernel lives as long as the launch plans that launch it.
-_kernels: weakref.WeakValueDictionary[tuple[Program, Variant], Any] = weakref.WeakValueDictionary()
+_kernels: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDictionary()
 
 
-def compiled_kernel(name: str, program: Program, variant: Variant) -> Any:
-    """One jitted kernel per (program, variant): identical groups share it."""
+def compiled_kernel(name: str, program: Program, variant: Any, source: Callable[[], str]) -> Any:
+    """One jitted kernel per (program, variant): identical groups share it. `source` writes it where none is."""
     key = (program, variant)
     kernel = _kernels.get(key)
     if kernel is None:
-        kernel = _kernels[key] = getattr(load_module(kernel_source(name, program, variant)), name)
+        kernel = _kernels[key] = getattr(load_module(source()), name)
     return kernel
 
 
@@ -214,13 +214,13 @@ class LaunchPlan:
 
     launch: BoundLaunch | None  # the kernel with its block sizes, warps, and the sizes and strides it indexes with
     # (None where the outputs are empty)
-    root: tuple[int, ...]
+    out_shapes: tuple[tuple[int, ...], ...]
     out_strides: tuple[tuple[int, ...], ...]
     grid: tuple[int]
     serial: int = field(default_factory=itertools.count().__next__)  # names it in replay keys (ids recur)
 
 
-def _contiguous_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+def contiguous_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
     strides = [0] * len(shape)
     step = 1
     for d in reversed(order):
@@ -295,8 +295,8 @@ class PointwiseLauncher:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(inputs)
-        outputs = tuple(torch.empty_strided(plan.root, strides, dtype=layout.dtype, device=self.device)
-                        for strides, layout in zip(plan.out_strides, self.lowered.outputs))
+        outputs = tuple(torch.empty_strided(shape, strides, dtype=layout.dtype, device=self.device)
+                        for shape, strides, layout in zip(plan.out_shapes, plan.out_strides, self.lowered.outputs))
         if plan.grid[0] == 0:
             return outputs
         pointers = [inputs[a.input].item() if a.by_value else inputs[a.input] for a in self.lowered.accesses]
@@ -313,11 +313,10 @@ class PointwiseLauncher:
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
         lowered = self.lowered
         accesses = lowered.accesses
-        root = tuple(size if isinstance(size, int) else int(inputs[accesses[size[0]].input].shape[size[1]])
-                     for size in lowered.root_shape)
-        out_strides = tuple(_contiguous_strides(root, out.stride_order) for out in lowered.outputs)
+        root = resolved_root(lowered, inputs)
+        out_strides = tuple(contiguous_strides(root, out.stride_order) for out in lowered.outputs)
         if 0 in root:  # nothing to compute: empty outputs, no launch
-            return LaunchPlan(None, root, out_strides, (0,))
+            return LaunchPlan(None, (root,) * len(out_strides), out_strides, (0,))
         tensor_loads = [k for k, a in enumerate(accesses) if not a.by_value]
         load_strides = {k: strides_at(accesses[k].map, inputs[accesses[k].input].stride(), lowered.rank)
                         for k in tensor_loads}
@@ -352,10 +351,17 @@ class PointwiseLauncher:
         grid = (y_blocks, x_blocks) if grid_2d else (x_blocks * y_blocks,)
         even = numel > 0 and sizes[-1] % yblock == 0 and (numel // sizes[-1]) % xblock == 0
         variant = Variant(len(sizes), tuple(load_dims), tuple(load_base), tuple(output_dims), wide, grid_2d, even)
-        kernel = compiled_kernel(self.__name__, lowered.program, variant)
+        kernel = compiled_kernel(self.__name__, lowered.program, variant,
+                                 lambda: kernel_source(self.__name__, lowered.program, variant))
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,
                              YBLOCK=yblock, num_warps=num_warps)
-        return LaunchPlan(launch, root, out_strides, grid)
+        return LaunchPlan(launch, (root,) * len(out_strides), out_strides, grid)
+
+
+def resolved_root(lowered: Lowered, inputs: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The root shape of this call: symbolic sizes read off the inputs."""
+    return tuple(size if isinstance(size, int) else int(inputs[lowered.accesses[size[0]].input].shape[size[1]])
+                 for size in lowered.root_shape)
 
 
 def warn_fallback(name: str, error: Exception) -> None:

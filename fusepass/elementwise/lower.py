@@ -3,6 +3,8 @@
 Every member is evaluated at the coordinates its consumers read it at (an affine map of the group's
 root coordinates, ``coords``); a member read at two different maps (``x + x.t()``) is computed twice,
 which costs arithmetic, never memory traffic. External inputs become loads, one per map they are read at.
+A group holding row reductions has their input's shape as its root: each reduction is read in the row it
+reduces (its input at the identity map), and a value of a row's shape is written once per row.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 import torch.fx
 
 from fusepass.elementwise.coords import Map, broadcast, identity, is_mapped_view, through_view
-from fusepass.elementwise.partition import Group, is_constant
+from fusepass.elementwise.partition import Group, is_constant, root_shape
+from fusepass.elementwise.reduction import is_row_reduction
 from fusepass.elementwise.program import Load, Program, Ref, Step
 from fusepass.fx_util import val
 
@@ -36,6 +39,9 @@ class Access:
 class OutputLayout:
     dtype: torch.dtype
     stride_order: tuple[int, ...]  # dims from outermost to innermost in memory, as eager lays them out
+    # "root": the group's root shape; in a group with row reductions, "row" (the root with its last size 1) or
+    # "row_dropped" (the root without its last dimension)
+    space: str = "root"
 
 
 @dataclass
@@ -57,6 +63,11 @@ def stride_order(tensor: torch.Tensor) -> tuple[int, ...]:
 def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Node, Map]]:
     if is_mapped_view(node):
         return [(node.args[0], through_view(node, m, rank))]
+    if is_row_reduction(node):
+        # Read in the row it reduces: its outer coordinates are the root's own.
+        if m[:rank - 1] != identity(rank)[:rank - 1]:
+            raise NotLowerable("a row reduction is read at another row than it reduces")
+        return [(node.args[0], identity(rank))]
     shape = tuple(val(node).shape)
     return [(a, broadcast(m, shape, tuple(val(a).shape), rank)) for a in node.all_input_nodes]
 
@@ -64,13 +75,15 @@ def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Nod
 def lower(group: Group, device: torch.device) -> Lowered:
     members = set(group.nodes)
     inputs = group.inputs
-    root = tuple(val(group.outputs[0]).shape)
+    reduced = root_shape(group.nodes)
+    root = reduced if reduced is not None else tuple(val(group.outputs[0]).shape)
     rank = len(root)
+    spaces = [_space(tuple(val(out).shape), root) for out in group.outputs]
 
     # Which maps each member is needed at, collected from the outputs backwards.
     needed: dict[torch.fx.Node, list[Map]] = defaultdict(list)
-    for out in group.outputs:
-        needed[out].append(identity(rank))
+    for out, space in zip(group.outputs, spaces):
+        needed[out].append(output_map(space, rank))
     for node in reversed(group.nodes):
         for m in needed.get(node, []):
             for arg, arg_map in _arg_maps(node, m, rank):
@@ -118,15 +131,31 @@ def lower(group: Group, device: torch.device) -> Lowered:
                               value.dtype, value.dim() == 0))
             refs[(node, m)] = Ref("step", len(steps) - 1)
 
-    outputs = tuple((refs[(out, identity(rank))], val(out).dtype) for out in group.outputs)
+    outputs = tuple((refs[(out, output_map(space, rank))], val(out).dtype)
+                    for out, space in zip(group.outputs, spaces))
     program = Program(tuple(loads), tuple(steps), outputs)
     return Lowered(
         program=program,
         accesses=tuple(accesses),
         rank=rank,
         root_shape=_root_shape(root, inputs, accesses),
-        outputs=tuple(OutputLayout(val(o).dtype, stride_order(val(o))) for o in group.outputs),
+        outputs=tuple(OutputLayout(val(o).dtype, stride_order(val(o)), space)
+                      for o, space in zip(group.outputs, spaces)),
     )
+
+
+def _space(shape: tuple[Any, ...], root: tuple[Any, ...]) -> str:
+    if tuple(map(str, shape)) == tuple(map(str, root)):
+        return "root"
+    return "row" if len(shape) == len(root) else "row_dropped"
+
+
+def output_map(space: str, rank: int) -> Map:
+    """Where an output is read in root coordinates: a row's value at its row, whatever the column."""
+    m = identity(rank)
+    if space == "row":
+        return m[:-1] + ((0,) * (rank + 1),)
+    return m[:-1] if space == "row_dropped" else m
 
 
 def _emit_constant(node: torch.fx.Node, steps: list[Step]) -> Ref:

@@ -5,13 +5,15 @@ the two gradients of SwiGLU's backward) merge, so that the tensor is read once. 
 - no cycle: no path leaves the merged group and comes back into it (checked with networkx on the
   graph of groups; siblings merge only where no path joins them);
 - one iteration space: every value the group writes out has one shape (values read only inside the
-  group may be smaller and are broadcast);
+  group may be smaller and are broadcast); a group holding row reductions (``reduction``) iterates over
+  their input's shape, one shape for all of them, and writes values of that shape or of its rows';
 - views inside a group are affine in the group's coordinates (see ``coords``); views at its edges stay in
   the graph, where they cost nothing.
 Nodes a pointwise chain would need but the translator cannot emit are reported, not merged.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -23,6 +25,7 @@ from fusepass.codegen.operands import SUPPORTED_DTYPES
 from fusepass.codegen.translate import CONSTANTS, constant_value, packet_of, translation_gap
 from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
+from fusepass.elementwise.reduction import is_row_reduction, reduced_input
 
 
 @dataclass
@@ -79,7 +82,7 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
     if is_mapped_view(node):
         rank = val.dim()
         return None if through_view(node, identity(rank), rank) is not None else "view is not affine"
-    gap = translation_gap(node.target, node.args, node.kwargs)
+    gap = None if is_row_reduction(node) else translation_gap(node.target, node.args, node.kwargs)
     if gap is not None:
         return gap
     if is_constant(node):
@@ -157,17 +160,37 @@ def _escaping(members: set[torch.fx.Node]) -> list[torch.fx.Node]:
     return [n for n in members if any(u not in members for u in n.users)]
 
 
+def _shape_key(shape: Sequence) -> tuple[str, ...]:
+    return tuple(map(str, shape))  # symbolic sizes by their expressions (SymInts do not hash)
+
+
+def root_shape(members: Iterable[torch.fx.Node]) -> tuple | None:
+    """The shape a group holding row reductions iterates over (their input's), or None without one."""
+    for node in members:
+        if is_row_reduction(node):
+            return tuple(_val(reduced_input(node)).shape)
+    return None
+
+
 def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
-    # Symbolic sizes are compared by their expressions (SymInts do not hash).
-    shapes = {tuple(map(str, _val(_storage(n, members)).shape)) for n in _escaping(members)}
-    return len(shapes) <= 1
+    shapes = {_shape_key(_val(_storage(n, members)).shape) for n in _escaping(members)}
+    root = root_shape(members)
+    if root is None:
+        return len(shapes) <= 1
+    if any(_shape_key(_val(reduced_input(n)).shape) != _shape_key(root) for n in members if is_row_reduction(n)):
+        return False
+    rows = {_shape_key(root), _shape_key(root[:-1] + (1,)), _shape_key(root[:-1])}
+    return shapes <= rows
 
 
-def partition(graph: torch.fx.Graph, device: torch.device) -> tuple[list[Group], list[Declined]]:
+def partition(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torch.fx.Node] = frozenset()
+              ) -> tuple[list[Group], list[Declined]]:
+    """The groups, and the pointwise ops that cannot join one; `apart`: row reductions left out of groups (their
+    group could not be lowered, ``fuse``)."""
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     reasons = {n: decline_reason(n, device) for n in nodes if n.op == "call_function"}
-    fusable = {n for n, reason in reasons.items() if reason is None}
+    fusable = {n for n, reason in reasons.items() if reason is None and n not in apart}
     declined = [Declined(n, reasons[n]) for n in nodes
                 if is_pointwise(n) and reasons.get(n) is not None and not is_constant(n)
                 and not planned_attention(n) and not _host_scalar(n, device)]

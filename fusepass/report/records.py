@@ -18,7 +18,7 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 class Rewrite:
     """A group of ATen ops replaced by one fused kernel, in one phase (forward or backward)."""
 
-    kind: str  # "attention" | "elementwise"
+    kind: str  # "attention" | "elementwise" | "reduction" (an elementwise group holding row reductions)
     phase: str  # "forward" | "backward"
     location: str  # the user's file:line
     ops: tuple[str, ...]  # ATen ops replaced, in the order they run

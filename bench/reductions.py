@@ -1,0 +1,110 @@
+"""Row reductions with the pointwise ops around them (norms, a softmax, a log-sum-exp loss written by hand):
+eager, Inductor and fusepass side by side, forward and forward+backward, bf16.
+
+    PYTHONPATH=. python bench/reductions.py [--cases rmsnorm,...]
+
+GB/s counts the fewest bytes a forward must move: each input read once, each output written once.
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from harness import keep, median_ms, relative_error
+
+import fusepass
+
+
+def rmsnorm(x, w):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def residual_rmsnorm(x, r, w):
+    h = x + r
+    return h, rmsnorm(h, w)
+
+
+def layer_norm_by_hand(x, w, b):
+    u = x.mean(-1, keepdim=True)
+    s = (x - u).pow(2).mean(-1, keepdim=True)
+    return w * ((x - u) / torch.sqrt(s + 1e-12)) + b
+
+
+def softmax_by_hand(x):
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+def logsumexp_by_hand(x):
+    xf = x.float()
+    m = xf.amax(-1, keepdim=True)
+    return (m + torch.log(torch.exp(xf - m).sum(-1, keepdim=True))).squeeze(-1)
+
+
+@dataclass
+class Case:
+    name: str
+    fn: Callable[..., object]
+    shape: tuple[int, int]
+    extra: int  # weights of the row's width it takes after x (rmsnorm's one, layernorm's two)
+    residual: bool = False
+
+
+CASES = [
+    Case("rmsnorm 8192x2048", rmsnorm, (8192, 2048), 1),
+    Case("rmsnorm 8192x768", rmsnorm, (8192, 768), 1),
+    Case("residual+rmsnorm 8192x4096", residual_rmsnorm, (8192, 4096), 1, residual=True),
+    Case("layernorm by hand 8192x768", layer_norm_by_hand, (8192, 768), 2),
+    Case("softmax by hand 8192x1024", softmax_by_hand, (8192, 1024), 0),
+    Case("logsumexp 4096x50257 (walked)", logsumexp_by_hand, (4096, 50257), 0),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default=",".join(c.name.split()[0] for c in CASES))
+    args = parser.parse_args()
+    chosen = set(args.cases.split(","))
+    rows = []
+    for case in CASES:
+        if case.name.split()[0] not in chosen:
+            continue
+        m, n = case.shape
+        inputs = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16)]
+        if case.residual:
+            inputs.append(torch.randn(m, n, device="cuda", dtype=torch.bfloat16))
+        inputs += [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(case.extra)]
+        inputs = [x.requires_grad_() for x in inputs]
+        expected = case.fn(*[x.double() for x in inputs])
+        expected = expected if isinstance(expected, tuple) else (expected,)
+        row = {"case": case.name}
+        for label, backend in (("eager", None), ("inductor", "inductor"), ("fusepass", fusepass.backend(strict=True))):
+            torch._dynamo.reset()
+            fn = case.fn if backend is None else torch.compile(case.fn, backend=backend)
+            out = fn(*inputs)
+            out = out if isinstance(out, tuple) else (out,)
+            grads = [torch.randn_like(o) for o in out]
+            row[f"{label} error"] = max(relative_error(o.double(), e) for o, e in zip(out, expected))
+            row[f"{label} fwd ms"] = median_ms(lambda: fn(*inputs))
+
+            def step():
+                outs = fn(*inputs)
+                torch.autograd.backward(outs if isinstance(outs, tuple) else (outs,), grads)
+
+            row[f"{label} fwd+bwd ms"] = median_ms(step)
+        moved = sum(x.numel() * x.element_size() for x in inputs) + sum(o.numel() * o.element_size() for o in out)
+        row["fusepass fwd GB/s"] = moved / row["fusepass fwd ms"] / 1e6
+        row["fwd vs inductor"] = row["inductor fwd ms"] / row["fusepass fwd ms"]
+        row["fwd+bwd vs inductor"] = row["inductor fwd+bwd ms"] / row["fusepass fwd+bwd ms"]
+        rows.append(row)
+    columns = ["case", "eager fwd ms", "inductor fwd ms", "fusepass fwd ms", "fusepass fwd GB/s", "fwd vs inductor",
+               "eager fwd+bwd ms", "inductor fwd+bwd ms", "fusepass fwd+bwd ms", "fwd+bwd vs inductor",
+               "eager error", "inductor error", "fusepass error"]
+    print(keep("reductions", columns, rows, "bf16; errors against float64, relative (norm)."))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""The row kernel: a fused group holding row reductions (``reduction``), XBLOCK rows of its root shape a program.
+
+A row is the root's last dimension; the outer dimensions, flattened, number the rows. Values come in two
+spaces: a row's (``[XBLOCK, 1]``: a reduction's result, what is computed from results and loads that do not move
+along the row) and the whole tile's (``[XBLOCK, RBLOCK]``). Rows up to ``PERSISTENT_MAX`` long are held whole:
+every value is computed once, in program order. Longer rows are walked in RBLOCK-wide chunks, one walk per level
+of reduction (a softmax's maximum, then its sum over the exponentials of the row less that maximum), and a last
+walk writes the outputs of the whole tile: values of a walk are recomputed in the next, loads come again, which
+costs reads of the row, never writes.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, to_stored
+from fusepass.codegen.translate import translate
+from fusepass.elementwise.coords import strides_at
+from fusepass.elementwise.kernel import (INT32_MAX, LaunchPlan, PointwiseLauncher, compiled_kernel,
+                                         contiguous_strides, resolved_root)
+from fusepass.elementwise.lower import output_map
+from fusepass.elementwise.program import Program, Ref
+from fusepass.elementwise.reduction import ROW_REDUCTIONS
+from fusepass.runtime.device import interpreting
+from fusepass.runtime.launch import BoundLaunch
+from fusepass.runtime.sizes import cdiv, next_power_of_2
+
+# Rows up to this long are held whole in registers (4096 fp32 values at 8 warps: 16 a thread); longer ones are
+# walked in chunks of LOOP_BLOCK.
+PERSISTENT_MAX = 4096
+LOOP_BLOCK = 2048
+PROGRAM_TILE = 2048  # elements a program holds (8 a thread at 8 warps): short rows take several a program
+
+# Torch's maximum and minimum propagate NaN; Triton's reductions of tl.maximum need not.
+COMBINE = '''@triton.jit
+def _max_nan(a, b):
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def _min_nan(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+
+
+'''
+NEUTRAL = {"sum": "0.0", "mean": "0.0", "amax": 'float("-inf")', "amin": 'float("inf")'}
+
+
+@dataclass(frozen=True)
+class RowVariant:
+    """What the source depends on beyond the program: which root dims each operand moves along."""
+
+    rank: int  # the root's: rows over dims 0..rank-2, the row along dim rank-1
+    load_dims: tuple[tuple[bool, ...], ...]
+    load_base: tuple[bool, ...]
+    output_dims: tuple[tuple[bool, ...], ...]
+    wide: bool
+    looped: bool
+
+
+def _row_values(program: Program, variant: RowVariant) -> tuple[dict[Ref, bool], dict[Ref, int]]:
+    """Which values are a row's (not moving along it), and each value's level: the reductions it follows."""
+    last = variant.rank - 1
+    in_row: dict[Ref, bool] = {}
+    level: dict[Ref, int] = {}
+    for k, load in enumerate(program.loads):
+        ref = Ref("load", k)
+        in_row[ref] = load.by_value or not variant.load_dims[k][last]
+        level[ref] = 0
+    for j, step in enumerate(program.steps):
+        ref, args = Ref("step", j), _refs(step.args) + _refs(tuple(v for _, v in step.kwargs))
+        if step.target in ROW_REDUCTIONS:
+            in_row[ref], level[ref] = True, level[args[0]] + 1
+        else:
+            in_row[ref] = all(in_row[a] for a in args)
+            level[ref] = max((level[a] for a in args), default=0)
+    return in_row, level
+
+
+def _refs(args: tuple[Any, ...]) -> list[Ref]:
+    found: list[Ref] = []
+    for a in args:
+        if isinstance(a, Ref):
+            found.append(a)
+        elif isinstance(a, tuple):
+            found += _refs(a)
+    return found
+
+
+def _depends(program: Program, roots: list[Ref]) -> set[Ref]:
+    """`roots` and every value they are computed from."""
+    seen: set[Ref] = set()
+    stack = list(roots)
+    while stack:
+        ref = stack.pop()
+        if ref in seen:
+            continue
+        seen.add(ref)
+        if ref.kind == "step":
+            step = program.steps[ref.index]
+            stack += _refs(step.args) + _refs(tuple(v for _, v in step.kwargs))
+    return seen
+
+
+def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], variant: RowVariant) -> str:
+    q, last = variant.rank, variant.rank - 1
+    params = [f"l{k}_value" if load.by_value else f"l{k}_ptr" for k, load in enumerate(program.loads)]
+    params += [f"o{i}_ptr" for i in range(len(program.outputs))]
+    params += [f"n{d}" for d in range(q)]
+    for k, dims in enumerate(variant.load_dims):
+        params += [f"l{k}_s{d}" for d, moves in enumerate(dims) if moves]
+        if variant.load_base[k]:
+            params.append(f"l{k}_base")
+    for i, dims in enumerate(variant.output_dims):
+        params += [f"o{i}_s{d}" for d, moves in enumerate(dims) if moves]
+    params += ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
+
+    wide = ".to(tl.int64)" if variant.wide else ""
+    rows = " * ".join(f"n{d}" for d in range(last)) or "1"
+    body = [f"x = tl.program_id(0){wide} * XBLOCK + tl.arange(0, XBLOCK)[:, None]", f"row_mask = x < {rows}"]
+    rest = "x"
+    for d in range(last - 1, 0, -1):
+        body += [f"c{d} = {rest} % n{d}", f"x{d} = {rest} // n{d}"]
+        rest = f"x{d}"
+    if last > 0:
+        body.append(f"c0 = {rest}")
+
+    in_row, level = _row_values(program, variant)
+    tile = interpreting()  # see kernel.kernel_source: the interpreter broadcasts scalars where they are read
+    names: dict[Ref, str] = {}
+
+    def operand(ref: Ref) -> Operand:
+        dtype = program.loads[ref.index].dtype if ref.kind == "load" else program.steps[ref.index].dtype
+        zero_dim = program.loads[ref.index].zero_dim if ref.kind == "load" else program.steps[ref.index].zero_dim
+        return Operand(names[ref], dtype, zero_dim)
+
+    def resolve(a: Any) -> Any:
+        if isinstance(a, Ref):
+            return operand(a)
+        if isinstance(a, tuple):
+            return tuple(resolve(x) for x in a)
+        return a
+
+    def offset(prefix: str, dims: tuple[bool, ...], base: bool) -> str:
+        terms = [f"c{d} * {prefix}_s{d}" for d, moves in enumerate(dims) if moves]
+        return " + ".join(terms + ([f"{prefix}_base"] if base else [])) or "0"
+
+    def emit(ref: Ref, suffix: str, lines: list[str]) -> None:
+        """The statement computing `ref` under the name it gets in this walk (`suffix`)."""
+        var = f"{'l' if ref.kind == 'load' else 't'}{ref.index}{suffix}"
+        if ref.kind == "load":
+            k, load = ref.index, program.loads[ref.index]
+            if load.by_value:
+                value = f"l{k}_value"
+            else:
+                dims = variant.load_dims[k]
+                mask = "mask" if not in_row[ref] else ("row_mask" if any(dims) else "")
+                value = f"tl.load(l{k}_ptr + {offset(f'l{k}', dims, variant.load_base[k])}" \
+                        f"{f', mask={mask}' if mask else ''})"
+                if held_dtype(load.dtype) != load.dtype:
+                    value += f".to({TRITON_DTYPE[held_dtype(load.dtype)]})"
+            if tile and in_row[ref]:
+                value = f"tl.broadcast_to({value}, [XBLOCK, 1])"
+        else:
+            step = program.steps[ref.index]
+            if step.target in ROW_REDUCTIONS:
+                raise AssertionError("reductions are emitted by their walk")
+            value = translate(step.target, resolve(step.args), {k: resolve(v) for k, v in step.kwargs},
+                              step.dtype).expr
+        lines.append(f"{var} = {value}")
+        names[ref] = var
+
+    reductions = [Ref("step", j) for j, s in enumerate(program.steps) if s.target in ROW_REDUCTIONS]
+    order = [Ref("load", k) for k in range(len(program.loads))] + [Ref("step", j)
+                                                                   for j in range(len(program.steps))]
+    col = f"c{last}"
+
+    def reduce(ref: Ref, values: str) -> str:
+        """A reduction's row value of the tile `values` (masked lanes hold the kind's neutral element)."""
+        kind = ROW_REDUCTIONS[program.steps[ref.index].target]
+        if kind in ("sum", "mean"):
+            total = f"tl.sum({values}, axis=1, keep_dims=True)"
+            return f"({total} / n{last})" if kind == "mean" else total
+        return f"tl.reduce({values}, 1, {'_max_nan' if kind == 'amax' else '_min_nan'}, keep_dims=True)"
+
+    def reduced_input(ref: Ref) -> str:
+        """The reduction's input in this walk, in the reduction's held dtype, masked lanes neutral."""
+        step = program.steps[ref.index]
+        source = step.args[0]
+        value = names[source]
+        acc = held_dtype(step.dtype)
+        if held_dtype(operand(source).dtype) != acc:
+            value = f"({value}).to({TRITON_DTYPE[acc]})"
+        return f"tl.where(col_mask, {value}, {NEUTRAL[ROW_REDUCTIONS[step.target]]})"
+
+    done: set[Ref] = set()
+
+    def emit_rows(upto: int) -> None:
+        """Row values of levels up to `upto` not yet computed, in program order."""
+        for ref in order:
+            if ref not in done and in_row[ref] and level[ref] <= upto and ref not in reductions:
+                if ref.kind == "load" or all(a in done for a in _refs(program.steps[ref.index].args)):
+                    emit(ref, "", body)
+                    done.add(ref)
+
+    if not variant.looped:
+        body += [f"{col} = tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}", "mask = row_mask & col_mask"]
+        for ref in order:
+            if ref in reductions:
+                body.append(f"t{ref.index} = {reduce(ref, reduced_input(ref))}")
+                names[ref] = f"t{ref.index}"
+            else:
+                emit(ref, "", body)
+            done.add(ref)
+    else:
+        emit_rows(0)
+        for walk in range(max(level[r] for r in reductions)):
+            todo = [r for r in reductions if level[r] == walk + 1]
+            for ref in todo:
+                step = program.steps[ref.index]
+                body.append(f"acc{ref.index} = tl.full([XBLOCK, RBLOCK], {NEUTRAL[ROW_REDUCTIONS[step.target]]}, "
+                            f"{TRITON_DTYPE[held_dtype(step.dtype)]})")
+            loop = [f"{col} = r0 + tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}",
+                    "mask = row_mask & col_mask"]
+            suffix = f"_w{walk}"
+            needed = _depends(program, [program.steps[r.index].args[0] for r in todo])
+            row_names = dict(names)
+            for ref in order:
+                if ref in needed and ref not in done:
+                    emit(ref, suffix, loop)
+            for ref in todo:
+                kind = ROW_REDUCTIONS[program.steps[ref.index].target]
+                value = reduced_input(ref)
+                if kind in ("sum", "mean"):
+                    loop.append(f"acc{ref.index} = acc{ref.index} + {value}")
+                else:
+                    loop.append(f"acc{ref.index} = {'_max_nan' if kind == 'amax' else '_min_nan'}"
+                                f"(acc{ref.index}, {value})")
+            body.append(f"for r0 in range(0, n{last}, RBLOCK):")
+            body += [f"    {line}" for line in loop]
+            names.clear()
+            names.update(row_names)
+            for ref in todo:
+                kind = ROW_REDUCTIONS[program.steps[ref.index].target]
+                total = (f"tl.sum(acc{ref.index}, axis=1, keep_dims=True)" if kind in ("sum", "mean") else
+                         f"tl.reduce(acc{ref.index}, 1, {'_max_nan' if kind == 'amax' else '_min_nan'}, "
+                         f"keep_dims=True)")
+                body.append(f"t{ref.index} = {f'({total} / n{last})' if kind == 'mean' else total}")
+                names[ref] = f"t{ref.index}"
+                done.add(ref)
+            emit_rows(walk + 1)
+
+    def store(i: int) -> str:
+        ref, dtype = program.outputs[i]
+        row_output = spaces[i] != "root"
+        value = f"tl.broadcast_to({names[ref]}, {'[XBLOCK, 1]' if row_output else '[XBLOCK, RBLOCK]'})"
+        if held_dtype(dtype) != dtype:
+            value = to_stored(value, held_dtype(dtype), dtype)
+        dims = variant.output_dims[i]
+        if row_output:  # written once per row: the column's coordinate is not a row's
+            dims = tuple(moves and d != last for d, moves in enumerate(dims))
+        return (f"tl.store(o{i}_ptr + {offset(f'o{i}', dims, False)}, {value}, "
+                f"mask={'row_mask' if row_output else 'mask'})")
+
+    row_outputs = [i for i, space in enumerate(spaces) if space != "root"]
+    tile_outputs = [i for i, space in enumerate(spaces) if space == "root"]
+    body += [store(i) for i in row_outputs]
+    if not variant.looped:
+        body += [store(i) for i in tile_outputs]
+    elif tile_outputs:
+        loop = [f"{col} = r0 + tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}",
+                "mask = row_mask & col_mask"]
+        needed = _depends(program, [program.outputs[i][0] for i in tile_outputs])
+        for ref in order:
+            if ref in needed and ref not in done:
+                emit(ref, "_out", loop)
+        loop += [store(i) for i in tile_outputs]
+        body.append(f"for r0 in range(0, n{last}, RBLOCK):")
+        body += [f"    {line}" for line in loop]
+
+    by_value = [p for p in params if p.endswith("_value")]
+    decorator = f"@triton.jit(do_not_specialize={by_value})" if by_value else "@triton.jit"
+    lines = [decorator, f"def {name}({', '.join(params)}):"] + [f"    {line}" for line in body]
+    return COMBINE + "\n".join(lines) + "\n"
+
+
+def _space_shape(root: tuple[int, ...], space: str) -> tuple[int, ...]:
+    return root if space == "root" else root[:-1] + (1,) if space == "row" else root[:-1]
+
+
+class RowLauncher(PointwiseLauncher):
+    """Runs one fused group holding row reductions: the pointwise launcher with the row kernel's plan."""
+
+    def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
+        lowered = self.lowered
+        accesses = lowered.accesses
+        root = resolved_root(lowered, inputs)
+        q = len(root)
+        shapes = tuple(_space_shape(root, out.space) for out in lowered.outputs)
+        out_strides = tuple(contiguous_strides(shape, out.stride_order)
+                            for shape, out in zip(shapes, lowered.outputs))
+        rows, length = math.prod(root[:-1]), root[-1]
+        if rows == 0:  # nothing to compute: empty outputs, no launch
+            return LaunchPlan(None, shapes, out_strides, (0,))
+        int_args: list[int] = list(root)
+        load_dims, load_base, extents = [], [], [rows * length]
+        for access in accesses:
+            if access.by_value:
+                load_dims.append((False,) * q)
+                load_base.append(False)
+                continue
+            x = inputs[access.input]
+            strides, base = strides_at(access.map, x.stride(), q)
+            load_dims.append(tuple(s != 0 for s in strides))
+            load_base.append(base != 0)
+            int_args += [s for s in strides if s != 0] + ([base] if base else [])
+            extents.append(sum((n - 1) * abs(s) for n, s in zip(root, strides)) + abs(base))
+        output_dims = []
+        for out, strides in zip(lowered.outputs, out_strides):
+            at_root, _ = strides_at(output_map(out.space, q), strides, q)
+            output_dims.append(tuple(s != 0 for s in at_root))
+            int_args += [s for s in at_root if s != 0]
+            extents.append(sum((n - 1) * abs(s) for n, s in zip(root, at_root)))
+        looped = length > PERSISTENT_MAX
+        rblock = LOOP_BLOCK if looped else next_power_of_2(max(length, 1))
+        xblock = 1 if looped else min(next_power_of_2(rows), max(1, PROGRAM_TILE // rblock))
+        num_warps = 8 if xblock * rblock >= 2048 else 4
+        variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims),
+                             max(extents) > INT32_MAX, looped)
+        spaces = tuple(out.space for out in lowered.outputs)
+        kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),
+                                 lambda: row_kernel_source(self.__name__, lowered.program, spaces, variant))
+        launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,
+                             RBLOCK=rblock, num_warps=num_warps)
+        return LaunchPlan(launch, shapes, out_strides, (cdiv(rows, xblock),))

@@ -1,0 +1,150 @@
+"""Row reductions fused with the pointwise ops around them: numerics against eager and float64, forward and
+backward, rows held whole and rows walked in chunks, the report and the rewritten graph, and what stays ATen."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from support import check, random_tensor, rewrites
+
+import fusepass
+from fusepass.elementwise import row_kernel
+
+STRICT = fusepass.backend(strict=True)  # a kernel that fails raises: these tests see the kernels' values
+aten = torch.ops.aten
+
+
+@pytest.fixture(params=["whole rows", "walked rows"])
+def row_form(request, monkeypatch):
+    """Every test twice: rows held whole, and rows walked in chunks (the kernels of long rows, at test sizes)."""
+    if request.param == "walked rows":
+        monkeypatch.setattr(row_kernel, "PERSISTENT_MAX", 16)
+        monkeypatch.setattr(row_kernel, "LOOP_BLOCK", 16)
+    return request.param
+
+
+class RMSNorm(nn.Module):
+    """As Llama writes it: the fp32 upcast, the weight applied after the cast back."""
+
+    def __init__(self, width: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(random_tensor((width,), dtype))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+def residual_rmsnorm(x, residual, weight):
+    h = x + residual
+    hf = h.float()
+    return h, (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * weight
+
+
+def layer_norm_by_hand(x, weight, bias):
+    """BERT's original: mean, then the mean of squared deviations."""
+    u = x.mean(-1, keepdim=True)
+    s = (x - u).pow(2).mean(-1, keepdim=True)
+    return weight * ((x - u) / torch.sqrt(s + 1e-12)) + bias
+
+
+def softmax_by_hand(x):
+    e = torch.exp(x - x.amax(-1, keepdim=True))
+    return e / e.sum(-1, keepdim=True)
+
+
+def log_softmax_loss(logits, onehot):
+    """A cross-entropy written out: log-sum-exp per row, the row's loss not kept dim."""
+    m = logits.amax(-1, keepdim=True)
+    lse = m + torch.log(torch.exp(logits - m).sum(-1, keepdim=True))
+    return ((lse - logits) * onehot).sum(-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rmsnorm_is_one_kernel_each_way(row_form, dtype):
+    x = random_tensor((3, 5, 37), dtype)
+    norm = RMSNorm(37, dtype)
+    report = check(lambda x, w: residual_rmsnorm(x, x * 0.5, w), x, norm.weight.detach(), backward=True,
+                   backend=STRICT)
+    (forward,) = rewrites(report, kind="reduction", phase="forward")
+    assert "aten.mean" in forward.ops and "aten.rsqrt" in forward.ops
+    assert forward.detail["shape"] == ["3", "5", "37"]
+    assert rewrites(report, kind="reduction", phase="backward")  # the row sum of dy · x beside its pointwise ops
+    assert not [n for n in report.graphs["forward"].graph.nodes if n.target == aten.mean.dim]
+
+
+@pytest.mark.parametrize("fn, shape", [(softmax_by_hand, (4, 29)), (layer_norm_by_hand, (2, 3, 41))],
+                         ids=["softmax", "layernorm"])
+def test_chained_reductions(row_form, fn, shape):
+    x = random_tensor(shape, torch.float32)
+    if fn is softmax_by_hand:
+        report = check(fn, x, backward=True, backend=STRICT)
+    else:
+        w, b = random_tensor(shape[-1:], torch.float32), random_tensor(shape[-1:], torch.float32)
+        report = check(fn, x, w, b, backward=True, backend=STRICT)
+    assert len(rewrites(report, kind="reduction", phase="forward")) == 1
+
+
+def test_a_row_value_written_out_without_its_dimension(row_form):
+    logits = random_tensor((6, 45), torch.float32)
+    onehot = torch.nn.functional.one_hot(torch.arange(6) * 7 % 45, 45).float()
+    report = check(log_softmax_loss, logits, onehot, backward=True, backend=STRICT)
+    (forward,) = rewrites(report, kind="reduction", phase="forward")
+    assert forward.ops.count("aten.sum") == 2
+
+
+def test_maximum_and_minimum_propagate_nan(row_form):
+    x = random_tensor((5, 23), torch.float32)
+    x[1, 7] = float("nan")
+    x[3, 22] = float("nan")
+    fused = torch.compile(lambda x: (x.amax(-1) * 2, x.amin(-1, keepdim=True) - x), backend=STRICT)(x)
+    eager = (x.amax(-1) * 2, x.amin(-1, keepdim=True) - x)
+    for a, e in zip(fused, eager):
+        torch.testing.assert_close(a, e, equal_nan=True)
+
+
+def test_sum_into_a_wider_dtype_and_a_model_module(row_form):
+    x = random_tensor((7, 33), torch.bfloat16)
+    check(lambda x: (x * 2).sum(-1, dtype=torch.float32) + 1, x, backend=STRICT)
+    norm = RMSNorm(33, torch.float32)
+    compiled = torch.compile(norm, backend=STRICT)
+    y = random_tensor((2, 4, 33), torch.float32)
+    compiled(y).sum().backward()
+    assert norm.weight.grad is not None
+    expected = norm.weight.grad.clone()
+    norm.weight.grad = None
+    norm(y).sum().backward()
+    torch.testing.assert_close(expected, norm.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_call_at_other_sizes_keeps_every_gradient(row_form):
+    norm = RMSNorm(24, torch.float32)
+    compiled = torch.compile(norm, backend=STRICT)
+    for rows, width in ((3, 24), (7, 24), (11, 24)):
+        x = random_tensor((rows, width), torch.float32).requires_grad_()
+        compiled(x).square().sum().backward()
+        got = (x.grad.clone(), norm.weight.grad.clone())
+        x.grad, norm.weight.grad = None, None
+        norm(x).square().sum().backward()
+        torch.testing.assert_close(got[0], x.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], norm.weight.grad, rtol=1e-5, atol=1e-5)
+        x.grad, norm.weight.grad = None, None
+
+
+def test_reductions_over_other_dimensions_stay_aten():
+    x = random_tensor((9, 13), torch.float32)
+    report = check(lambda x: torch.exp(x * 2).sum(0) + 1, x, backend=STRICT)
+    assert not rewrites(report, kind="reduction")
+    graph = report.graphs["forward"].graph
+    assert [n for n in graph.nodes if n.target == aten.sum.dim_IntList]
+
+
+def test_a_row_value_read_in_another_row_is_not_fused_with_its_reader():
+    x = random_tensor((12, 12), torch.float32)
+    # The row sums read as a row vector: each element needs another row's sum.
+    report = check(lambda x: torch.exp(x).sum(-1, keepdim=True).t() * x, x, backward=True, backend=STRICT)
+    assert not rewrites(report, kind="reduction", phase="forward")
+    assert [n for n in report.graphs["forward"].graph.nodes if n.target == aten.sum.dim_IntList]
