@@ -9,6 +9,7 @@ from dataclasses import dataclass
 class Options:
     attention: bool = True  # rewrite matmul → softmax → matmul into the fused flash kernel
     elementwise: bool = True  # fuse chains of pointwise ops into generated kernels
+    reductions: bool = True  # with them, the row reductions between them (sums, means, maxima over the last dim)
     strict: bool = False  # raise instead of falling back to the unfused ops when a pass fails
     # replay an attention call's or a fused elementwise group's kernel launches as a CUDA graph where its tensors
     # and values repeat an earlier call's (fusepass/runtime/replay.py): the host time of the launches

@@ -146,6 +146,7 @@ def main() -> None:
             examples.setdefault((kind, detail), program)
         else:
             wrong.append(f"- {kind}, {outcome}: {detail}\n  `{program}`")
+            print(wrong[-1], flush=True)  # at once: a campaign stopped early keeps its programs in its log
         if seen % 100 == 0:
             print(f"{seen} programs, {time.time() - started:.0f} s: {dict(counts['pointwise'])} "
                   f"{dict(counts['attention'])}", flush=True)

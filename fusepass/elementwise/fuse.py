@@ -36,10 +36,11 @@ def kernel_name(group: Group) -> str:
     return "fused_" + "_".join(names[:6])
 
 
-def lowerable_partition(graph: torch.fx.Graph, device: torch.device) -> tuple[list[Group], list]:
+def lowerable_partition(graph: torch.fx.Graph, device: torch.device, reductions: bool = True
+                        ) -> tuple[list[Group], list]:
     """`partition`, with the row reductions of a group that cannot be lowered (one read in another row than it
-    reduces) left as ATen ops, and the rest grouped again."""
-    apart: frozenset[torch.fx.Node] = frozenset()
+    reduces) left as ATen ops, and the rest grouped again; without `reductions`, every one."""
+    apart = frozenset() if reductions else frozenset(n for n in graph.nodes if is_row_reduction(n))
     while True:
         groups, declined = partition(graph, device, apart)
         unlowerable = set()
@@ -56,7 +57,7 @@ def lowerable_partition(graph: torch.fx.Graph, device: torch.device) -> tuple[li
 
 
 def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    groups, declined = lowerable_partition(gm.graph, ctx.device)
+    groups, declined = lowerable_partition(gm.graph, ctx.device, ctx.options.reductions)
     for d in declined:
         ctx.report.hotspots.append(Hotspot(kind="elementwise", phase=ctx.phase, location=location(d.node),
                                            reason=d.reason, ops=(op_name(d.node),), bytes=op_bytes(d.node),

@@ -17,7 +17,7 @@ import torch.fx
 
 from fusepass.elementwise.coords import Map, broadcast, identity, is_mapped_view, through_view
 from fusepass.elementwise.partition import Group, is_constant, root_shape
-from fusepass.elementwise.reduction import is_row_reduction
+from fusepass.elementwise.reduction import expand, is_composite, is_row_reduction
 from fusepass.elementwise.program import Load, Program, Ref, Step
 from fusepass.fx_util import val
 
@@ -64,10 +64,10 @@ def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Nod
     if is_mapped_view(node):
         return [(node.args[0], through_view(node, m, rank))]
     if is_row_reduction(node):
-        # Read in the row it reduces: its outer coordinates are the root's own.
-        if m[:rank - 1] != identity(rank)[:rank - 1]:
+        # Read in the row it reduces: its outer coordinates are the root's own (a softmax's, all of them).
+        if m[:rank - 1] != identity(rank)[:rank - 1] or (is_composite(node) and m != identity(rank)):
             raise NotLowerable("a row reduction is read at another row than it reduces")
-        return [(node.args[0], identity(rank))]
+        return [(a, identity(rank)) for a in node.all_input_nodes]
     shape = tuple(val(node).shape)
     return [(a, broadcast(m, shape, tuple(val(a).shape), rank)) for a in node.all_input_nodes]
 
@@ -94,6 +94,10 @@ def lower(group: Group, device: torch.device) -> Lowered:
     accesses: list[Access] = []
     steps: list[Step] = []
     refs: dict[tuple[torch.fx.Node, Map], Ref] = {}
+
+    def add_step(target: Any, args: tuple[Any, ...], dtype: torch.dtype, **kwargs: Any) -> Ref:
+        steps.append(Step(target, args, tuple(sorted(kwargs.items())), dtype, False))
+        return Ref("step", len(steps) - 1)
 
     def ref_of(arg: torch.fx.Node, m: Map) -> Ref:
         if (arg, m) in refs:
@@ -126,6 +130,9 @@ def lower(group: Group, device: torch.device) -> Lowered:
                 return a
 
             value = val(node)
+            if is_composite(node):
+                refs[(node, m)] = expand(node, [operand(a) for a in node.all_input_nodes], add_step)
+                continue
             steps.append(Step(node.target, tuple(operand(a) for a in node.args),
                               tuple(sorted((k, operand(v)) for k, v in node.kwargs.items())),
                               value.dtype, value.dim() == 0))

@@ -1,4 +1,6 @@
-"""Row reductions: sums, means, maxima and minima over a tensor's last dimension, which a fused group may hold.
+"""Row reductions: sums, means, maxima and minima over a tensor's last dimension, which a fused group may hold,
+and the softmax family over it (``_softmax``, ``_log_softmax`` and their backward ops), which a group holds as
+the reductions and pointwise ops they are made of (`expand`).
 
 A group that holds one computes, per row of its root shape (the reductions' input shape), the pointwise ops
 before the reduction over the whole row, the reduction, and the pointwise ops after it, reading the row value
@@ -10,6 +12,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+
+from collections.abc import Callable
+from typing import Any
 
 from fusepass.fx_util import val
 
@@ -25,22 +30,37 @@ ROW_REDUCTIONS = {
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# (output, and for the backward ops the output's gradient): the softmax family, by the argument holding `dim`.
+COMPOSITES = {
+    aten._softmax.default: 1,
+    aten._log_softmax.default: 1,
+    aten._softmax_backward_data.default: 2,
+    aten._log_softmax_backward_data.default: 2,
+}
+
+
 def reduction_kind(node: torch.fx.Node) -> str | None:
-    """"sum", "mean", "amax" or "amin" where `node` reduces its floating input over the last dimension only."""
-    kind = ROW_REDUCTIONS.get(node.target) if node.op == "call_function" else None
-    if kind is None:
+    """"sum", "mean", "amax", "amin" or "softmax" (the family) where `node` reduces its floating input over the
+    last dimension only."""
+    if node.op != "call_function" or (node.target not in ROW_REDUCTIONS and node.target not in COMPOSITES):
         return None
     source, out = node.args[0], val(node)
     if not isinstance(source, torch.fx.Node) or val(source) is None or out is None:
         return None
     x = val(source)
-    if x.dim() == 0 or x.dtype not in FLOATING or out.dtype not in FLOATING:
+    tensors = [val(a) for a in node.all_input_nodes]
+    if x.dim() == 0 or any(t is None or t.dtype not in FLOATING for t in tensors) or out.dtype not in FLOATING:
         return None
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    if node.target in COMPOSITES:
+        dims = [node.args[COMPOSITES[node.target]]]
+        if any(tuple(map(str, t.shape)) != tuple(map(str, x.shape)) for t in tensors):
+            return None
+    else:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dims = [dims] if isinstance(dims, int) else list(dims or [])
     if [d % x.dim() for d in dims] != [x.dim() - 1]:
         return None
-    return kind
+    return "softmax" if node.target in COMPOSITES else ROW_REDUCTIONS[node.target]
 
 
 def keeps_dim(node: torch.fx.Node) -> bool:
@@ -55,3 +75,37 @@ def reduced_input(node: torch.fx.Node) -> torch.fx.Node:
 
 def is_row_reduction(node: torch.fx.Node) -> bool:
     return reduction_kind(node) is not None
+
+
+def is_composite(node: torch.fx.Node) -> bool:
+    return node.target in COMPOSITES and is_row_reduction(node)
+
+
+def expand(node: torch.fx.Node, inputs: list[Any], emit: Callable[..., Any]) -> Any:
+    """What a softmax-family op computes, as steps: `emit(target, args, dtype)` adds one and returns its value;
+    `inputs` are the values of the op's tensor arguments. In the output's dtype throughout, as eager's kernels
+    compute (half precision held in float32)."""
+    dtype = val(node).dtype
+    row = ((-1,), True)
+
+    def as_out(x: Any, x_dtype: torch.dtype) -> Any:
+        return x if x_dtype == dtype else emit(aten._to_copy.default, (x,), dtype, dtype=dtype)
+
+    target = node.target
+    if target in (aten._softmax.default, aten._log_softmax.default):
+        x = as_out(inputs[0], val(node.args[0]).dtype)
+        shifted = emit(aten.sub.Tensor, (x, emit(aten.amax.default, (x, *row), dtype)), dtype)
+        exps = emit(aten.exp.default, (shifted,), dtype)
+        total = emit(aten.sum.dim_IntList, (exps, *row), dtype)
+        if target == aten._softmax.default:
+            return emit(aten.div.Tensor, (exps, total), dtype)
+        return emit(aten.sub.Tensor, (shifted, emit(aten.log.default, (total,), dtype)), dtype)
+    grad = as_out(inputs[0], val(node.args[0]).dtype)
+    out = as_out(inputs[1], val(node.args[1]).dtype)
+    if target == aten._softmax_backward_data.default:  # y · (dy − Σ dy·y)
+        dot = emit(aten.sum.dim_IntList, (emit(aten.mul.Tensor, (grad, out), dtype), *row), dtype)
+        return emit(aten.mul.Tensor, (out, emit(aten.sub.Tensor, (grad, dot), dtype)), dtype)
+    # log-softmax: dy − exp(y) · Σ dy
+    total = emit(aten.sum.dim_IntList, (grad, *row), dtype)
+    return emit(aten.sub.Tensor, (grad, emit(aten.mul.Tensor, (emit(aten.exp.default, (out,), dtype), total),
+                                             dtype)), dtype)

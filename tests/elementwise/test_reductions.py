@@ -148,3 +148,30 @@ def test_a_row_value_read_in_another_row_is_not_fused_with_its_reader():
     report = check(lambda x: torch.exp(x).sum(-1, keepdim=True).t() * x, x, backward=True, backend=STRICT)
     assert not rewrites(report, kind="reduction", phase="forward")
     assert [n for n in report.graphs["forward"].graph.nodes if n.target == aten.sum.dim_IntList]
+
+
+def test_reductions_off_leaves_them_aten_and_fuses_the_rest():
+    x = random_tensor((5, 19), torch.float32)
+    report = check(softmax_by_hand, x, backward=True, backend=fusepass.backend(strict=True, reductions=False))
+    assert not rewrites(report, kind="reduction")
+    assert rewrites(report, phase="forward")  # exp(x - max) is still one pointwise kernel
+    graph = report.graphs["forward"].graph
+    assert [n for n in graph.nodes if n.target == aten.amax.default]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_softmax_family_ops_join_their_neighbours(row_form, dtype):
+    x = random_tensor((4, 3, 27), dtype)
+
+    def fn(x):
+        probs = torch.softmax(x * 2, dim=-1)
+        logp = torch.log_softmax(x.float() - 1, dim=-1)
+        return probs * 3, logp.exp() + 1
+
+    report = check(fn, x, backward=True, backend=STRICT)
+    (forward,) = rewrites(report, kind="reduction", phase="forward")
+    assert {"aten._softmax", "aten._log_softmax"} <= set(forward.ops)
+    (backward,) = rewrites(report, kind="reduction", phase="backward")
+    assert {"aten._softmax_backward_data", "aten._log_softmax_backward_data"} <= set(backward.ops)
+    graph = report.graphs["backward"].graph
+    assert not [n for n in graph.nodes if n.target == aten._softmax_backward_data.default]
