@@ -263,8 +263,10 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         dims = variant.output_dims[i]
         if row_output:  # written once per row: the column's coordinate is not a row's
             dims = tuple(moves and d != last for d, moves in enumerate(dims))
-        return (f"tl.store(o{i}_ptr + {offset(f'o{i}', dims, False)}, {value}, "
-                f"mask={'row_mask' if row_output else 'mask'})")
+        where = offset(f"o{i}", dims, False)
+        if where == "0":  # one row (a root of rank 1): the offset still takes the value's shape
+            where = "x * 0" if row_output else f"x * 0 + c{last} * 0"
+        return f"tl.store(o{i}_ptr + {where}, {value}, mask={'row_mask' if row_output else 'mask'})"
 
     row_outputs = [i for i, space in enumerate(spaces) if space != "root"]
     tile_outputs = [i for i, space in enumerate(spaces) if space == "root"]

@@ -175,3 +175,10 @@ def test_softmax_family_ops_join_their_neighbours(row_form, dtype):
     assert {"aten._softmax_backward_data", "aten._log_softmax_backward_data"} <= set(backward.ops)
     graph = report.graphs["backward"].graph
     assert not [n for n in graph.nodes if n.target == aten._softmax_backward_data.default]
+
+
+def test_one_row(row_form):
+    """A root of rank 1: one row, its value written once."""
+    x = random_tensor((29,), torch.float16)
+    check(lambda x: (torch.sigmoid(x) * x.amax(-1, keepdim=True), (x * 2).sum(-1)), x, backward=True,
+          backend=STRICT)
