@@ -28,6 +28,7 @@ from fusepass.elementwise.fuse import fuse_elementwise
 from fusepass.matmul.pad import pad_matmuls
 from fusepass.options import Options
 from fusepass.report import hooks, profile, roofline
+from fusepass.report.aten_ops import aten_ops
 from fusepass.report.intermediates import largest_intermediates
 from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, discard, new_report
@@ -164,6 +165,8 @@ class Backend:
                 if self.options.elementwise:
                     module = self._step(fuse_elementwise, module, context(phase), "elementwise fusion")
                 report.graphs[phase] = module
+                if run_kernels:  # otherwise the graph still holds what the rewrites would remove
+                    self._list_aten_ops(module, context(phase))
                 if phase == "backward":
                     compiling.backward_compiled()
                 else:
@@ -192,6 +195,12 @@ class Backend:
         except Exception as error:
             ctx.fallback("fallback", "?", f"{what} failed on the whole graph", error)
             return before
+
+    def _list_aten_ops(self, graph: torch.fx.GraphModule, ctx: PassContext) -> None:
+        try:
+            ctx.report.hotspots.extend(aten_ops(graph.graph, ctx.phase, ctx.device, self.options.elementwise))
+        except Exception as error:
+            ctx.fallback("fallback", "?", "listing the ATen ops left failed", error)
 
     def _list_intermediates(self, graph: torch.fx.GraphModule, ctx: PassContext) -> None:
         try:

@@ -189,6 +189,12 @@ class LowPrecisionSeen(TorchDispatchMode):
         return out
 
 
+def missed(report: fusepass.Report) -> list:
+    """The hotspots of what fusepass could have fused and did not (or fell back from): all but the ops it leaves to
+    ATen by design (matmuls, ops without a fusion rule), which the report lists too."""
+    return [h for h in report.hotspots if h.kind not in ("matmul", "aten")]
+
+
 def rewrites(report: fusepass.Report, kind: str = "elementwise", phase: str | None = None) -> list:
     return [r for r in report.rewrites if r.kind == kind and (phase is None or r.phase == phase)]
 

@@ -109,17 +109,26 @@ def _load_mask(dims: tuple[bool, ...]) -> str:
     return ", mask=col_mask" if along_columns else ", mask=row_mask"
 
 
-def kernel_source(name: str, program: Program, variant: Variant) -> str:
-    q = variant.rank
+def kernel_params(program: Program, rank: int, load_dims: tuple[tuple[bool, ...], ...], load_base: tuple[bool, ...],
+                  output_dims: tuple[tuple[bool, ...], ...]) -> list[str]:
+    """The parameters of a generated kernel before its block sizes, in the order its launcher passes them: the
+    loads (pointers or values), the outputs, the sizes, then each operand's strides along the dims it moves along
+    (and a load's base offset)."""
     params = [f"l{k}_value" if load.by_value else f"l{k}_ptr" for k, load in enumerate(program.loads)]
     params += [f"o{i}_ptr" for i in range(len(program.outputs))]
-    params += [f"n{d}" for d in range(q)]
-    for k, dims in enumerate(variant.load_dims):
+    params += [f"n{d}" for d in range(rank)]
+    for k, dims in enumerate(load_dims):
         params += [f"l{k}_s{d}" for d, moves in enumerate(dims) if moves]
-        if variant.load_base[k]:
+        if load_base[k]:
             params.append(f"l{k}_base")
-    for i, dims in enumerate(variant.output_dims):
+    for i, dims in enumerate(output_dims):
         params += [f"o{i}_s{d}" for d, moves in enumerate(dims) if moves]
+    return params
+
+
+def kernel_source(name: str, program: Program, variant: Variant) -> str:
+    q = variant.rank
+    params = kernel_params(program, q, variant.load_dims, variant.load_base, variant.output_dims)
     params += ["XBLOCK: tl.constexpr", "YBLOCK: tl.constexpr"]
 
     wide = ".to(tl.int64)" if variant.wide else ""

@@ -21,7 +21,7 @@ from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, to_stor
 from fusepass.codegen.translate import translate
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.kernel import (INT32_MAX, LaunchPlan, PointwiseLauncher, compiled_kernel,
-                                         contiguous_strides, resolved_root)
+                                         contiguous_strides, kernel_params, resolved_root)
 from fusepass.elementwise.lower import output_map
 from fusepass.elementwise.program import Program, Ref
 from fusepass.elementwise.reduction import ROW_REDUCTIONS
@@ -48,6 +48,7 @@ def _min_nan(a, b):
 
 '''
 NEUTRAL = {"sum": "0.0", "mean": "0.0", "amax": 'float("-inf")', "amin": 'float("inf")'}
+COMBINER = {"amax": "_max_nan", "amin": "_min_nan"}
 
 
 @dataclass(frozen=True)
@@ -72,13 +73,17 @@ def _row_values(program: Program, variant: RowVariant) -> tuple[dict[Ref, bool],
         in_row[ref] = load.by_value or not variant.load_dims[k][last]
         level[ref] = 0
     for j, step in enumerate(program.steps):
-        ref, args = Ref("step", j), _refs(step.args) + _refs(tuple(v for _, v in step.kwargs))
+        ref, args = Ref("step", j), _step_refs(step)
         if step.target in ROW_REDUCTIONS:
             in_row[ref], level[ref] = True, level[args[0]] + 1
         else:
             in_row[ref] = all(in_row[a] for a in args)
             level[ref] = max((level[a] for a in args), default=0)
     return in_row, level
+
+
+def _step_refs(step: Any) -> list[Ref]:
+    return _refs(step.args) + _refs(tuple(v for _, v in step.kwargs))
 
 
 def _refs(args: tuple[Any, ...]) -> list[Ref]:
@@ -101,22 +106,13 @@ def _depends(program: Program, roots: list[Ref]) -> set[Ref]:
             continue
         seen.add(ref)
         if ref.kind == "step":
-            step = program.steps[ref.index]
-            stack += _refs(step.args) + _refs(tuple(v for _, v in step.kwargs))
+            stack += _step_refs(program.steps[ref.index])
     return seen
 
 
 def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], variant: RowVariant) -> str:
     q, last = variant.rank, variant.rank - 1
-    params = [f"l{k}_value" if load.by_value else f"l{k}_ptr" for k, load in enumerate(program.loads)]
-    params += [f"o{i}_ptr" for i in range(len(program.outputs))]
-    params += [f"n{d}" for d in range(q)]
-    for k, dims in enumerate(variant.load_dims):
-        params += [f"l{k}_s{d}" for d, moves in enumerate(dims) if moves]
-        if variant.load_base[k]:
-            params.append(f"l{k}_base")
-    for i, dims in enumerate(variant.output_dims):
-        params += [f"o{i}_s{d}" for d, moves in enumerate(dims) if moves]
+    params = kernel_params(program, q, variant.load_dims, variant.load_base, variant.output_dims)
     params += ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
 
     wide = ".to(tl.int64)" if variant.wide else ""
@@ -185,7 +181,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         if kind in ("sum", "mean"):
             total = f"tl.sum({values}, axis=1, keep_dims=True)"
             return f"({total} / n{last})" if kind == "mean" else total
-        return f"tl.reduce({values}, 1, {'_max_nan' if kind == 'amax' else '_min_nan'}, keep_dims=True)"
+        return f"tl.reduce({values}, 1, {COMBINER[kind]}, keep_dims=True)"
 
     def reduced_input(ref: Ref) -> str:
         """The reduction's input in this walk, in the reduction's held dtype, masked lanes neutral."""
@@ -203,7 +199,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         """Row values of levels up to `upto` not yet computed, in program order."""
         for ref in order:
             if ref not in done and in_row[ref] and level[ref] <= upto and ref not in reductions:
-                if ref.kind == "load" or all(a in done for a in _refs(program.steps[ref.index].args)):
+                if ref.kind == "load" or all(a in done for a in _step_refs(program.steps[ref.index])):
                     emit(ref, "", body)
                     done.add(ref)
 
@@ -226,30 +222,24 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                             f"{TRITON_DTYPE[held_dtype(step.dtype)]})")
             loop = [f"{col} = r0 + tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}",
                     "mask = row_mask & col_mask"]
-            suffix = f"_w{walk}"
             needed = _depends(program, [program.steps[r.index].args[0] for r in todo])
-            row_names = dict(names)
+            row_names = dict(names)  # the walk's values are its loop's own
             for ref in order:
                 if ref in needed and ref not in done:
-                    emit(ref, suffix, loop)
+                    emit(ref, f"_w{walk}", loop)
             for ref in todo:
                 kind = ROW_REDUCTIONS[program.steps[ref.index].target]
                 value = reduced_input(ref)
                 if kind in ("sum", "mean"):
                     loop.append(f"acc{ref.index} = acc{ref.index} + {value}")
                 else:
-                    loop.append(f"acc{ref.index} = {'_max_nan' if kind == 'amax' else '_min_nan'}"
-                                f"(acc{ref.index}, {value})")
+                    loop.append(f"acc{ref.index} = {COMBINER[kind]}(acc{ref.index}, {value})")
             body.append(f"for r0 in range(0, n{last}, RBLOCK):")
             body += [f"    {line}" for line in loop]
             names.clear()
             names.update(row_names)
             for ref in todo:
-                kind = ROW_REDUCTIONS[program.steps[ref.index].target]
-                total = (f"tl.sum(acc{ref.index}, axis=1, keep_dims=True)" if kind in ("sum", "mean") else
-                         f"tl.reduce(acc{ref.index}, 1, {'_max_nan' if kind == 'amax' else '_min_nan'}, "
-                         f"keep_dims=True)")
-                body.append(f"t{ref.index} = {f'({total} / n{last})' if kind == 'mean' else total}")
+                body.append(f"t{ref.index} = {reduce(ref, f'acc{ref.index}')}")
                 names[ref] = f"t{ref.index}"
                 done.add(ref)
             emit_rows(walk + 1)

@@ -99,13 +99,13 @@ def is_matmul(node: torch.fx.Node) -> bool:
     return packet(node) in MATMULS or packet(node) in BIASED_MATMULS
 
 
-def _operands(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+def matmul_operands(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
     """A matmul's two factors."""
     return (node.args[1], node.args[2]) if packet(node) in BIASED_MATMULS else (node.args[0], node.args[1])
 
 
 def _matmul_flops(node: torch.fx.Node) -> int:
-    left = _operands(node)[0].meta.get("val")
+    left = matmul_operands(node)[0].meta.get("val")
     return 2 * numel(node.meta.get("val")) * _int(left.shape[-1])
 
 
@@ -151,7 +151,7 @@ def backward_ops(node: torch.fx.Node) -> list[BackwardOp]:
         return []
     out = value_bytes(node)
     if is_matmul(node):
-        left, right = _operands(node)
+        left, right = matmul_operands(node)
         flops = _matmul_flops(node)
         ops = [BackwardOp("aten.matmul", out + value_bytes(other) + value_bytes(operand), flops, matmul=True)
                for operand, other in ((right, left), (left, right)) if _needs_grad(operand)]
@@ -179,7 +179,7 @@ def saved_for_backward(node: torch.fx.Node) -> tuple[list[torch.fx.Node], int]:
     if not _needs_grad(node) or moves_no_bytes(node):
         return [], 0
     if is_matmul(node):
-        left, right = _operands(node)
+        left, right = matmul_operands(node)
         return [other for operand, other in ((left, right), (right, left)) if _needs_grad(operand)], 0
     if packet(node) in SOFTMAXES:
         return [node], 0

@@ -68,7 +68,7 @@ class Rewrite:
 class Hotspot:
     """Something left unfused, why, and what it costs."""
 
-    kind: str  # "attention" | "elementwise" | "intermediate" | "fallback"
+    kind: str  # "attention" | "elementwise" | "intermediate" | "fallback" | "matmul" | "aten" (an op left to ATen)
     phase: str
     location: str
     reason: str

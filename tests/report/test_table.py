@@ -91,7 +91,7 @@ hotspots, by estimated time              HBM      est.
         text = str(fusepass.last_report())
         assert_fits(text)
         self.assertExpectedInline(text, """\
-fusepass report - graph 0 on cpu: 4 rewrites, 0 hotspots
+fusepass report - graph 0 on cpu: 4 rewrites, 1 hotspot
 roofline: NVIDIA H200 (measured copy and bf16 matmul), 3.67 TB/s, 685 TFLOP/s (default)
 
 rewrites                          HBM bytes                 FLOP/B           est. time
@@ -104,4 +104,8 @@ rewrites                          HBM bytes                 FLOP/B           est
       tests/report/test_table.py:49 | 5 ops | 5.12 kFLOP
   elementwise backward  104.1 KiB   24.1 KiB   80.1 KiB     0.10    0.42   29.1 ns   6.71 ns
       tests/report/test_table.py:49 | 10 ops | 10.2 kFLOP
-  total                 355.2 KiB  102.2 KiB  253.0 KiB                    99.1 ns   28.5 ns""")
+  total                 355.2 KiB  102.2 KiB  253.0 KiB                    99.1 ns   28.5 ns
+
+hotspots, by estimated time              HBM      est.
+  aten         backward    4.1 KiB   1.13 ns  tests/report/test_table.py:49
+      aten.sum over other dims than the last: an ATen reduction""")

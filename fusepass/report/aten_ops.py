@@ -1,0 +1,66 @@
+"""The ops a compiled graph still runs as ATen kernels, each a hotspot: the report accounts for the whole step.
+
+A matmul (kind "matmul") carries its FLOPs, and so its roofline time beside the rest; any other ATen op that
+moves HBM bytes (kind "aten") says what kept it out of a fused kernel. Views, tuple elements, allocations,
+host-side scalars and fusepass's own kernels are not listed, nor are pointwise ops the elementwise pass already
+reported as declined.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from fusepass.elementwise.partition import decline_reason, is_pointwise
+from fusepass.elementwise.reduction import is_row_reduction
+from fusepass.fx_util import op_name
+from fusepass.report.ledger import is_matmul, matmul_operands, moves_no_bytes, op_bytes, op_flops, tensor_bytes
+from fusepass.report.records import Hotspot
+from fusepass.source import location
+
+aten = torch.ops.aten
+ALLOCATIONS = frozenset({aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty})
+REDUCTIONS = frozenset({aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.var_mean,
+                        aten.prod, aten.logsumexp, aten.argmax, aten.argmin, aten.any, aten.all, aten._softmax,
+                        aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data})
+
+
+def _shape(node: object) -> str:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return "×".join(map(str, val.shape)) if isinstance(val, torch.Tensor) else "?"
+
+
+def _reason(node: torch.fx.Node) -> str:
+    if is_matmul(node):
+        a, b = matmul_operands(node)
+        return f"matmul {_shape(a)} @ {_shape(b)}: ATen's GEMM"
+    if is_row_reduction(node):
+        return "a row reduction with no neighbour fused beside it: one ATen kernel"
+    if node.target.overloadpacket in REDUCTIONS:
+        return f"{op_name(node)} over other dims than the last: an ATen reduction"
+    if is_pointwise(node):
+        return "a pointwise op with no fusable neighbour: one ATen kernel"
+    return f"no fusion rule for {op_name(node)}: an ATen kernel"
+
+
+def aten_ops(graph: torch.fx.Graph, phase: str, device: torch.device, pointwise_reported: bool) -> list[Hotspot]:
+    """The hotspots of the ATen ops `graph` still runs on `device`; `pointwise_reported`: the elementwise pass ran
+    and reported the pointwise ops it declined."""
+    found = []
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
+                target.namespace != "aten" or target.overloadpacket in ALLOCATIONS:
+            continue
+        val = node.meta.get("val")
+        if moves_no_bytes(node) or (isinstance(val, torch.Tensor) and val.device != device):
+            continue
+        if pointwise_reported and is_pointwise(node) and decline_reason(node, device) is not None:
+            continue
+        moved = op_bytes(node)
+        if isinstance(val, (tuple, list)):  # each element is written by this op
+            moved += sum(tensor_bytes(v) for v in val)
+        if moved == 0:
+            continue
+        found.append(Hotspot(kind="matmul" if is_matmul(node) else "aten", phase=phase, location=location(node),
+                             reason=_reason(node), ops=(op_name(node),), bytes=moved, flops=op_flops(node)))
+    return found

@@ -1,0 +1,62 @@
+"""The ops a compiled graph leaves to ATen are hotspots: matmuls with their FLOPs, the rest with what kept them out
+of a fused kernel, so that the report accounts for the whole step."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from support import random_tensor
+
+import fusepass
+
+STRICT = fusepass.backend(strict=True)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(24)
+        self.up = nn.Linear(24, 40)
+        self.down = nn.Linear(40, 24)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))) * 2)
+
+
+def _compiled_report(fn, *inputs, backend=STRICT):
+    fusepass.reset()
+    inputs = [x.requires_grad_() for x in inputs]
+    torch.compile(fn, backend=backend)(*inputs).sum().backward()
+    return fusepass.last_report()
+
+
+def test_matmuls_and_aten_ops_are_hotspots_with_their_cost():
+    report = _compiled_report(Block(), random_tensor((3, 5, 24), torch.float32))
+    matmuls = [h for h in report.hotspots if h.kind == "matmul"]
+    forward = [h for h in matmuls if h.phase == "forward"]
+    assert len(forward) == 2 and all(h.flops > 0 and h.bytes > 0 and h.time_ms > 0 for h in forward)
+    assert any("15×24 @ 24×40" in h.reason for h in forward)  # the up projection, as ATen runs it
+    assert len([h for h in matmuls if h.phase == "backward"]) == 4  # dX and dW of each
+    norm = [h for h in report.hotspots if h.ops == ("aten.native_layer_norm",)]
+    assert norm and "no fusion rule" in norm[0].reason and norm[0].location.endswith("test_aten_ops.py:23")
+    # bias gradients: sums over the batch, not rows
+    assert any(h.kind == "aten" and "other dims than the last" in h.reason for h in report.hotspots)
+
+
+def test_fused_ops_are_not_listed_again():
+    report = _compiled_report(lambda x: torch.sigmoid(x * 2 + 1) * x, random_tensor((7, 9), torch.float32))
+    assert report.rewrites and not [h for h in report.hotspots if h.kind in ("aten", "matmul")]
+
+
+def test_a_lone_op_says_it_has_no_fusable_neighbour():
+    x = random_tensor((6, 8), torch.float32)
+    report = _compiled_report(lambda x, w: torch.tanh(x @ w), x, random_tensor((8, 8), torch.float32))
+    lone = [h for h in report.hotspots if h.ops == ("aten.tanh",)]
+    assert lone and "no fusable neighbour" in lone[0].reason
+
+
+def test_without_elementwise_fusion_every_op_is_listed():
+    report = _compiled_report(lambda x: torch.sigmoid(x * 2 + 1), random_tensor((7, 9), torch.float32),
+                              backend=fusepass.backend(elementwise=False))
+    listed = {h.ops[0] for h in report.hotspots if h.kind == "aten" and h.phase == "forward"}
+    assert {"aten.mul", "aten.add", "aten.sigmoid"} <= listed
