@@ -42,6 +42,15 @@ def _reason(node: torch.fx.Node) -> str:
     return f"no fusion rule for {op_name(node)}: an ATen kernel"
 
 
+def _views(node: torch.fx.Node, val: object) -> bool:
+    """A split, unbind or chunk: every element a view of an input."""
+    if not isinstance(val, (tuple, list)) or not val:
+        return False
+    inputs = [a.meta.get("val") for a in node.all_input_nodes]
+    return all(isinstance(v, torch.Tensor) and any(isinstance(x, torch.Tensor) and torch._C._is_alias_of(v, x)
+                                                   for x in inputs) for v in val)
+
+
 def aten_ops(graph: torch.fx.Graph, phase: str, device: torch.device, pointwise_reported: bool) -> list[Hotspot]:
     """The hotspots of the ATen ops `graph` still runs on `device`; `pointwise_reported`: the elementwise pass ran
     and reported the pointwise ops it declined."""
@@ -52,7 +61,7 @@ def aten_ops(graph: torch.fx.Graph, phase: str, device: torch.device, pointwise_
                 target.namespace != "aten" or target.overloadpacket in ALLOCATIONS:
             continue
         val = node.meta.get("val")
-        if moves_no_bytes(node) or (isinstance(val, torch.Tensor) and val.device != device):
+        if moves_no_bytes(node) or (isinstance(val, torch.Tensor) and val.device != device) or _views(node, val):
             continue
         if pointwise_reported and is_pointwise(node) and decline_reason(node, device) is not None:
             continue

@@ -1,11 +1,11 @@
 """One summary over the reports of a compile (every graph, graph breaks included): identical rewrites of repeated
-layers grouped (``× 12``), the hotspots by reason, one total line."""
+layers grouped (``× 12``), the hotspots by reason, longest estimated time first, one total line."""
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from fusepass.report.render import format_bytes
+from fusepass.report.render import format_bytes, format_time
 from fusepass.report.report import Report
 
 
@@ -25,12 +25,13 @@ def summarize(reports: Sequence[Report]) -> str:
         label = f" [{', '.join(features)}]" if features else ""
         lines.append(f"  {kind} {phase}{label} × {count}: {len(ops)} ops, {format_bytes(unfused)} → "
                      f"{format_bytes(fused)} each ({where})")
-    reasons: OrderedDict[tuple[str, str], int] = OrderedDict()
+    reasons: OrderedDict[tuple[str, str], list] = OrderedDict()
     for report in reports:
         for h in report.hotspots:
-            key = (h.kind, h.reason.split("\n")[0][:100])
-            reasons[key] = reasons.get(key, 0) + 1
-    for (kind, reason), count in reasons.items():
-        lines.append(f"  hotspot {kind} × {count}: {reason}")
+            reasons.setdefault((h.kind, h.reason.split("\n")[0][:100]), []).append(h)
+    ranked = sorted(reasons.items(), key=lambda item: -sum(h.time_ms or 0.0 for h in item[1]))  # stable
+    for (kind, reason), found in ranked:
+        time = sum(h.time_ms or 0.0 for h in found)
+        lines.append(f"  hotspot {kind} × {len(found)}: {reason}" + (f" (est. {format_time(time)})" if time else ""))
     lines.append(f"  total: {format_bytes(saved)} of HBM traffic saved")
     return "\n".join(lines)
