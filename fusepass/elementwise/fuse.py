@@ -14,6 +14,7 @@ from torch.fx.passes.tools_common import legalize_graph
 
 from fusepass.codegen.translate import constant_value, packet_of
 from fusepass.context import PassContext
+from fusepass.elementwise import layer_norm
 from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.lower import Lowered, NotLowerable, lower
 from fusepass.elementwise.reduction import is_row_reduction
@@ -56,7 +57,24 @@ def lowerable_partition(graph: torch.fx.Graph, device: torch.device, reductions:
         apart |= unlowerable
 
 
+def write_out_layer_norms(graph: torch.fx.Graph, device: torch.device) -> None:
+    """Write out each `native_layer_norm` whose ops, written out, all land in one fused group (tried on a copy)."""
+    found = layer_norm.candidates(graph)
+    if not found:
+        return
+    trial, copies = torch.fx.Graph(), {}
+    trial.output(trial.graph_copy(graph, copies))
+    written = {node: layer_norm.write_out(trial, copies[node]) for node in found}
+    groups, _ = lowerable_partition(trial, device)
+    group_of = {member: i for i, group in enumerate(groups) for member in group.nodes}
+    for node, new in written.items():
+        if len({group_of.get(n) for n in new}) == 1 and new[0] in group_of:
+            layer_norm.write_out(graph, node)
+
+
 def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    if ctx.options.reductions and ctx.run_kernels:
+        write_out_layer_norms(gm.graph, ctx.device)
     groups, declined = lowerable_partition(gm.graph, ctx.device, ctx.options.reductions)
     for d in declined:
         ctx.report.hotspots.append(Hotspot(kind="elementwise", phase=ctx.phase, location=location(d.node),

@@ -19,6 +19,8 @@ from fusepass.source import location
 
 aten = torch.ops.aten
 ALLOCATIONS = frozenset({aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty})
+VIEWS = frozenset({aten.view, aten._unsafe_view, aten.expand, aten.permute, aten.transpose, aten.t, aten.unsqueeze,
+                   aten.squeeze, aten.slice, aten.select, aten.alias, aten.detach, aten.as_strided})  # never copy
 REDUCTIONS = frozenset({aten.sum, aten.mean, aten.amax, aten.amin, aten.max, aten.min, aten.var, aten.var_mean,
                         aten.prod, aten.logsumexp, aten.argmax, aten.argmin, aten.any, aten.all, aten._softmax,
                         aten._log_softmax, aten._softmax_backward_data, aten._log_softmax_backward_data})
@@ -58,7 +60,7 @@ def aten_ops(graph: torch.fx.Graph, phase: str, device: torch.device, pointwise_
     for node in graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or \
-                target.namespace != "aten" or target.overloadpacket in ALLOCATIONS:
+                target.namespace != "aten" or target.overloadpacket in ALLOCATIONS | VIEWS:
             continue
         val = node.meta.get("val")
         if moves_no_bytes(node) or (isinstance(val, torch.Tensor) and val.device != device) or _views(node, val):

@@ -182,3 +182,27 @@ def test_one_row(row_form):
     x = random_tensor((29,), torch.float16)
     check(lambda x: (torch.sigmoid(x) * x.amax(-1, keepdim=True), (x * 2).sum(-1)), x, backward=True,
           backend=STRICT)
+
+
+def residual_layer_norm(x, residual, weight, bias):
+    h = x + residual
+    return h, torch.nn.functional.layer_norm(h, (h.shape[-1],), weight, bias, 1e-5) * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_layer_norm_joins_the_residual_add(row_form, dtype):
+    x, r = random_tensor((3, 4, 37), dtype), random_tensor((3, 4, 37), dtype)
+    w, b = random_tensor((37,), dtype), random_tensor((37,), dtype)
+    report = check(residual_layer_norm, x, r, w, b, backward=True, backend=STRICT)
+    (forward,) = rewrites(report, kind="reduction", phase="forward")
+    assert forward.ops[0] == "aten.add" and forward.ops.count("aten.mean") == 2
+    forward_graph = report.graphs["forward"].graph
+    assert not [n for n in forward_graph.nodes if n.target == aten.native_layer_norm.default]
+    # its backward stays ATen's, reading the mean and deviation the row kernel saved
+    assert [n for n in report.graphs["backward"].graph.nodes if n.target == aten.native_layer_norm_backward.default]
+
+
+def test_a_layer_norm_over_two_dims_stays_aten():
+    x = random_tensor((3, 4, 6), torch.float32)
+    report = check(lambda x: torch.nn.functional.layer_norm(x + 1, (4, 6)) * 2, x, backward=True, backend=STRICT)
+    assert [n for n in report.graphs["forward"].graph.nodes if n.target == aten.native_layer_norm.default]

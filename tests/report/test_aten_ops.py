@@ -37,7 +37,7 @@ def test_matmuls_and_aten_ops_are_hotspots_with_their_cost():
     assert len(forward) == 2 and all(h.flops > 0 and h.bytes > 0 and h.time_ms > 0 for h in forward)
     assert any("15×24 @ 24×40" in h.reason for h in forward)  # the up projection, as ATen runs it
     assert len([h for h in matmuls if h.phase == "backward"]) == 4  # dX and dW of each
-    norm = [h for h in report.hotspots if h.ops == ("aten.native_layer_norm",)]
+    norm = [h for h in report.hotspots if h.ops == ("aten.native_layer_norm_backward",)]
     assert norm and "no fusion rule" in norm[0].reason and norm[0].location.endswith("test_aten_ops.py:23")
     # bias gradients: sums over the batch, not rows
     assert any(h.kind == "aten" and "other dims than the last" in h.reason for h in report.hotspots)
