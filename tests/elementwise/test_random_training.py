@@ -32,9 +32,10 @@ UNARY = [
     lambda x: torch.where(x > 0.3, x, x.sin()), lambda x: torch.square(x).clamp(max=4.0), torch.atan, torch.asinh,
     torch.abs, lambda x: F.celu(x, 0.5), lambda x: torch.erfc(x), torch.sinc,
     lambda x: torch.lgamma(x.abs() + 0.5), lambda x: torch.digamma(x.abs() + 0.5),
-    # Row reductions between them: a max subtracted (a softmax's), a mean of squares (a norm's), a row sum.
+    # Row reductions between them: a max subtracted (a softmax's), a mean of squares (a norm's), a row sum, a
+    # layer norm.
     lambda x: x - x.amax(-1, keepdim=True), lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1.0),
-    lambda x: x.sum(-1, keepdim=True) * 0.125 - x,
+    lambda x: x.sum(-1, keepdim=True) * 0.125 - x, lambda x: F.layer_norm(x, x.shape[-1:]) + x,
 ]
 BINARY = [
     torch.add, torch.sub, torch.mul, torch.maximum, torch.minimum,
