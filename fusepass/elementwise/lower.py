@@ -17,7 +17,7 @@ import torch.fx
 
 from fusepass.elementwise.coords import Map, broadcast, identity, is_mapped_view, through_view
 from fusepass.elementwise.partition import Group, is_constant, root_shape
-from fusepass.elementwise.reduction import expand, is_composite, is_row_reduction
+from fusepass.elementwise.reduction import NLL_BACKWARD, expand, is_composite, is_row_reduction, read_inputs
 from fusepass.elementwise.program import Load, Program, Ref, Step
 from fusepass.fx_util import val
 
@@ -67,6 +67,8 @@ def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Nod
         # Read in the row it reduces: its outer coordinates are the root's own (a softmax's, all of them).
         if m[:rank - 1] != identity(rank)[:rank - 1] or (is_composite(node) and m != identity(rank)):
             raise NotLowerable("a row reduction is read at another row than it reduces")
+        if node.target == NLL_BACKWARD:  # the targets (and a per-row gradient) by row, scalars everywhere
+            return [(a, identity(rank)[:val(a).dim()] if val(a).dim() else ()) for a in read_inputs(node)]
         return [(a, identity(rank)) for a in node.all_input_nodes]
     shape = tuple(val(node).shape)
     return [(a, broadcast(m, shape, tuple(val(a).shape), rank)) for a in node.all_input_nodes]
@@ -131,7 +133,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
 
             value = val(node)
             if is_composite(node):
-                refs[(node, m)] = expand(node, [operand(a) for a in node.all_input_nodes], add_step)
+                refs[(node, m)] = expand(node, [operand(a) for a in read_inputs(node)], add_step)
                 continue
             steps.append(Step(node.target, tuple(operand(a) for a in node.args),
                               tuple(sorted((k, operand(v)) for k, v in node.kwargs.items())),

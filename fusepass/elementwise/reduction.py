@@ -30,6 +30,12 @@ ROW_REDUCTIONS = {
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# The negative log-likelihood's backward (cross-entropy's, after its log-softmax): the gradient of the log-
+# probabilities, one class of each row hit; its rows are the log-probabilities' (`reduced_input`), read for their
+# shape only.
+NLL_BACKWARD = aten.nll_loss_backward.default
+REDUCTIONS_BY_MEAN = 1  # torch.nn._reduction: 0 none, 1 mean, 2 sum
+
 # (output, and for the backward ops the output's gradient): the softmax family, by the argument holding `dim`.
 COMPOSITES = {
     aten._softmax.default: 1,
@@ -39,9 +45,20 @@ COMPOSITES = {
 }
 
 
+def _nll_backward_fits(node: torch.fx.Node) -> bool:
+    """Rows of classes (2-d log-probabilities, 1-d integer targets), no class weights."""
+    grad, logp, target, weight = (val(a) if isinstance(a, torch.fx.Node) else a for a in node.args[:4])
+    total = val(node.args[6])
+    return (weight is None and logp is not None and logp.dim() == 2 and logp.dtype in FLOATING and
+            target is not None and target.dim() == 1 and not target.dtype.is_floating_point and
+            grad is not None and grad.dtype in FLOATING and total is not None and total.dim() == 0)
+
+
 def reduction_kind(node: torch.fx.Node) -> str | None:
-    """"sum", "mean", "amax", "amin" or "softmax" (the family) where `node` reduces its floating input over the
-    last dimension only."""
+    """"sum", "mean", "amax", "amin", "softmax" (the family) or "nll" where `node` reduces its floating input over
+    the last dimension only (or, the negative log-likelihood's backward, writes rows of it)."""
+    if node.op == "call_function" and node.target == NLL_BACKWARD:
+        return "nll" if _nll_backward_fits(node) else None
     if node.op != "call_function" or (node.target not in ROW_REDUCTIONS and node.target not in COMPOSITES):
         return None
     source, out = node.args[0], val(node)
@@ -70,7 +87,16 @@ def keeps_dim(node: torch.fx.Node) -> bool:
 
 
 def reduced_input(node: torch.fx.Node) -> torch.fx.Node:
-    return node.args[0]
+    """The tensor whose shape is the group's root: what a reduction reduces."""
+    return node.args[1] if node.target == NLL_BACKWARD else node.args[0]
+
+
+def read_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensors a reduction reads the values of (the negative log-likelihood's backward reads its
+    log-probabilities' shape only)."""
+    if node.target == NLL_BACKWARD:
+        return [node.args[0], node.args[2], node.args[6]]
+    return list(node.all_input_nodes)
 
 
 def is_row_reduction(node: torch.fx.Node) -> bool:
@@ -78,7 +104,7 @@ def is_row_reduction(node: torch.fx.Node) -> bool:
 
 
 def is_composite(node: torch.fx.Node) -> bool:
-    return node.target in COMPOSITES and is_row_reduction(node)
+    return (node.target in COMPOSITES or node.target == NLL_BACKWARD) and is_row_reduction(node)
 
 
 def expand(node: torch.fx.Node, inputs: list[Any], emit: Callable[..., Any]) -> Any:
@@ -92,6 +118,16 @@ def expand(node: torch.fx.Node, inputs: list[Any], emit: Callable[..., Any]) -> 
         return x if x_dtype == dtype else emit(aten._to_copy.default, (x,), dtype, dtype=dtype)
 
     target = node.target
+    if target == NLL_BACKWARD:  # −dy (÷ the targets counted) at each row's target class, unless ignored
+        grad, classes, total = inputs
+        reduction, ignored = node.args[4], node.args[5]
+        value = emit(aten.neg.default, (grad,), dtype)
+        if reduction == REDUCTIONS_BY_MEAN:
+            value = emit(aten.div.Tensor, (value, total), dtype)
+        column = emit(torch.ops.prims.iota.default, (), torch.int64)
+        hit = emit(aten.logical_and.default, (emit(aten.eq.Tensor, (column, classes), torch.bool),
+                                              emit(aten.ne.Scalar, (classes, ignored), torch.bool)), torch.bool)
+        return emit(aten.where.ScalarOther, (hit, value, 0.0), dtype)
     if target in (aten._softmax.default, aten._log_softmax.default):
         x = as_out(inputs[0], val(node.args[0]).dtype)
         shifted = emit(aten.sub.Tensor, (x, emit(aten.amax.default, (x, *row), dtype)), dtype)

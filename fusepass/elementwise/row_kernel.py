@@ -49,6 +49,7 @@ def _min_nan(a, b):
 '''
 NEUTRAL = {"sum": "0.0", "mean": "0.0", "amax": 'float("-inf")', "amin": 'float("inf")'}
 COMBINER = {"amax": "_max_nan", "amin": "_min_nan"}
+COLUMN = torch.ops.prims.iota.default  # a step giving each lane its column (the class of a row of classes)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ def _row_values(program: Program, variant: RowVariant) -> tuple[dict[Ref, bool],
         ref, args = Ref("step", j), _step_refs(step)
         if step.target in ROW_REDUCTIONS:
             in_row[ref], level[ref] = True, level[args[0]] + 1
+        elif step.target == COLUMN:
+            in_row[ref], level[ref] = False, 0
         else:
             in_row[ref] = all(in_row[a] for a in args)
             level[ref] = max((level[a] for a in args), default=0)
@@ -165,6 +168,11 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             step = program.steps[ref.index]
             if step.target in ROW_REDUCTIONS:
                 raise AssertionError("reductions are emitted by their walk")
+            if step.target == COLUMN:
+                value = f"c{last}.to(tl.int64)"
+                lines.append(f"{var} = {value}")
+                names[ref] = var
+                return
             value = translate(step.target, resolve(step.args), {k: resolve(v) for k, v in step.kwargs},
                               step.dtype).expr
         lines.append(f"{var} = {value}")

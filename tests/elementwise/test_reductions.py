@@ -206,3 +206,26 @@ def test_a_layer_norm_over_two_dims_stays_aten():
     x = random_tensor((3, 4, 6), torch.float32)
     report = check(lambda x: torch.nn.functional.layer_norm(x + 1, (4, 6)) * 2, x, backward=True, backend=STRICT)
     assert [n for n in report.graphs["forward"].graph.nodes if n.target == aten.native_layer_norm.default]
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_backward_is_one_kernel(row_form, reduction):
+    logits = random_tensor((2, 9, 41), torch.bfloat16)
+    targets = torch.arange(18).view(2, 9) * 5 % 41
+    targets[0, 3] = -100  # ignored: no gradient in its row
+
+    def loss(logits):
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction=reduction)
+
+    report = check(loss, logits, backward=True, backend=STRICT)
+    (backward,) = rewrites(report, kind="reduction", phase="backward")
+    assert {"aten.nll_loss_backward", "aten._log_softmax_backward_data"} <= set(backward.ops)
+    assert not [n for n in report.graphs["backward"].graph.nodes if n.target == aten.nll_loss_backward.default]
+
+
+def test_class_weights_keep_cross_entropy_backward_aten():
+    logits = random_tensor((7, 13), torch.float32)
+    targets, weights = torch.arange(7) % 13, torch.rand(13) + 0.5
+    report = check(lambda x: torch.nn.functional.cross_entropy(x, targets, weight=weights), logits, backward=True,
+                   backend=STRICT)
+    assert [n for n in report.graphs["backward"].graph.nodes if n.target == aten.nll_loss_backward.default]
