@@ -12,6 +12,7 @@
 #                with new inputs builds it                                         without packed)
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests (all of tests/)                                        ~240 s (2026-11-30, before tests/*.py)
+#   reductions   bench/reductions.py: norms, softmax, log-sum-exp written out, beside Inductor   (not run yet)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     (not run yet)
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
@@ -55,6 +56,8 @@ for part in $parts; do
         PYTHONPATH=/tmp/site:$PWD timeout 380 python -m pytest -o addopts="--import-mode=importlib" -q -n 14 -rf \
             -p no:cacheprovider tests > "$OUT_DIR/gpu-tests.log" 2>&1
         tail -3 "$OUT_DIR/gpu-tests.log" ;;
+    reductions)
+        (cd bench && timeout 150 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
             --budget-s "${MODELS_BUDGET_S:-400}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;

@@ -222,7 +222,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             done.add(ref)
     else:
         emit_rows(0)
-        for walk in range(max(level[r] for r in reductions)):
+        for walk in range(max((level[r] for r in reductions), default=0)):
             todo = [r for r in reductions if level[r] == walk + 1]
             for ref in todo:
                 step = program.steps[ref.index]

@@ -229,3 +229,15 @@ def test_class_weights_keep_cross_entropy_backward_aten():
     report = check(lambda x: torch.nn.functional.cross_entropy(x, targets, weight=weights), logits, backward=True,
                    backend=STRICT)
     assert [n for n in report.graphs["backward"].graph.nodes if n.target == aten.nll_loss_backward.default]
+
+
+def test_a_group_without_a_reduction_left_in_it(row_form):
+    """nll_loss_backward beside pointwise ops only (the log-probabilities' gradient used as it is)."""
+    logp = random_tensor((5, 23), torch.float32)
+    targets = torch.arange(5) * 3 % 23
+
+    def fn(logp):
+        return torch.nn.functional.nll_loss(logp, targets) * 2
+
+    report = check(fn, logp, backward=True, backend=STRICT)
+    assert "aten.nll_loss_backward" in rewrites(report, kind="reduction", phase="backward")[0].ops
