@@ -12,6 +12,7 @@ A step that fails leaves the graph as it was, with a warning and a hotspot (``st
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -79,6 +80,21 @@ class _Compiling:
 def _notice(report: Report, notice: str | None) -> None:
     if notice and notice not in report.notices:
         report.notices.append(notice)
+
+
+# A graph whose first call compiles at least this many kernels says so as it compiles: each takes Triton about a
+# second on the GPU machine the first time (then it comes from Triton's cache).
+LONG_COMPILE_KERNELS = 16
+
+
+def compile_notice(report: Report, phase: str, device: torch.device) -> str | None:
+    """One line for a compile that will take long: what compiles, how many kernels."""
+    kinds = [r.kind for r in report.rewrites if r.phase == phase and r.kind != "matmul"]
+    if device.type != "cuda" or len(kinds) < LONG_COMPILE_KERNELS:
+        return None
+    attention = kinds.count("attention")
+    return (f"fusepass: {report.graph} ({phase}) compiles {len(kinds)} kernels on its first call "
+            f"({attention} attention, {len(kinds) - attention} fused); Triton caches them for later runs")
 
 
 def _ceilings_notice(report: Report, device: torch.device) -> str | None:
@@ -167,6 +183,10 @@ class Backend:
                 report.graphs[phase] = module
                 if run_kernels:  # otherwise the graph still holds what the rewrites would remove
                     self._list_aten_ops(module, context(phase))
+                    notice = compile_notice(report, phase, device)
+                    if notice:
+                        print(notice, file=sys.stderr, flush=True)
+                        _notice(report, notice)
                 if phase == "backward":
                     compiling.backward_compiled()
                 else:

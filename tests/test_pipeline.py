@@ -187,3 +187,17 @@ def test_cpu_without_the_interpreter_counts_a_planned_attention_once(tmp_path):
     env["PYTHONPATH"] = os.getcwd()
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['attention']"  # the score chain is not also an elementwise group
+
+
+def test_a_long_compile_says_what_compiles():
+    from fusepass.pipeline import LONG_COMPILE_KERNELS, compile_notice
+    from fusepass.report.records import Rewrite
+
+    report = fusepass.Report(graph="graph 3", device="cuda")
+    report.rewrites = [Rewrite(kind="attention" if i < 2 else "elementwise", phase="forward", location="m.py:1",
+                               ops=("aten.mul",), bytes_unfused=2, bytes_fused=1) for i in range(LONG_COMPILE_KERNELS)]
+    notice = compile_notice(report, "forward", torch.device("cuda"))
+    assert notice == (f"fusepass: graph 3 (forward) compiles {LONG_COMPILE_KERNELS} kernels on its first call "
+                      f"(2 attention, {LONG_COMPILE_KERNELS - 2} fused); Triton caches them for later runs")
+    assert compile_notice(report, "backward", torch.device("cuda")) is None
+    assert compile_notice(report, "forward", torch.device("cpu")) is None  # the interpreter compiles nothing
