@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 import torch
 import torch.fx
-from torch._guards import detect_fake_mode
 
-from fusepass.fx_util import val
+from fusepass.fx_util import infer_meta, val
 
 aten = torch.ops.aten
 FLOATING = (torch.float16, torch.bfloat16, torch.float32)
@@ -27,27 +26,25 @@ def _eligible(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or node.target != aten.native_layer_norm.default:
         return False
     x, shape = val(node.args[0]), node.args[1]
+    # a normalized shape read off a symbolic size is a graph value, not a tensor: the norm stays ATen's
     tensors = [val(a) for a in node.all_input_nodes]
-    return (x is not None and x.dim() >= 1 and len(shape) == 1 and all(t is not None and t.dtype in FLOATING
-                                                                       for t in tensors)
-            and all(user.target is operator.getitem for user in node.users))
+    return (isinstance(x, torch.Tensor) and x.dim() >= 1 and len(shape) == 1 and
+            all(isinstance(t, torch.Tensor) and t.dtype in FLOATING for t in tensors) and
+            all(user.target is operator.getitem for user in node.users))
 
 
 class _Writer:
-    """Inserts ATen ops before a node, each with the fake value its op computes."""
+    """Inserts ATen ops before a node, each with what later passes read of it (`fx_util.infer_meta`)."""
 
     def __init__(self, graph: torch.fx.Graph, at: torch.fx.Node) -> None:
         self.graph, self.at = graph, at
-        self.mode = detect_fake_mode([val(a) for a in at.all_input_nodes])
 
     def __call__(self, target: Callable, *args, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.at):
             node = self.graph.call_function(target, args, kwargs)
         node.meta.update({k: v for k, v in self.at.meta.items() if k in ("stack_trace", "nn_module_stack",
                                                                           "source_fn_stack")})
-        fake = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.mode:
-            node.meta["val"] = target(*fake[0], **fake[1])
+        infer_meta([node])
         return node
 
     def cast(self, x: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:

@@ -66,7 +66,8 @@ def reduction_kind(node: torch.fx.Node) -> str | None:
         return None
     x = val(source)
     tensors = [val(a) for a in node.all_input_nodes]
-    if x.dim() == 0 or any(t is None or t.dtype not in FLOATING for t in tensors) or out.dtype not in FLOATING:
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.dim() == 0 or \
+            any(not isinstance(t, torch.Tensor) or t.dtype not in FLOATING for t in tensors) or out.dtype not in FLOATING:
         return None
     if node.target in COMPOSITES:
         dims = [node.args[COMPOSITES[node.target]]]

@@ -241,3 +241,12 @@ def test_a_group_without_a_reduction_left_in_it(row_form):
 
     report = check(fn, logp, backward=True, backend=STRICT)
     assert "aten.nll_loss_backward" in rewrites(report, kind="reduction", phase="backward")[0].ops
+
+
+def test_a_layer_norm_over_a_symbolic_width_stays_aten_under_dynamic_sizes():
+    """Its normalized shape is read off a symbolic size: a graph value, not a tensor (it failed the pass)."""
+    compiled = torch.compile(lambda x: torch.nn.functional.layer_norm(x * 2, x.shape[-1:]) + 1, backend=STRICT,
+                             dynamic=True)
+    for width in (12, 19):
+        x = random_tensor((3, width), torch.float32)
+        torch.testing.assert_close(compiled(x), torch.nn.functional.layer_norm(x * 2, x.shape[-1:]) + 1)
