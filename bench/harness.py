@@ -45,6 +45,15 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()
 
 
+def kernels_by_device_time(step: Callable[[], Any], steps: int, rows: int, width: int = 90) -> str:
+    """The kernels `steps` calls of `step` run, by device time (torch.profiler's table, `rows` of them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=width)
+
+
 def peak_memory_gib(fn: Callable[[], Any]) -> float:
     """Peak device memory allocated while ``fn`` runs, above what was allocated before it."""
     torch.cuda.synchronize()

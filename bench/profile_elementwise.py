@@ -13,7 +13,7 @@ import argparse
 
 import torch
 from elementwise import CASES
-from harness import median_ms
+from harness import kernels_by_device_time, median_ms
 
 import fusepass
 
@@ -38,14 +38,9 @@ def main() -> None:
 
             step()
             ms = median_ms(step)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    step()
-                torch.cuda.synchronize()
             label = backend if isinstance(backend, str) else "fusepass"
             print(f"== {name} under {label}: {ms:.3f} ms per step (median)")
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=10,
-                                            max_name_column_width=70))
+            print(kernels_by_device_time(step, steps=5, rows=10, width=70))
 
 
 if __name__ == "__main__":

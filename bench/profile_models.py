@@ -1,8 +1,8 @@
 """Which kernels one training step of an example model runs, and for how long, under Inductor and fusepass.
 
-    PYTHONPATH=. python bench/profile_models.py [--models t5,bert] [--batch 8] [--seq 512] [--rows 14]
+    PYTHONPATH=. python bench/profile_models.py [--models t5,bert] [--size small] [--batch 8] [--seq 512] [--rows 14]
 
-Builds each model at its "small" size in bf16, runs its step (forward, loss, backward) warm under both backends,
+Builds each model at its size (``small`` unless given) in bf16, runs its step (forward, loss, backward) warm under both backends,
 profiles three steps with torch.profiler and prints each backend's kernels by device time: a model row of
 bench/models.py that trails Inductor is explained by a kernel fusepass runs that Inductor's does not, or by one
 slower than its bytes say.
@@ -15,7 +15,7 @@ import os
 import sys
 
 import torch
-from harness import median_ms
+from harness import kernels_by_device_time, median_ms
 
 import fusepass
 
@@ -25,19 +25,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", default="t5,bert")
+    parser.add_argument("--size", default="small")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--rows", type=int, default=14)
     args = parser.parse_args()
     for name in args.models.split(","):
         example = importlib.import_module(name)
-        batch, seq = args.batch or example.BATCH["small"], args.seq or example.SEQ["small"]
+        batch, seq = args.batch or example.BATCH[args.size], args.seq or example.SEQ[args.size]
         losses = {"bert": "readout_loss", "vit": "classification_loss"}
         loss = getattr(example, losses.get(name, "next_token_loss"))
         for backend in ("inductor", fusepass.backend()):
             torch.manual_seed(0)
             torch._dynamo.reset()
-            built = _build(example, seq).cuda().to(torch.bfloat16)
+            built = _build(example, args.size, seq).cuda().to(torch.bfloat16)
             inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x
                            for x in example.inputs(built, batch, seq))
             compiled = torch.compile(built, backend=backend)
@@ -48,24 +49,19 @@ def main() -> None:
 
             step()
             ms = median_ms(step)
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    step()
-                torch.cuda.synchronize()
             label = backend if isinstance(backend, str) else "fusepass"
             print(f"== {name} B{batch} T{seq} under {label}: {ms:.2f} ms per step (median)")
-            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.rows,
-                                            max_name_column_width=90))
+            print(kernels_by_device_time(step, steps=3, rows=args.rows))
             del compiled, built
             torch.cuda.empty_cache()
 
 
-def _build(example, seq: int) -> torch.nn.Module:
-    """The example's model at its small size, as its main builds it (run_model's `build`)."""
+def _build(example, size: str, seq: int) -> torch.nn.Module:
+    """The example's model at `size`, as its main builds it (run_model's `build`)."""
     captured = {}
 
     def run_model(name, build, *rest, **kwargs):
-        captured["model"] = build(os.environ.get("SIZE", "small"), seq)
+        captured["model"] = build(size, seq)
 
     example.run_model, original = run_model, example.run_model
     try:
