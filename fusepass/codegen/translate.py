@@ -139,4 +139,6 @@ def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
     expr = rule_.emit(Ctx(compute, result_dtype, raw), **bound)
     if result_dtype != torch.bool and held_dtype(result_dtype) != held_dtype(compute):
         expr = f"{expr}.to({TRITON_DTYPE[held_dtype(result_dtype)]})"
+    if round_halves:  # each op's half result as eager materializes it: a later comparison sees eager's values
+        expr = round_to(expr, result_dtype)
     return Operand(expr, result_dtype)

@@ -97,8 +97,8 @@ def lower(group: Group, device: torch.device) -> Lowered:
     steps: list[Step] = []
     refs: dict[tuple[torch.fx.Node, Map], Ref] = {}
 
-    def add_step(target: Any, args: tuple[Any, ...], dtype: torch.dtype, **kwargs: Any) -> Ref:
-        steps.append(Step(target, args, tuple(sorted(kwargs.items())), dtype, False))
+    def add_step(target: Any, args: tuple[Any, ...], result: torch.dtype, **kwargs: Any) -> Ref:
+        steps.append(Step(target, args, tuple(sorted(kwargs.items())), result, False))
         return Ref("step", len(steps) - 1)
 
     def ref_of(arg: torch.fx.Node, m: Map) -> Ref:

@@ -110,39 +110,43 @@ def is_composite(node: torch.fx.Node) -> bool:
 
 def expand(node: torch.fx.Node, inputs: list[Any], emit: Callable[..., Any]) -> Any:
     """What a softmax-family op computes, as steps: `emit(target, args, dtype)` adds one and returns its value;
-    `inputs` are the values of the op's tensor arguments. In the output's dtype throughout, as eager's kernels
-    compute (half precision held in float32)."""
-    dtype = val(node).dtype
+    `inputs` are the values of the op's tensor arguments. In float32 for half precision, as eager's kernels
+    compute, the output rounded once."""
+    out_dtype = val(node).dtype
+    dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype  # eager's kernels' own
     row = ((-1,), True)
 
-    def as_out(x: Any, x_dtype: torch.dtype) -> Any:
+    def widen(x: Any, x_dtype: torch.dtype) -> Any:  # into the dtype the kernel computes in
         return x if x_dtype == dtype else emit(aten._to_copy.default, (x,), dtype, dtype=dtype)
+
+    def done(x: Any) -> Any:  # the output rounded once, as eager's kernel writes it
+        return x if out_dtype == dtype else emit(aten._to_copy.default, (x,), out_dtype, dtype=out_dtype)
 
     target = node.target
     if target == NLL_BACKWARD:  # −dy (÷ the targets counted) at each row's target class, unless ignored
         grad, classes, total = inputs
         reduction, ignored = node.args[4], node.args[5]
-        value = emit(aten.neg.default, (grad,), dtype)
+        value = emit(aten.neg.default, (widen(grad, val(node.args[0]).dtype),), dtype)
         if reduction == REDUCTIONS_BY_MEAN:
-            value = emit(aten.div.Tensor, (value, total), dtype)
+            value = emit(aten.div.Tensor, (value, widen(total, val(node.args[6]).dtype)), dtype)
         column = emit(torch.ops.prims.iota.default, (), torch.int64)
         hit = emit(aten.logical_and.default, (emit(aten.eq.Tensor, (column, classes), torch.bool),
                                               emit(aten.ne.Scalar, (classes, ignored), torch.bool)), torch.bool)
-        return emit(aten.where.ScalarOther, (hit, value, 0.0), dtype)
+        return done(emit(aten.where.ScalarOther, (hit, value, 0.0), dtype))
     if target in (aten._softmax.default, aten._log_softmax.default):
-        x = as_out(inputs[0], val(node.args[0]).dtype)
+        x = widen(inputs[0], val(node.args[0]).dtype)
         shifted = emit(aten.sub.Tensor, (x, emit(aten.amax.default, (x, *row), dtype)), dtype)
         exps = emit(aten.exp.default, (shifted,), dtype)
         total = emit(aten.sum.dim_IntList, (exps, *row), dtype)
         if target == aten._softmax.default:
-            return emit(aten.div.Tensor, (exps, total), dtype)
-        return emit(aten.sub.Tensor, (shifted, emit(aten.log.default, (total,), dtype)), dtype)
-    grad = as_out(inputs[0], val(node.args[0]).dtype)
-    out = as_out(inputs[1], val(node.args[1]).dtype)
+            return done(emit(aten.div.Tensor, (exps, total), dtype))
+        return done(emit(aten.sub.Tensor, (shifted, emit(aten.log.default, (total,), dtype)), dtype))
+    grad = widen(inputs[0], val(node.args[0]).dtype)
+    out = widen(inputs[1], val(node.args[1]).dtype)
     if target == aten._softmax_backward_data.default:  # y · (dy − Σ dy·y)
         dot = emit(aten.sum.dim_IntList, (emit(aten.mul.Tensor, (grad, out), dtype), *row), dtype)
-        return emit(aten.mul.Tensor, (out, emit(aten.sub.Tensor, (grad, dot), dtype)), dtype)
+        return done(emit(aten.mul.Tensor, (out, emit(aten.sub.Tensor, (grad, dot), dtype)), dtype))
     # log-softmax: dy − exp(y) · Σ dy
     total = emit(aten.sum.dim_IntList, (grad, *row), dtype)
-    return emit(aten.sub.Tensor, (grad, emit(aten.mul.Tensor, (emit(aten.exp.default, (out,), dtype), total),
-                                             dtype)), dtype)
+    return done(emit(aten.sub.Tensor, (grad, emit(aten.mul.Tensor, (emit(aten.exp.default, (out,), dtype), total),
+                                                  dtype)), dtype))

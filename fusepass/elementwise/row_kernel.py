@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, to_stored
+from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, round_to, to_stored
 from fusepass.codegen.translate import translate
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.kernel import (INT32_MAX, LaunchPlan, PointwiseLauncher, compiled_kernel,
@@ -184,11 +184,13 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     col = f"c{last}"
 
     def reduce(ref: Ref, values: str) -> str:
-        """A reduction's row value of the tile `values` (masked lanes hold the kind's neutral element)."""
-        kind = ROW_REDUCTIONS[program.steps[ref.index].target]
+        """A reduction's row value of the tile `values` (masked lanes hold the kind's neutral element), rounded to
+        its dtype as eager writes it."""
+        step = program.steps[ref.index]
+        kind = ROW_REDUCTIONS[step.target]
         if kind in ("sum", "mean"):
             total = f"tl.sum({values}, axis=1, keep_dims=True)"
-            return f"({total} / n{last})" if kind == "mean" else total
+            return round_to(f"({total} / n{last})" if kind == "mean" else total, step.dtype)
         return f"tl.reduce({values}, 1, {COMBINER[kind]}, keep_dims=True)"
 
     def reduced_input(ref: Ref) -> str:

@@ -250,3 +250,19 @@ def test_a_layer_norm_over_a_symbolic_width_stays_aten_under_dynamic_sizes():
     for width in (12, 19):
         x = random_tensor((3, width), torch.float32)
         torch.testing.assert_close(compiled(x), torch.nn.functional.layer_norm(x * 2, x.shape[-1:]) + 1)
+
+
+@pytest.mark.parametrize("reductions", [True, False], ids=["fused", "aten reductions"])
+def test_a_half_max_gradient_finds_its_maximum(reductions):
+    """amax's gradient goes to the elements equal to the maximum: recomputed in the backward, a half-precision
+    value must round at every op as eager's did, or no element equals the saved maximum (0 / 0: NaN)."""
+    def row_max_shift(x):
+        return x - x.amax(-1, keepdim=True)
+
+    def fn(x, h):
+        shifted = row_max_shift(row_max_shift(torch.asinh(h)))
+        return shifted + x, torch.where(x > torch.digamma(h.abs() + 0.5), x, 0.5 * h)
+
+    torch.manual_seed(0)
+    x, h = random_tensor((5, 7, 9), torch.float32), random_tensor((5, 7, 9), torch.float16)
+    check(fn, x, h, backward=True, backend=fusepass.backend(strict=True, reductions=reductions))
