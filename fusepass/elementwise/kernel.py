@@ -90,7 +90,8 @@ class Variant:
 # Kernel source
 
 
-def _offset(prefix: str, dims: tuple[bool, ...], base: bool) -> str:
+def offset(prefix: str, dims: tuple[bool, ...], base: bool) -> str:
+    """An operand's offset: its strides along the coordinates it moves along, and its base offset."""
     terms = [f"c{d} * {prefix}_s{d}" for d, moves in enumerate(dims) if moves]
     if base:
         terms.append(f"{prefix}_base")
@@ -163,9 +164,9 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
         if load.by_value:
             value = f"l{k}_value"
         else:
-            offset = _offset(f"l{k}", variant.load_dims[k], variant.load_base[k])
+            where = offset(f"l{k}", variant.load_dims[k], variant.load_base[k])
             mask = "" if variant.even else _load_mask(variant.load_dims[k])
-            value = f"tl.load(l{k}_ptr + {offset}{mask})"
+            value = f"tl.load(l{k}_ptr + {where}{mask})"
             if held_dtype(load.dtype) != load.dtype:
                 value += f".to({TRITON_DTYPE[held_dtype(load.dtype)]})"
         if tile and (load.by_value or not any(variant.load_dims[k])):
@@ -190,9 +191,14 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
         value = operands[ref].expr
         if held_dtype(dtype) != dtype:
             value = to_stored(value, held_dtype(dtype), dtype)
-        offset = _offset(f"o{i}", variant.output_dims[i], False)
-        body.append(f"tl.store(o{i}_ptr + {offset}, {value}{'' if variant.even else ', mask=mask'})")
+        where = offset(f"o{i}", variant.output_dims[i], False)
+        body.append(f"tl.store(o{i}_ptr + {where}, {value}{'' if variant.even else ', mask=mask'})")
 
+    return jit_text(name, params, body)
+
+
+def jit_text(name: str, params: list[str], body: list[str]) -> str:
+    """A generated kernel's source: its parameters and body under ``triton.jit``."""
     # Scalars read by value change from call to call: one compiled kernel for all of their values.
     by_value = [p for p in params if p.endswith("_value")]
     decorator = f"@triton.jit(do_not_specialize={by_value})" if by_value else "@triton.jit"

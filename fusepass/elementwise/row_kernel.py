@@ -21,7 +21,7 @@ from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, round_t
 from fusepass.codegen.translate import translate
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.kernel import (INT32_MAX, LaunchPlan, PointwiseLauncher, compiled_kernel,
-                                         contiguous_strides, kernel_params, resolved_root)
+                                         contiguous_strides, jit_text, kernel_params, offset, resolved_root)
 from fusepass.elementwise.lower import output_map
 from fusepass.elementwise.program import Program, Ref
 from fusepass.elementwise.reduction import ROW_REDUCTIONS
@@ -144,10 +144,6 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             return tuple(resolve(x) for x in a)
         return a
 
-    def offset(prefix: str, dims: tuple[bool, ...], base: bool) -> str:
-        terms = [f"c{d} * {prefix}_s{d}" for d, moves in enumerate(dims) if moves]
-        return " + ".join(terms + ([f"{prefix}_base"] if base else [])) or "0"
-
     def emit(ref: Ref, suffix: str, lines: list[str]) -> None:
         """The statement computing `ref` under the name it gets in this walk (`suffix`)."""
         var = f"{'l' if ref.kind == 'load' else 't'}{ref.index}{suffix}"
@@ -182,6 +178,11 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     order = [Ref("load", k) for k in range(len(program.loads))] + [Ref("step", j)
                                                                    for j in range(len(program.steps))]
     col = f"c{last}"
+
+    def chunk() -> list[str]:
+        """The head of a walk's loop body: this chunk's columns and masks."""
+        return [f"{col} = r0 + tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}",
+                "mask = row_mask & col_mask"]
 
     def reduce(ref: Ref, values: str) -> str:
         """A reduction's row value of the tile `values` (masked lanes hold the kind's neutral element), rounded to
@@ -230,8 +231,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                 step = program.steps[ref.index]
                 body.append(f"acc{ref.index} = tl.full([XBLOCK, RBLOCK], {NEUTRAL[ROW_REDUCTIONS[step.target]]}, "
                             f"{TRITON_DTYPE[held_dtype(step.dtype)]})")
-            loop = [f"{col} = r0 + tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}",
-                    "mask = row_mask & col_mask"]
+            loop = chunk()
             needed = _depends(program, [program.steps[r.index].args[0] for r in todo])
             row_names = dict(names)  # the walk's values are its loop's own
             for ref in order:
@@ -274,8 +274,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     if not variant.looped:
         body += [store(i) for i in tile_outputs]
     elif tile_outputs:
-        loop = [f"{col} = r0 + tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}",
-                "mask = row_mask & col_mask"]
+        loop = chunk()
         needed = _depends(program, [program.outputs[i][0] for i in tile_outputs])
         for ref in order:
             if ref in needed and ref not in done:
@@ -284,10 +283,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         body.append(f"for r0 in range(0, n{last}, RBLOCK):")
         body += [f"    {line}" for line in loop]
 
-    by_value = [p for p in params if p.endswith("_value")]
-    decorator = f"@triton.jit(do_not_specialize={by_value})" if by_value else "@triton.jit"
-    lines = [decorator, f"def {name}({', '.join(params)}):"] + [f"    {line}" for line in body]
-    return COMBINE + "\n".join(lines) + "\n"
+    return COMBINE + jit_text(name, params, body)
 
 
 def _space_shape(root: tuple[int, ...], space: str) -> tuple[int, ...]:
