@@ -92,6 +92,8 @@ def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gra
                 detail={"kernel": kernel_name(group),
                         "shape": list(map(str, root if root is not None else group.outputs[0].meta["val"].shape))},
                 kind="elementwise" if root is None else "reduction")
+            # Lowered again (lowerable_partition tried it on the graph as it was): a group replaced before this
+            # one has rewired its inputs.
             lowered = lower(group, ctx.device)
             if ctx.run_kernels:
                 _replace(gm, group, lowered, ctx, where, ops, record)
