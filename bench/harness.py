@@ -40,6 +40,19 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 200) -> 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def device_ms(fn: Callable[[], Any], calls: int = 10) -> float:
+    """Kernel time a call of ``fn`` takes on the device (its kernels' durations summed, torch.profiler), without
+    the host's time between them: what a call costs where the host keeps ahead."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as trace:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in trace.events() if e.device_type.name == "CUDA"]
+    return sum(e.time_range.elapsed_us() for e in kernels) / calls / 1e3
+
+
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """‖got − expected‖ / ‖expected‖, in float32."""
     return ((got.float() - expected.float()).norm() / expected.float().norm()).item()

@@ -1,9 +1,11 @@
-"""Row reductions with the pointwise ops around them (norms, a softmax, a log-sum-exp loss written by hand):
+"""Row reductions with the pointwise ops around them (norms, a softmax, log-sum-exp and cross-entropy losses):
 eager, Inductor and fusepass side by side, forward and forward+backward, bf16.
 
     PYTHONPATH=. python bench/reductions.py [--cases rmsnorm,...]
 
-GB/s counts the fewest bytes a forward must move: each input read once, each output written once.
+Times are the kernels' on the device per call (torch.profiler: what a call costs where the host keeps ahead, as
+in a model's step); the JSON keeps each call's do_bench median beside them. GB/s counts the fewest bytes a
+forward must move: each input read once, each output written once.
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from harness import keep, median_ms, relative_error
+import torch.nn.functional as F
+from harness import device_ms, keep, median_ms, relative_error
 
 import fusepass
 
@@ -38,6 +41,14 @@ def softmax_by_hand(x):
     return e / e.sum(-1, keepdim=True)
 
 
+def cross_entropy(logits, targets):
+    return F.cross_entropy(logits.float(), targets)
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, x.shape[-1:], w, b)
+
+
 def logsumexp_by_hand(x):
     xf = x.float()
     m = xf.amax(-1, keepdim=True)
@@ -51,15 +62,18 @@ class Case:
     shape: tuple[int, int]
     extra: int  # weights of the row's width it takes after x (rmsnorm's one, layernorm's two)
     residual: bool = False
+    classes: bool = False  # takes a target class per row (a loss)
 
 
 CASES = [
-    Case("rmsnorm 8192x2048", rmsnorm, (8192, 2048), 1),
-    Case("rmsnorm 8192x768", rmsnorm, (8192, 768), 1),
-    Case("residual+rmsnorm 8192x4096", residual_rmsnorm, (8192, 4096), 1, residual=True),
-    Case("layernorm by hand 8192x768", layer_norm_by_hand, (8192, 768), 2),
-    Case("softmax by hand 8192x1024", softmax_by_hand, (8192, 1024), 0),
-    Case("logsumexp 4096x50257 (walked)", logsumexp_by_hand, (4096, 50257), 0),
+    Case("rmsnorm 16384x4096", rmsnorm, (16384, 4096), 1),
+    Case("residual+rmsnorm 16384x4096", residual_rmsnorm, (16384, 4096), 1, residual=True),
+    Case("layernorm 16384x1024", layer_norm, (16384, 1024), 2),
+    Case("layernorm-by-hand 16384x1024", layer_norm_by_hand, (16384, 1024), 2),
+    Case("softmax-by-hand 16384x1024", softmax_by_hand, (16384, 1024), 0),
+    Case("cross-entropy 8192x50257", cross_entropy, (8192, 50257), 0, classes=True),
+    Case("cross-entropy 4096x128256", cross_entropy, (4096, 128256), 0, classes=True),
+    Case("logsumexp-by-hand 4096x50257", logsumexp_by_hand, (4096, 50257), 0),
 ]
 
 
@@ -78,7 +92,9 @@ def main() -> None:
             inputs.append(torch.randn(m, n, device="cuda", dtype=torch.bfloat16))
         inputs += [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(case.extra)]
         inputs = [x.requires_grad_() for x in inputs]
-        expected = case.fn(*[x.double() for x in inputs])
+        if case.classes:
+            inputs.append(torch.randint(0, n, (m,), device="cuda"))
+        expected = case.fn(*[x.double() if x.is_floating_point() else x for x in inputs])
         expected = expected if isinstance(expected, tuple) else (expected,)
         row = {"case": case.name}
         for label, backend in (("eager", None), ("inductor", "inductor"), ("fusepass", fusepass.backend(strict=True))):
@@ -88,13 +104,15 @@ def main() -> None:
             out = out if isinstance(out, tuple) else (out,)
             grads = [torch.randn_like(o) for o in out]
             row[f"{label} error"] = max(relative_error(o.double(), e) for o, e in zip(out, expected))
-            row[f"{label} fwd ms"] = median_ms(lambda: fn(*inputs))
+            row[f"{label} fwd call ms"] = median_ms(lambda: fn(*inputs))
+            row[f"{label} fwd ms"] = device_ms(lambda: fn(*inputs))
 
             def step():
                 outs = fn(*inputs)
                 torch.autograd.backward(outs if isinstance(outs, tuple) else (outs,), grads)
 
-            row[f"{label} fwd+bwd ms"] = median_ms(step)
+            row[f"{label} fwd+bwd call ms"] = median_ms(step)
+            row[f"{label} fwd+bwd ms"] = device_ms(step)
         moved = sum(x.numel() * x.element_size() for x in inputs) + sum(o.numel() * o.element_size() for o in out)
         row["fusepass fwd GB/s"] = moved / row["fusepass fwd ms"] / 1e6
         row["fwd vs inductor"] = row["inductor fwd ms"] / row["fusepass fwd ms"]
@@ -103,7 +121,8 @@ def main() -> None:
     columns = ["case", "eager fwd ms", "inductor fwd ms", "fusepass fwd ms", "fusepass fwd GB/s", "fwd vs inductor",
                "eager fwd+bwd ms", "inductor fwd+bwd ms", "fusepass fwd+bwd ms", "fwd+bwd vs inductor",
                "eager error", "inductor error", "fusepass error"]
-    print(keep("reductions", columns, rows, "bf16; errors against float64, relative (norm)."))
+    print(keep("reductions", columns, rows, "bf16; device ms per call (kernels' time, torch.profiler); errors "
+                                            "against float64, relative (norm)."))
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@
 #                FlexAttention with its block mask built in each call, as a step   by hand at -1925,
 #                with new inputs builds it                                         without packed)
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
-#   tests        the GPU tests (all of tests/)                                        ~240 s (2026-11-30, before tests/*.py)
-#   reductions   bench/reductions.py: norms, softmax, log-sum-exp written out, beside Inductor   (not run yet)
+#   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
+#   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~150 s (2026-12-04, 6 rows)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     (not run yet)
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
@@ -53,11 +53,13 @@ for part in $parts; do
         timeout 100 python bench/elementwise.py --sizes 26 2>&1 | tail -12 ;;
     tests)
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
-        PYTHONPATH=/tmp/site:$PWD timeout 380 python -m pytest -o addopts="--import-mode=importlib" -q -n 14 -rf \
-            -p no:cacheprovider tests > "$OUT_DIR/gpu-tests.log" 2>&1
-        tail -3 "$OUT_DIR/gpu-tests.log" ;;
+        # -v: each test's outcome is on its own line, so a run cut by the timeout still names its failures
+        PYTHONPATH=/tmp/site:$PWD timeout ${TESTS_TIMEOUT_S:-520} python -m pytest -o addopts="--import-mode=importlib" \
+            -v -n 15 -rf -p no:cacheprovider ${TESTS:-tests} > "$OUT_DIR/gpu-tests.log" 2>&1
+        grep -E "FAILED|ERROR" "$OUT_DIR/gpu-tests.log" | sed 's/^\[gw[0-9]*\] \[...%\] //' | sort -u | head -40
+        tail -1 "$OUT_DIR/gpu-tests.log" ;;
     reductions)
-        (cd bench && timeout 150 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
+        (cd bench && timeout 280 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
             --budget-s "${MODELS_BUDGET_S:-400}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.fx
-from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from fusepass.attention.rewrite import list_unfused_attention, rewrite_attention
@@ -35,6 +35,7 @@ from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, discard, new_report
 from fusepass.runnable import copy_graph, on_device, runnable
 from fusepass.runtime.device import interpreting
+from fusepass.saved_values import partition
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
 CPU_NOTICE = ("kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU): rewrites are planned and "
@@ -202,7 +203,7 @@ class Backend:
             return aot_module_simplified(graph, example_inputs, fw_compiler=compiler("forward", True),
                                          bw_compiler=compiler("backward"),
                                          inference_compiler=compiler("forward"),
-                                         partition_fn=min_cut_rematerialization_partition)
+                                         partition_fn=partition)
         except Exception as error:
             return self._give_up(gm, report, "autograd", error, recorded)
 

@@ -55,8 +55,9 @@ def _nll_backward_fits(node: torch.fx.Node) -> bool:
 
 
 def reduction_kind(node: torch.fx.Node) -> str | None:
-    """"sum", "mean", "amax", "amin", "softmax" (the family) or "nll" where `node` reduces its floating input over
-    the last dimension only (or, the negative log-likelihood's backward, writes rows of it)."""
+    """"sum", "mean", "amax", "amin", "softmax" (the family) or "nll" where `node` reduces its floating input (or
+    counts its bool or integer one) over the last dimension only (or, the negative log-likelihood's backward, writes
+    rows of it)."""
     if node.op == "call_function" and node.target == NLL_BACKWARD:
         return "nll" if _nll_backward_fits(node) else None
     if node.op != "call_function" or (node.target not in ROW_REDUCTIONS and node.target not in COMPOSITES):
@@ -67,7 +68,12 @@ def reduction_kind(node: torch.fx.Node) -> str | None:
     x = val(source)
     tensors = [val(a) for a in node.all_input_nodes]
     if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.dim() == 0 or \
-            any(not isinstance(t, torch.Tensor) or t.dtype not in FLOATING for t in tensors) or out.dtype not in FLOATING:
+            any(not isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    # A count (an amax's backward sums its ties, x == max) sums bool or integer values into int64, as eager does.
+    counts = node.target == aten.sum.dim_IntList and not x.dtype.is_floating_point and not x.is_complex() and \
+        out.dtype == torch.int64
+    if not counts and (any(t.dtype not in FLOATING for t in tensors) or out.dtype not in FLOATING):
         return None
     if node.target in COMPOSITES:
         dims = [node.args[COMPOSITES[node.target]]]

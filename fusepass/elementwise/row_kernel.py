@@ -48,6 +48,11 @@ def _min_nan(a, b):
 
 '''
 NEUTRAL = {"sum": "0.0", "mean": "0.0", "amax": 'float("-inf")', "amin": 'float("inf")'}
+
+
+def _neutral(kind: str, dtype: torch.dtype) -> str:
+    """The kind's neutral element in a reduction's held dtype (a count's is an integer zero)."""
+    return NEUTRAL[kind] if dtype.is_floating_point else "0"
 COMBINER = {"amax": "_max_nan", "amin": "_min_nan"}
 COLUMN = torch.ops.prims.iota.default  # a step giving each lane its column (the class of a row of classes)
 
@@ -202,7 +207,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         acc = held_dtype(step.dtype)
         if held_dtype(operand(source).dtype) != acc:
             value = f"({value}).to({TRITON_DTYPE[acc]})"
-        return f"tl.where(col_mask, {value}, {NEUTRAL[ROW_REDUCTIONS[step.target]]})"
+        return f"tl.where(col_mask, {value}, {_neutral(ROW_REDUCTIONS[step.target], acc)})"
 
     done: set[Ref] = set()
 
@@ -229,7 +234,8 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             todo = [r for r in reductions if level[r] == walk + 1]
             for ref in todo:
                 step = program.steps[ref.index]
-                body.append(f"acc{ref.index} = tl.full([XBLOCK, RBLOCK], {NEUTRAL[ROW_REDUCTIONS[step.target]]}, "
+                body.append(f"acc{ref.index} = tl.full([XBLOCK, RBLOCK], "
+                            f"{_neutral(ROW_REDUCTIONS[step.target], held_dtype(step.dtype))}, "
                             f"{TRITON_DTYPE[held_dtype(step.dtype)]})")
             loop = chunk()
             needed = _depends(program, [program.steps[r.index].args[0] for r in todo])

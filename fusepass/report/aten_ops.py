@@ -31,6 +31,17 @@ def _shape(node: object) -> str:
     return "×".join(map(str, val.shape)) if isinstance(val, torch.Tensor) else "?"
 
 
+def _unfused_reduction(node: torch.fx.Node) -> str:
+    """What sets a reduction apart from the row reductions fused kernels hold."""
+    x = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if isinstance(x, torch.Tensor) and x.dim() > 0 and isinstance(dims, (int, list, tuple)):
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        if [d % x.dim() for d in dims] == [x.dim() - 1]:
+            return f"of {str(x.dtype).removeprefix('torch.')} values over the last dim"
+    return "over other dims than the last"
+
+
 def _reason(node: torch.fx.Node) -> str:
     if is_matmul(node):
         a, b = matmul_operands(node)
@@ -38,7 +49,7 @@ def _reason(node: torch.fx.Node) -> str:
     if is_row_reduction(node):
         return "a row reduction with no neighbour fused beside it: one ATen kernel"
     if node.target.overloadpacket in REDUCTIONS:
-        return f"{op_name(node)} over other dims than the last: an ATen reduction"
+        return f"{op_name(node)} {_unfused_reduction(node)}: an ATen reduction"
     if is_pointwise(node):
         return "a pointwise op with no fusable neighbour: one ATen kernel"
     return f"no fusion rule for {op_name(node)}: an ATen kernel"

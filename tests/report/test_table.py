@@ -100,11 +100,11 @@ rewrites                          HBM bytes                 FLOP/B           est
       tests/report/test_table.py:48 | 8 ops | 144 kFLOP | 4.4 KiB less kept for backward | causal
   attention   backward  121.0 KiB   49.5 KiB   71.5 KiB     2.21    10.1   33.8 ns   13.8 ns
       tests/report/test_table.py:48 | 7 ops | 274 kFLOP | causal
-  elementwise forward    44.1 KiB   12.1 KiB   32.0 KiB     0.11    0.41   12.3 ns   3.37 ns
+  elementwise forward    44.1 KiB    8.1 KiB   36.0 KiB     0.11    0.62   12.3 ns   2.25 ns
       tests/report/test_table.py:49 | 5 ops | 5.12 kFLOP
-  elementwise backward  104.1 KiB   24.1 KiB   80.1 KiB     0.10    0.42   29.1 ns   6.71 ns
-      tests/report/test_table.py:49 | 10 ops | 10.2 kFLOP
-  total                 355.2 KiB  102.2 KiB  253.0 KiB                    99.1 ns   28.5 ns
+  elementwise backward  112.1 KiB   16.1 KiB   96.1 KiB     0.10    0.68   31.3 ns   4.48 ns
+      tests/report/test_table.py:49 | 11 ops | 11.3 kFLOP
+  total                 363.2 KiB   90.2 KiB  273.0 KiB                     101 ns   25.2 ns
 
 hotspots, by estimated time              HBM      est.
   aten         backward    4.1 KiB   1.13 ns  tests/report/test_table.py:49
