@@ -25,6 +25,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from fusepass.attention.rewrite import list_unfused_attention, rewrite_attention
 from fusepass.capture import capture
 from fusepass.context import CONTROL_FLOW, PassContext, graph_device
+from fusepass.elementwise import softmax_loss
 from fusepass.elementwise.fuse import fuse_elementwise
 from fusepass.matmul.pad import pad_matmuls
 from fusepass.options import Options
@@ -35,7 +36,7 @@ from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, discard, new_report
 from fusepass.runnable import copy_graph, on_device, runnable
 from fusepass.runtime.device import interpreting
-from fusepass.saved_values import partition
+from fusepass.saved_values import partition_with
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
 CPU_NOTICE = ("kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU): rewrites are planned and "
@@ -198,6 +199,8 @@ class Backend:
 
             return compile_graph
 
+        fuses_rows = self.options.elementwise and self.options.reductions and run_kernels
+        partition = partition_with(softmax_loss.write_out if fuses_rows else None)
         try:
             # A forward graph compiled as the inference graph has no backward to wait for.
             return aot_module_simplified(graph, example_inputs, fw_compiler=compiler("forward", True),

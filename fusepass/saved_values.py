@@ -4,10 +4,12 @@ The joint graph holds an ``aten.detach`` wherever autograd saved a result for it
 output, ``amax``'s). The min-cut partitioner does not see through them: it then keeps the detached value, often a
 full fp32 tensor (a log-softmax's exponentials), where recomputing it in the backward from a bf16 input costs
 nothing but reading that input again. Inductor decomposes ``detach`` away before partitioning; so does this, for
-every detach whose value is not itself a graph output (an output keeps its aliasing as traced).
+every detach whose value is not itself a graph output (an output keeps its aliasing as traced). A pass may
+write ops out before the cut (`partition_with`): the softmaxes, whose outputs the cut would otherwise keep.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +27,17 @@ def drop_detaches(joint: torch.fx.GraphModule) -> None:
     joint.recompile()
 
 
-def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[torch.fx.GraphModule,
-                                                                                      torch.fx.GraphModule]:
-    drop_detaches(joint)
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+Partition = Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]]
+
+
+def partition_with(write_out: Callable[[torch.fx.GraphModule], None] | None) -> Partition:
+    """AOTAutograd's `partition_fn`: the joint graph's detaches dropped, `write_out` run on it, then min-cut."""
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any
+                  ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        drop_detaches(joint)
+        if write_out is not None:
+            write_out(joint)
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    return partition

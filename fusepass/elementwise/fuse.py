@@ -20,6 +20,7 @@ from fusepass.elementwise.lower import Lowered, NotLowerable, lower
 from fusepass.elementwise.reduction import is_row_reduction
 from fusepass.elementwise.partition import Group, is_constant, partition, root_shape
 from fusepass.elementwise.row_kernel import RowLauncher
+from fusepass.elementwise.views import move_views
 from fusepass.fx_util import op_name
 from fusepass.report import profile, roofline
 from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes
@@ -73,6 +74,7 @@ def write_out_layer_norms(graph: torch.fx.Graph, device: torch.device) -> None:
 
 
 def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
+    move_views(gm.graph, ctx.device)
     if ctx.options.reductions and ctx.run_kernels:
         write_out_layer_norms(gm.graph, ctx.device)
     groups, declined = lowerable_partition(gm.graph, ctx.device, ctx.options.reductions)

@@ -11,12 +11,10 @@ weight's gradient would be a sum over rows of a tensor the row kernel writes.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-
 import torch
 import torch.fx
 
-from fusepass.fx_util import infer_meta, val
+from fusepass.fx_util import Writer, val
 
 aten = torch.ops.aten
 FLOATING = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,25 +31,7 @@ def _eligible(node: torch.fx.Node) -> bool:
             all(user.target is operator.getitem for user in node.users))
 
 
-class _Writer:
-    """Inserts ATen ops before a node, each with what later passes read of it (`fx_util.infer_meta`)."""
-
-    def __init__(self, graph: torch.fx.Graph, at: torch.fx.Node) -> None:
-        self.graph, self.at = graph, at
-
-    def __call__(self, target: Callable, *args, **kwargs) -> torch.fx.Node:
-        with self.graph.inserting_before(self.at):
-            node = self.graph.call_function(target, args, kwargs)
-        node.meta.update({k: v for k, v in self.at.meta.items() if k in ("stack_trace", "nn_module_stack",
-                                                                          "source_fn_stack")})
-        infer_meta([node])
-        return node
-
-    def cast(self, x: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
-        return x if val(x).dtype == dtype else self(aten._to_copy.default, x, dtype=dtype)
-
-
-def _forward(w: _Writer, node: torch.fx.Node) -> list[torch.fx.Node]:
+def _forward(w: Writer, node: torch.fx.Node) -> list[torch.fx.Node]:
     x, _, weight, bias, eps = node.args
     outputs = {u.args[1]: u for u in node.users}
     acc = val(outputs[1]).dtype if 1 in outputs else (torch.float32 if val(x).dtype in FLOATING[:2] else val(x).dtype)
@@ -71,7 +51,7 @@ def _forward(w: _Writer, node: torch.fx.Node) -> list[torch.fx.Node]:
 def write_out(graph: torch.fx.Graph, node: torch.fx.Node) -> list[torch.fx.Node]:
     """Replace `node` by the ops it computes; the new nodes."""
     before = set(graph.nodes)
-    writer = _Writer(graph, node)
+    writer = Writer(graph, node)
     results = _forward(writer, node)
     for user in list(node.users):
         replacement = results[user.args[1]]

@@ -1,6 +1,6 @@
 """Which pointwise nodes of a graph run together as one kernel.
 
-Producer and consumer merge greedily, in graph order; then groups reading a common tensor (siblings, such as
+Producer and consumer merge greedily, in graph order, again until none merge; then groups reading a common tensor (siblings, such as
 the two gradients of SwiGLU's backward) merge, so that the tensor is read once. Both while three rules hold:
 - no cycle: no path leaves the merged group and comes back into it (checked with networkx on the
   graph of groups; siblings merge only where no path joins them);
@@ -196,19 +196,25 @@ def partition(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torc
                 and not planned_attention(n) and not _host_scalar(n, device)]
 
     groups = _Groups(graph)
-    for node in nodes:
-        if node not in fusable:
-            continue
-        for arg in node.all_input_nodes:
-            if arg not in fusable:
+    # Again while any merged: a producer whose value escapes to readers not yet grouped (a view read by a row's
+    # maximum and by the row's other ops) can join their group once they are one.
+    merged = True
+    while merged:
+        merged = False
+        for node in nodes:
+            if node not in fusable:
                 continue
-            producer, consumer = groups.find(arg), groups.find(node)
-            if producer is consumer:
-                continue
-            union = set(groups.members[producer]) | set(groups.members[consumer])
-            if not _one_iteration_space(union) or groups.creates_cycle(producer, consumer):
-                continue
-            groups.merge(producer, consumer)
+            for arg in node.all_input_nodes:
+                if arg not in fusable:
+                    continue
+                producer, consumer = groups.find(arg), groups.find(node)
+                if producer is consumer:
+                    continue
+                union = set(groups.members[producer]) | set(groups.members[consumer])
+                if not _one_iteration_space(union) or groups.creates_cycle(producer, consumer):
+                    continue
+                groups.merge(producer, consumer)
+                merged = True
     for node in nodes:
         readers = [u for u in node.users if u in fusable]
         for first, other in zip(readers, readers[1:]):

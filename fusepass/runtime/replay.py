@@ -27,6 +27,7 @@ the caller's pool alike.
 """
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -78,8 +79,10 @@ class LaunchReplays:
         self._replays: OrderedDict[Hashable, _Replay] = OrderedDict()
         self._seen: OrderedDict[Hashable, None] = OrderedDict()  # keys run once, not captured yet
         self._refused: OrderedDict[Hashable, None] = OrderedDict()  # keys whose capture failed
-        self._streams: dict[int, torch.cuda.Stream] = {}
-        self._launch_pools: dict[int, Any] = {}  # device -> torch.cuda.MemPool of launched sequences
+        # Per (device, thread): a pool allocated to by two threads at once refuses the second, and two threads'
+        # captures on one side stream would be one capture.
+        self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
+        self._launch_pools: dict[tuple[int, int], Any] = {}  # torch.cuda.MemPools of launched sequences
         self.replayed = 0  # calls replayed
         self.dropped = 0  # graphs dropped for newer ones
 
@@ -129,10 +132,10 @@ class LaunchReplays:
 
     def _launch(self, launches: Callable[[], None]) -> None:
         """`launches` launched, their temporaries allocated from the launch pool of the current device."""
-        device = torch.cuda.current_device()
-        pool = self._launch_pools.get(device)
+        where = (torch.cuda.current_device(), threading.get_ident())
+        pool = self._launch_pools.get(where)
         if pool is None:
-            pool = self._launch_pools[device] = torch.cuda.MemPool()
+            pool = self._launch_pools[where] = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool):
             launches()
 
@@ -143,10 +146,10 @@ class LaunchReplays:
         arguments but the `named` ones (the caller's: held, their memory could not come back to the next
         call, whose key would then differ)."""
         launch.finish_compiles_ahead()
-        device = torch.cuda.current_device()
-        stream = self._streams.get(device)
+        where = (torch.cuda.current_device(), threading.get_ident())
+        stream = self._streams.get(where)
         if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream()
+            stream = self._streams[where] = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         try:

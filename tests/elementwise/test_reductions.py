@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from support import check, random_tensor, rewrites
+from support import DEVICE, check, random_tensor, rewrites
 
 import fusepass
 from fusepass.elementwise import row_kernel
@@ -90,7 +90,7 @@ def test_chained_reductions(row_form, fn, shape):
 
 def test_a_row_value_written_out_without_its_dimension(row_form):
     logits = random_tensor((6, 45), torch.float32)
-    onehot = torch.nn.functional.one_hot(torch.arange(6) * 7 % 45, 45).float()
+    onehot = torch.nn.functional.one_hot(torch.arange(6, device=DEVICE) * 7 % 45, 45).float()
     report = check(log_softmax_loss, logits, onehot, backward=True, backend=STRICT)
     (forward,) = rewrites(report, kind="reduction", phase="forward")
     assert forward.ops.count("aten.sum") == 2
@@ -169,12 +169,27 @@ def test_softmax_family_ops_join_their_neighbours(row_form, dtype):
         return probs * 3, logp.exp() + 1
 
     report = check(fn, x, backward=True, backend=STRICT)
+    # for training, written out before the partition (softmax_loss): the backward recomputes from the input
     (forward,) = rewrites(report, kind="reduction", phase="forward")
-    assert {"aten._softmax", "aten._log_softmax"} <= set(forward.ops)
+    assert {"aten.amax", "aten.exp", "aten.log"} <= set(forward.ops)
+    assert not {"aten._softmax", "aten._log_softmax"} & set(forward.ops)
     (backward,) = rewrites(report, kind="reduction", phase="backward")
     assert {"aten._softmax_backward_data", "aten._log_softmax_backward_data"} <= set(backward.ops)
     graph = report.graphs["backward"].graph
     assert not [n for n in graph.nodes if n.target == aten._softmax_backward_data.default]
+    # for inference, each op expands in its kernel
+    with torch.no_grad():
+        report = check(fn, x, backend=STRICT)
+    (forward,) = rewrites(report, kind="reduction", phase="forward")
+    assert {"aten._softmax", "aten._log_softmax"} <= set(forward.ops)
+
+
+def saved_full_size(report, shape):
+    """The forward graph's outputs of `shape` that are not its inputs: what it writes for the backward to read."""
+    graph = report.graphs["forward"].graph
+    (outputs,) = graph.output_node().args
+    return [n for n in outputs if isinstance(n, torch.fx.Node) and n.op != "placeholder" and
+            tuple(n.meta["val"].shape) == tuple(shape)]
 
 
 def test_one_row(row_form):
@@ -211,7 +226,7 @@ def test_a_layer_norm_over_two_dims_stays_aten():
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_backward_is_one_kernel(row_form, reduction):
     logits = random_tensor((2, 9, 41), torch.bfloat16)
-    targets = torch.arange(18).view(2, 9) * 5 % 41
+    targets = torch.arange(18, device=DEVICE).view(2, 9) * 5 % 41
     targets[0, 3] = -100  # ignored: no gradient in its row
 
     def loss(logits):
@@ -223,18 +238,61 @@ def test_cross_entropy_backward_is_one_kernel(row_form, reduction):
     assert not [n for n in report.graphs["backward"].graph.nodes if n.target == aten.nll_loss_backward.default]
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("upcast", [True, False], ids=["fp32 logits", "bf16 logits"])
+def test_cross_entropy_forward_picks_the_target_in_its_row_kernel(row_form, reduction, upcast):
+    """No fp32 log-probabilities are written: the forward keeps the logits and two row values (bf16 ones, as many
+    bytes as the logits, where the partition finds them as cheap to keep), and takes the target's log-probability
+    in the walk of the row's maximum. An ignored target inside the classes too."""
+    logits = random_tensor((3, 7, 45), torch.bfloat16)
+    targets = torch.arange(21, device=DEVICE).view(3, 7) * 7 % 45
+    targets[1, 2] = targets[2, 5] = 14  # the ignored class
+
+    def loss(logits):
+        x = logits.float() if upcast else logits
+        return torch.nn.functional.cross_entropy(x.flatten(0, 1), targets.flatten(), reduction=reduction,
+                                                 ignore_index=14) * 2
+
+    report = check(loss, logits, backward=True, backend=STRICT)
+    forward = report.graphs["forward"].graph
+    assert not [n for n in forward.nodes if n.target in (aten.nll_loss_forward.default, aten._log_softmax.default)]
+    assert all(n.meta["val"].dtype == torch.bfloat16 for n in saved_full_size(report, (21, 45)))
+    (row,) = [r for r in rewrites(report, kind="reduction", phase="forward") if "aten.amax" in r.ops]
+    assert row.bytes_fused < (2 if upcast else 3) * logits.numel() * logits.element_size()
+    (backward,) = rewrites(report, kind="reduction", phase="backward")
+    assert {"aten.nll_loss_backward", "aten._log_softmax_backward_data"} <= set(backward.ops)
+
+
+def test_a_log_sum_exp_by_hand_keeps_its_input_and_counts_the_maximum_in_its_kernel(row_form):
+    """exp's and amax's saved results are detached in the joint graph: the partition sees through that and keeps
+    the input and the row values; the maximum's backward counts its ties (a sum of bools) in the row kernel."""
+    x = random_tensor((6, 37), torch.bfloat16)
+
+    def lse(x):
+        xf = x.float()
+        m = xf.amax(-1, keepdim=True)
+        return (m + torch.log(torch.exp(xf - m).sum(-1, keepdim=True))).squeeze(-1)
+
+    report = check(lse, x, backward=True, backend=STRICT)
+    assert not saved_full_size(report, (6, 37))
+    (backward,) = rewrites(report, kind="reduction", phase="backward")
+    assert "aten.eq" in backward.ops and backward.ops.count("aten.sum") == 2
+    assert not [n for n in report.graphs["backward"].graph.nodes if n.target == aten.sum.dim_IntList]
+
+
 def test_class_weights_keep_cross_entropy_backward_aten():
     logits = random_tensor((7, 13), torch.float32)
-    targets, weights = torch.arange(7) % 13, torch.rand(13) + 0.5
+    targets, weights = torch.arange(7, device=DEVICE) % 13, torch.rand(13, device=DEVICE) + 0.5
     report = check(lambda x: torch.nn.functional.cross_entropy(x, targets, weight=weights), logits, backward=True,
                    backend=STRICT)
+    assert [n for n in report.graphs["forward"].graph.nodes if n.target == aten.nll_loss_forward.default]
     assert [n for n in report.graphs["backward"].graph.nodes if n.target == aten.nll_loss_backward.default]
 
 
 def test_a_group_without_a_reduction_left_in_it(row_form):
     """nll_loss_backward beside pointwise ops only (the log-probabilities' gradient used as it is)."""
     logp = random_tensor((5, 23), torch.float32)
-    targets = torch.arange(5) * 3 % 23
+    targets = torch.arange(5, device=DEVICE) * 3 % 23
 
     def fn(logp):
         return torch.nn.functional.nll_loss(logp, targets) * 2

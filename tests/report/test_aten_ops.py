@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support import random_tensor
+from support import DEVICE, random_tensor
 
 import fusepass
 
@@ -31,7 +31,7 @@ def _compiled_report(fn, *inputs, backend=STRICT):
 
 
 def test_matmuls_and_aten_ops_are_hotspots_with_their_cost():
-    report = _compiled_report(Block(), random_tensor((3, 5, 24), torch.float32))
+    report = _compiled_report(Block().to(DEVICE), random_tensor((3, 5, 24), torch.float32))
     matmuls = [h for h in report.hotspots if h.kind == "matmul"]
     forward = [h for h in matmuls if h.phase == "forward"]
     assert len(forward) == 2 and all(h.flops > 0 and h.bytes > 0 and h.time_ms > 0 for h in forward)

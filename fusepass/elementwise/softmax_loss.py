@@ -1,0 +1,115 @@
+"""Softmaxes and the negative log-likelihood written out in the joint graph, before AOTAutograd's partition.
+
+To the min-cut partitioner ``_softmax`` and ``_log_softmax`` are reductions it will not recompute: it keeps their
+output, a full tensor, for the backward (a cross-entropy's log-probabilities over a 50257-word vocabulary, fp32 at
+8192 rows: 1.6 GB written by the forward and read by the backward), and ``nll_loss_forward`` reads that tensor
+for one value a row. Written out as eager's kernel computes them (in fp32 for half precision, the output rounded
+once: ``reduction.expand``'s composites), the partitioner keeps the input and two row values and the backward's
+row kernel recomputes the rest; the loss takes each row's target value of the input in the walk of the row's
+maximum (``x[t] − max − log Σ exp`` is the log-probability picked), so the log-probabilities are never written.
+
+Written out only where the elementwise pass fuses row reductions on a device that runs its kernels: in ATen ops
+the written-out form is several kernels where eager runs one.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from fusepass.elementwise.reduction import REDUCTIONS_BY_MEAN, reduction_kind
+from fusepass.fx_util import Writer, val
+
+aten = torch.ops.aten
+SOFTMAXES = (aten._softmax.default, aten._log_softmax.default)
+NLL_FORWARD = aten.nll_loss_forward.default
+REDUCTIONS_BY_SUM, NO_REDUCTION = 2, 0
+
+
+class _LogSoftmax:
+    """A written-out log-softmax's parts: the input in the dtype it is computed in, the row maximum, the log of
+    the row's sum of exponentials, and the output's dtype."""
+
+    def __init__(self, x: torch.fx.Node, maximum: torch.fx.Node, log_total: torch.fx.Node, dtype: torch.dtype):
+        self.x, self.maximum, self.log_total, self.dtype = x, maximum, log_total, dtype
+
+
+def _write_out_softmax(graph: torch.fx.Graph, node: torch.fx.Node) -> _LogSoftmax | None:
+    w = Writer(graph, node)
+    out_dtype = val(node).dtype
+    dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype  # eager's kernels' own
+    dim = node.args[1]
+    x = w.cast(node.args[0], dtype)
+    maximum = w(aten.amax.default, x, [dim], True)
+    shifted = w(aten.sub.Tensor, x, maximum)
+    exps = w(aten.exp.default, shifted)
+    total = w(aten.sum.dim_IntList, exps, [dim], True)
+    if node.target == aten._softmax.default:
+        node.replace_all_uses_with(w.cast(w(aten.div.Tensor, exps, total), out_dtype))
+        graph.erase_node(node)
+        return None
+    log_total = w(aten.log.default, total)
+    node.replace_all_uses_with(w.cast(w(aten.sub.Tensor, shifted, log_total), out_dtype))
+    graph.erase_node(node)
+    return _LogSoftmax(x, maximum, log_total, out_dtype)
+
+
+def _nll_fits(node: torch.fx.Node) -> bool:
+    """Rows of classes (2-d log-probabilities of a known class count, 1-d integer targets), no class weights, each
+    output read by index."""
+    if node.op != "call_function" or node.target != NLL_FORWARD or len(node.args) < 5:
+        return False
+    logp, target, weight, reduction = node.args[0], node.args[1], node.args[2], node.args[3]
+    lp, t = val(logp), val(target)
+    return (weight is None and reduction in (NO_REDUCTION, REDUCTIONS_BY_MEAN, REDUCTIONS_BY_SUM) and
+            isinstance(lp, torch.Tensor) and lp.dim() == 2 and lp.dtype.is_floating_point and
+            isinstance(lp.shape[1], int) and isinstance(t, torch.Tensor) and t.dim() == 1 and
+            not t.dtype.is_floating_point and all(u.target is operator.getitem for u in node.users))
+
+
+def _write_out_nll(graph: torch.fx.Graph, node: torch.fx.Node, log_softmax: _LogSoftmax | None) -> None:
+    """Each row's −log-probability at its target class (0 where the target is ignored), then their mean or sum."""
+    w = Writer(graph, node)
+    logp, target, _, reduction, ignored = node.args[:5]
+    dtype = val(logp).dtype
+    classes = w(aten.arange.start_step, 0, val(logp).shape[1], 1, dtype=torch.int64, device=val(logp).device)
+    hit = w(aten.eq.Tensor, classes, w(aten.unsqueeze.default, target, 1))
+    if log_softmax is not None:  # x[t] − max − log Σ exp: the log-probability, picked before it is computed
+        picked_x = w(aten.sum.dim_IntList, w(aten.where.ScalarOther, hit, log_softmax.x, 0.0), [-1], True)
+        picked = w.cast(w(aten.sub.Tensor, w(aten.sub.Tensor, picked_x, log_softmax.maximum), log_softmax.log_total),
+                        dtype)
+    else:
+        picked = w(aten.sum.dim_IntList, w(aten.where.ScalarOther, hit, logp, 0.0), [-1], True)
+    counted = w(aten.ne.Scalar, target, ignored)
+    losses = w(aten.where.ScalarOther, counted, w(aten.neg.default, w(aten.squeeze.dim, picked, -1)), 0.0)
+    acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # eager's accumulator
+    if reduction == NO_REDUCTION:
+        outputs = [losses, w(aten.full.default, [], 0.0, dtype=dtype, device=val(logp).device)]
+    else:
+        total = w(aten.sum.dim_IntList, w.cast(losses, acc), [0])
+        count = w.cast(w(aten.sum.dim_IntList, counted, [0]), acc)
+        loss = w(aten.div.Tensor, total, count) if reduction == REDUCTIONS_BY_MEAN else total
+        outputs = [w.cast(loss, dtype), w.cast(count, dtype)]
+    for user in list(node.users):
+        user.replace_all_uses_with(outputs[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def write_out(joint: torch.fx.GraphModule) -> None:
+    """Write out every softmax and log-softmax over the last dim, and every negative log-likelihood that fits."""
+    graph = joint.graph
+    written: dict[torch.fx.Node, _LogSoftmax] = {}
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in SOFTMAXES and reduction_kind(node) == "softmax":
+            users = list(node.users)
+            parts = _write_out_softmax(graph, node)
+            if parts is not None:
+                written.update({u: parts for u in users if u.target == NLL_FORWARD})
+    for node in list(graph.nodes):
+        if _nll_fits(node):
+            _write_out_nll(graph, node, written.get(node))
+    graph.lint()
+    joint.recompile()
+

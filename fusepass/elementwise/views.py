@@ -1,0 +1,94 @@
+"""Views moved past the unary pointwise ops beside them, so that the ops run in a row kernel's shape.
+
+A view that merges dimensions is not affine in a group's coordinates (``coords``): a group ends there. Read
+after a unary op (``logits.float().view(-1, vocab)``, as a loss flattens its logits), it would keep the op out of
+the row kernel that follows, and the op's result, an fp32 copy of the logits, would be written and read again:
+the view moves before the op. The other way, a unary op reading a view that splits a row kernel's output (the
+logits' gradient, cast back to bf16 in the logits' shape) would write a shape the row kernel does not: the view
+moves after the op. Either way a view at a group's edge costs nothing. Only where the value passed along has
+no other reader and takes the view as it is.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from fusepass.elementwise.coords import identity, is_mapped_view, through_view
+from fusepass.elementwise.partition import decline_reason
+from fusepass.elementwise.reduction import is_row_reduction
+from fusepass.fx_util import infer_meta, val
+
+aten = torch.ops.aten
+
+
+def _unary_input(node: torch.fx.Node, device: torch.device) -> torch.fx.Node | None:
+    """The one tensor a fusable unary op of the same shape reads, or None."""
+    if node.op != "call_function" or is_mapped_view(node) or is_row_reduction(node) or \
+            decline_reason(node, device) is not None or len(node.users) != 1:
+        return None
+    tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(tensors) != 1 or len(node.all_input_nodes) != 1 or \
+            tuple(val(tensors[0]).shape) != tuple(val(node).shape):
+        return None
+    return tensors[0]
+
+
+def _viewable(x: torch.fx.Node, shape: list) -> bool:
+    try:
+        with val(x).fake_mode:
+            val(x).view(shape)
+    except Exception:
+        return False
+    return True
+
+
+def move_views(graph: torch.fx.Graph, device: torch.device) -> None:
+    work = [n for n in graph.nodes if n.op == "call_function" and n.target == aten.view.default]
+    while work:
+        view = work.pop()
+        if view.graph is not graph:  # erased
+            continue
+        rank = val(view).dim()
+        if through_view(view, identity(rank), rank) is not None:
+            _after(graph, view, device)
+            continue
+        op = view.args[0]
+        x = _unary_input(op, device) if isinstance(op, torch.fx.Node) else None
+        if x is None or not _viewable(x, view.args[1]):
+            continue
+        with graph.inserting_before(op):
+            moved = graph.call_function(aten.view.default, (x, view.args[1]))
+            applied = graph.node_copy(op, lambda a: moved if a is x else a)
+        for new in (moved, applied):
+            new.meta.update({k: v for k, v in op.meta.items() if k in ("stack_trace", "nn_module_stack",
+                                                                      "source_fn_stack")})
+        infer_meta([moved, applied])
+        view.replace_all_uses_with(applied)
+        graph.erase_node(view)
+        graph.erase_node(op)
+        work.append(moved)
+
+
+def _after(graph: torch.fx.Graph, view: torch.fx.Node, device: torch.device) -> None:
+    """A view that splits a computed value, read by one unary op: the op on the value, then the view."""
+    y = view.args[0]
+    if len(view.users) != 1 or not isinstance(y, torch.fx.Node) or y.op != "call_function":
+        return
+    (op,) = view.users
+    if _unary_input(op, device) is not view:
+        return
+    with graph.inserting_before(op):
+        applied = graph.node_copy(op, lambda a: y if a is view else a)
+        moved = graph.call_function(aten.view.default, (applied, view.args[1]))
+    for new in (applied, moved):
+        new.meta.update({k: v for k, v in op.meta.items() if k in ("stack_trace", "nn_module_stack",
+                                                                  "source_fn_stack")})
+    try:
+        infer_meta([applied, moved])
+    except Exception:  # the op's result does not take the view: leave them as they were
+        graph.erase_node(moved)
+        graph.erase_node(applied)
+        return
+    op.replace_all_uses_with(moved)
+    graph.erase_node(op)
+    graph.erase_node(view)
