@@ -4,9 +4,10 @@ A row is the root's last dimension; the outer dimensions, flattened, number the 
 spaces: a row's (``[XBLOCK, 1]``: a reduction's result, what is computed from results and loads that do not move
 along the row) and the whole tile's (``[XBLOCK, RBLOCK]``). Rows up to ``PERSISTENT_MAX`` long are held whole:
 every value is computed once, in program order. Longer rows are walked in RBLOCK-wide chunks, one walk per level
-of reduction (a softmax's maximum, then its sum over the exponentials of the row less that maximum), and a last
-walk writes the outputs of the whole tile: values of a walk are recomputed in the next, loads come again, which
-costs reads of the row, never writes.
+of reduction, and a last walk writes the outputs of the whole tile: values of a walk are recomputed in the next,
+loads come again, which costs reads of the row, never writes. A sum of ``exp(v − max(v))`` (a softmax's, a
+log-sum-exp's) is taken in the walk of the maximum, each lane's sum rescaled as its maximum grows (the online
+softmax), where both are computed in fp32 or wider: one read of the row fewer.
 """
 from __future__ import annotations
 
@@ -116,6 +117,30 @@ def _depends(program: Program, roots: list[Ref]) -> set[Ref]:
         if ref.kind == "step":
             stack += _step_refs(program.steps[ref.index])
     return seen
+
+
+def _online_sums(program: Program, level: dict[Ref, int]) -> dict[Ref, Ref]:
+    """Each sum of ``exp(v − m)`` whose ``m`` is the maximum of the same ``v`` (sum → maximum), where the
+    subtraction and the exponential round to nothing narrower than they are held in."""
+    found = {}
+    for j, step in enumerate(program.steps):
+        if ROW_REDUCTIONS.get(step.target) != "sum":
+            continue
+        exp = step.args[0]
+        if not isinstance(exp, Ref) or exp.kind != "step" or program.steps[exp.index].target != torch.ops.aten.exp.default:
+            continue
+        sub = program.steps[exp.index].args[0]
+        if not isinstance(sub, Ref) or sub.kind != "step" or program.steps[sub.index].target != torch.ops.aten.sub.Tensor:
+            continue
+        v, m = program.steps[sub.index].args[:2]
+        if not (isinstance(v, Ref) and isinstance(m, Ref) and m.kind == "step" and
+                ROW_REDUCTIONS.get(program.steps[m.index].target) == "amax" and program.steps[m.index].args[0] == v):
+            continue
+        dtypes = {program.steps[r.index].dtype for r in (exp, sub, m, Ref("step", j))}
+        if len(dtypes) == 1 and held_dtype(dtypes.pop()) in (torch.float32, torch.float64) and \
+                level[Ref("step", j)] == level[m] + 1:
+            found[Ref("step", j)] = m
+    return found
 
 
 def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], variant: RowVariant) -> str:
@@ -230,34 +255,51 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             done.add(ref)
     else:
         emit_rows(0)
+        online = _online_sums(program, level)
         for walk in range(max((level[r] for r in reductions), default=0)):
-            todo = [r for r in reductions if level[r] == walk + 1]
-            for ref in todo:
+            todo = [r for r in reductions if level[r] == walk + 1 and r not in done]
+            beside = {total: m for total, m in online.items() if m in todo}  # sums taken in this walk
+            for ref in todo + list(beside):
                 step = program.steps[ref.index]
                 body.append(f"acc{ref.index} = tl.full([XBLOCK, RBLOCK], "
                             f"{_neutral(ROW_REDUCTIONS[step.target], held_dtype(step.dtype))}, "
                             f"{TRITON_DTYPE[held_dtype(step.dtype)]})")
-            loop = chunk()
-            needed = _depends(program, [program.steps[r.index].args[0] for r in todo])
-            row_names = dict(names)  # the walk's values are its loop's own
-            for ref in order:
-                if ref in needed and ref not in done:
-                    emit(ref, f"_w{walk}", loop)
-            for ref in todo:
-                kind = ROW_REDUCTIONS[program.steps[ref.index].target]
-                value = reduced_input(ref)
-                if kind in ("sum", "mean"):
-                    loop.append(f"acc{ref.index} = acc{ref.index} + {value}")
-                else:
+            if todo:
+                loop = chunk()
+                needed = _depends(program, [program.steps[r.index].args[0] for r in todo])
+                row_names = dict(names)  # the walk's values are its loop's own
+                for ref in order:
+                    if ref in needed and ref not in done:
+                        emit(ref, f"_w{walk}", loop)
+                for ref in todo:
+                    kind = ROW_REDUCTIONS[program.steps[ref.index].target]
+                    value = reduced_input(ref)
+                    if kind in ("sum", "mean"):
+                        loop.append(f"acc{ref.index} = acc{ref.index} + {value}")
+                        continue
+                    totals = [total for total, m in beside.items() if m == ref]
+                    if totals:
+                        loop += [f"v{ref.index} = {value}", f"m{ref.index} = acc{ref.index}"]
+                        value = f"v{ref.index}"
                     loop.append(f"acc{ref.index} = {COMBINER[kind]}(acc{ref.index}, {value})")
-            body.append(f"for r0 in range(0, n{last}, RBLOCK):")
-            body += [f"    {line}" for line in loop]
-            names.clear()
-            names.update(row_names)
+                    for total in totals:  # a lane's sum so far, at its new maximum (lanes with none hold 0)
+                        grown = f"acc{ref.index} == float('-inf')"
+                        loop.append(f"acc{total.index} = acc{total.index} * tl.where({grown}, 1.0, "
+                                    f"tl.exp(m{ref.index} - acc{ref.index})) + tl.where({grown}, 0.0, "
+                                    f"tl.exp(v{ref.index} - acc{ref.index}))")
+                body.append(f"for r0 in range(0, n{last}, RBLOCK):")
+                body += [f"    {line}" for line in loop]
+                names.clear()
+                names.update(row_names)
             for ref in todo:
                 body.append(f"t{ref.index} = {reduce(ref, f'acc{ref.index}')}")
                 names[ref] = f"t{ref.index}"
                 done.add(ref)
+            for total, m in beside.items():  # the lanes' sums at the row's maximum
+                body.append(f"t{total.index} = "
+                            f"{reduce(total, f'acc{total.index} * tl.exp(acc{m.index} - t{m.index})')}")
+                names[total] = f"t{total.index}"
+                done.add(total)
             emit_rows(walk + 1)
 
     def store(i: int) -> str:

@@ -106,6 +106,25 @@ def test_maximum_and_minimum_propagate_nan(row_form):
         torch.testing.assert_close(a, e, equal_nan=True)
 
 
+def test_a_log_sum_exp_with_infinities_and_nan_is_eager_s(row_form):
+    """Walked, the sum of exp(x − max) is taken beside the maximum, rescaled as it grows: rows of −inf (0 / 0, NaN
+    as eager), a +inf, a NaN, and a maximum found only in a row's last chunk give eager's values."""
+    x = random_tensor((6, 45), torch.float32)
+    x[0] = float("-inf")
+    x[1, 3] = float("inf")
+    x[2, 40] = float("nan")
+    x[3, :30] = float("-inf")
+    x[4, 44] = 60.0
+
+    def lse(x):
+        m = x.amax(-1, keepdim=True)
+        return m + torch.log(torch.exp(x - m).sum(-1, keepdim=True)), torch.softmax(x, -1)
+
+    fused = torch.compile(lse, backend=STRICT)(x)
+    for a, e in zip(fused, lse(x)):
+        torch.testing.assert_close(a, e, equal_nan=True)
+
+
 def test_sum_into_a_wider_dtype_and_a_model_module(row_form):
     x = random_tensor((7, 33), torch.bfloat16)
     check(lambda x: (x * 2).sum(-1, dtype=torch.float32) + 1, x, backend=STRICT)
