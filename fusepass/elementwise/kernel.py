@@ -232,6 +232,9 @@ class LaunchPlan:
     out_shapes: tuple[tuple[int, ...], ...]
     out_strides: tuple[tuple[int, ...], ...]
     grid: tuple[int]
+    out_dtypes: tuple[torch.dtype, ...] | None = None  # of what the kernel writes, where not the outputs' own
+    # the kernel's outputs → the group's (row_kernel: column sums added up from each program's)
+    finish: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] | None = None
     serial: int = field(default_factory=itertools.count().__next__)  # names it in replay keys (ids recur)
 
 
@@ -310,10 +313,11 @@ class PointwiseLauncher:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(inputs)
-        outputs = tuple(torch.empty_strided(shape, strides, dtype=layout.dtype, device=self.device)
-                        for shape, strides, layout in zip(plan.out_shapes, plan.out_strides, self.lowered.outputs))
+        dtypes = plan.out_dtypes or tuple(layout.dtype for layout in self.lowered.outputs)
+        outputs = tuple(torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
+                        for shape, strides, dtype in zip(plan.out_shapes, plan.out_strides, dtypes))
         if plan.grid[0] == 0:
-            return outputs
+            return plan.finish(outputs) if plan.finish else outputs
         pointers = [inputs[a.input].item() if a.by_value else inputs[a.input] for a in self.lowered.accesses]
         if self.replay and pointwise_replays.can_replay(outputs[0]):
             # Scalars by repr: -0.0 and 0.0, True and 1 are equal keys but other launches.
@@ -323,7 +327,7 @@ class PointwiseLauncher:
             pointwise_replays.run(tensors, values, lambda: plan.launch(plan.grid, *pointers, *outputs), outputs)
         else:
             plan.launch(plan.grid, *pointers, *outputs)
-        return outputs
+        return plan.finish(outputs) if plan.finish else outputs
 
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
         lowered = self.lowered

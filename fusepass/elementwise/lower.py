@@ -17,7 +17,8 @@ import torch.fx
 
 from fusepass.elementwise.coords import Map, broadcast, identity, is_mapped_view, through_view
 from fusepass.elementwise.partition import Group, is_constant, root_shape
-from fusepass.elementwise.reduction import NLL_BACKWARD, expand, is_composite, is_row_reduction, read_inputs
+from fusepass.elementwise.reduction import (NLL_BACKWARD, expand, is_column_sum, is_composite, is_row_reduction,
+                                           keeps_dim, read_inputs)
 from fusepass.elementwise.program import Load, Program, Ref, Step
 from fusepass.fx_util import val
 
@@ -40,7 +41,8 @@ class OutputLayout:
     dtype: torch.dtype
     stride_order: tuple[int, ...]  # dims from outermost to innermost in memory, as eager lays them out
     # "root": the group's root shape; in a group with row reductions, "row" (the root with its last size 1) or
-    # "row_dropped" (the root without its last dimension)
+    # "row_dropped" (the root without its last dimension); a column sum's, "column" (the root's last size) or
+    # "column_kept" (its other sizes 1)
     space: str = "root"
 
 
@@ -63,6 +65,8 @@ def stride_order(tensor: torch.Tensor) -> tuple[int, ...]:
 def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Node, Map]]:
     if is_mapped_view(node):
         return [(node.args[0], through_view(node, m, rank))]
+    if is_column_sum(node):  # its input at the root's coordinates, added up by the kernel
+        return [(node.args[0], identity(rank))]
     if is_row_reduction(node):
         # Read in the row it reduces: its outer coordinates are the root's own (a softmax's, all of them).
         if m[:rank - 1] != identity(rank)[:rank - 1] or (is_composite(node) and m != identity(rank)):
@@ -80,7 +84,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
     reduced = root_shape(group.nodes)
     root = reduced if reduced is not None else tuple(val(group.outputs[0]).shape)
     rank = len(root)
-    spaces = [_space(tuple(val(out).shape), root) for out in group.outputs]
+    spaces = [_space(out, root) for out in group.outputs]
 
     # Which maps each member is needed at, collected from the outputs backwards.
     needed: dict[torch.fx.Node, list[Map]] = defaultdict(list)
@@ -132,6 +136,9 @@ def lower(group: Group, device: torch.device) -> Lowered:
                 return a
 
             value = val(node)
+            if is_column_sum(node):  # not a step: the kernel adds up its input (row_kernel)
+                refs[(node, m)] = operand(node.args[0])
+                continue
             if is_composite(node):
                 refs[(node, m)] = expand(node, [operand(a) for a in read_inputs(node)], add_step)
                 continue
@@ -153,7 +160,10 @@ def lower(group: Group, device: torch.device) -> Lowered:
     )
 
 
-def _space(shape: tuple[Any, ...], root: tuple[Any, ...]) -> str:
+def _space(out: torch.fx.Node, root: tuple[Any, ...]) -> str:
+    if is_column_sum(out):
+        return "column_kept" if keeps_dim(out) else "column"
+    shape = tuple(val(out).shape)
     if tuple(map(str, shape)) == tuple(map(str, root)):
         return "root"
     return "row" if len(shape) == len(root) else "row_dropped"
@@ -162,6 +172,8 @@ def _space(shape: tuple[Any, ...], root: tuple[Any, ...]) -> str:
 def output_map(space: str, rank: int) -> Map:
     """Where an output is read in root coordinates: a row's value at its row, whatever the column."""
     m = identity(rank)
+    if space in ("column", "column_kept"):  # the summed value, at each element
+        return m
     if space == "row":
         return m[:-1] + ((0,) * (rank + 1),)
     return m[:-1] if space == "row_dropped" else m

@@ -5,8 +5,9 @@ the two gradients of SwiGLU's backward) merge, so that the tensor is read once. 
 - no cycle: no path leaves the merged group and comes back into it (checked with networkx on the
   graph of groups; siblings merge only where no path joins them);
 - one iteration space: every value the group writes out has one shape (values read only inside the
-  group may be smaller and are broadcast); a group holding row reductions (``reduction``) iterates over
-  their input's shape, one shape for all of them, and writes values of that shape or of its rows';
+  group may be smaller and are broadcast); a group holding row reductions or column sums (``reduction``)
+  iterates over their input's shape, one shape for all of them, and writes values of that shape or of its
+  rows', and its column sums, read outside it only;
 - views inside a group are affine in the group's coordinates (see ``coords``); views at its edges stay in
   the graph, where they cost nothing.
 Nodes a pointwise chain would need but the translator cannot emit are reported, not merged.
@@ -25,7 +26,7 @@ from fusepass.codegen.operands import SUPPORTED_DTYPES
 from fusepass.codegen.translate import CONSTANTS, constant_value, packet_of, translation_gap
 from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
-from fusepass.elementwise.reduction import is_row_reduction, reduced_input
+from fusepass.elementwise.reduction import is_column_sum, is_row_reduction, reduced_input
 
 
 @dataclass
@@ -82,7 +83,8 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
     if is_mapped_view(node):
         rank = val.dim()
         return None if through_view(node, identity(rank), rank) is not None else "view is not affine"
-    gap = None if is_row_reduction(node) else translation_gap(node.target, node.args, node.kwargs)
+    reduces = is_row_reduction(node) or is_column_sum(node)
+    gap = None if reduces else translation_gap(node.target, node.args, node.kwargs)
     if gap is not None:
         return gap
     if is_constant(node):
@@ -164,23 +166,30 @@ def _shape_key(shape: Sequence) -> tuple[str, ...]:
     return tuple(map(str, shape))  # symbolic sizes by their expressions (SymInts do not hash)
 
 
+def _reduces(node: torch.fx.Node) -> bool:
+    return is_row_reduction(node) or is_column_sum(node)
+
+
 def root_shape(members: Iterable[torch.fx.Node]) -> tuple | None:
-    """The shape a group holding row reductions iterates over (their input's), or None without one."""
+    """The shape a group holding row reductions or column sums iterates over (their input's), or None."""
     for node in members:
-        if is_row_reduction(node):
+        if _reduces(node):
             return tuple(_val(reduced_input(node)).shape)
     return None
 
 
 def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
-    shapes = {_shape_key(_val(_storage(n, members)).shape) for n in _escaping(members)}
     root = root_shape(members)
     if root is None:
-        return len(shapes) <= 1
-    if any(_shape_key(_val(reduced_input(n)).shape) != _shape_key(root) for n in members if is_row_reduction(n)):
+        return len({_shape_key(_val(_storage(n, members)).shape) for n in _escaping(members)}) <= 1
+    if any(_shape_key(_val(reduced_input(n)).shape) != _shape_key(root) for n in members if _reduces(n)):
+        return False
+    # A column sum is whole only once every program has added its rows: read outside the group alone.
+    if any(u in members for n in members if is_column_sum(n) for u in n.users):
         return False
     rows = {_shape_key(root), _shape_key(root[:-1] + (1,)), _shape_key(root[:-1])}
-    return shapes <= rows
+    return all(_shape_key(_val(_storage(n, members)).shape) in rows for n in _escaping(members)
+               if not is_column_sum(n))
 
 
 def partition(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torch.fx.Node] = frozenset()

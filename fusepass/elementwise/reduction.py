@@ -87,6 +87,26 @@ def reduction_kind(node: torch.fx.Node) -> str | None:
     return "softmax" if node.target in COMPOSITES else ROW_REDUCTIONS[node.target]
 
 
+# Rows up to this long are held whole in a row kernel's registers (row_kernel); a column sum needs its rows whole.
+PERSISTENT_MAX = 4096
+
+
+def is_column_sum(node: torch.fx.Node) -> bool:
+    """A floating sum over every dimension but the last (a norm's weight gradient, a bias's), of rows short
+    enough to be held whole: a row kernel adds each program's rows, the launcher their partial sums."""
+    if node.op != "call_function" or node.target != aten.sum.dim_IntList or len(node.args) < 2:
+        return False
+    x, out = val(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None, val(node)
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor) or x.dim() < 2 or \
+            x.dtype not in FLOATING or out.dtype not in FLOATING or set(node.kwargs) - {"dtype"}:
+        return False
+    dims = node.args[1]
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    width = x.shape[-1]
+    return sorted(d % x.dim() for d in dims) == list(range(x.dim() - 1)) and isinstance(width, int) and \
+        width <= PERSISTENT_MAX
+
+
 def keeps_dim(node: torch.fx.Node) -> bool:
     if len(node.args) > 2:
         return bool(node.args[2])
@@ -94,7 +114,7 @@ def keeps_dim(node: torch.fx.Node) -> bool:
 
 
 def reduced_input(node: torch.fx.Node) -> torch.fx.Node:
-    """The tensor whose shape is the group's root: what a reduction reduces."""
+    """The tensor whose shape is the group's root: what a row reduction or a column sum reduces."""
     return node.args[1] if node.target == NLL_BACKWARD else node.args[0]
 
 

@@ -12,7 +12,7 @@ softmax), where both are computed in fp32 or wider: one read of the row fewer.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,16 +25,16 @@ from fusepass.elementwise.kernel import (INT32_MAX, LaunchPlan, PointwiseLaunche
                                          contiguous_strides, jit_text, kernel_params, offset, resolved_root)
 from fusepass.elementwise.lower import output_map
 from fusepass.elementwise.program import Program, Ref
+from fusepass.elementwise import reduction
 from fusepass.elementwise.reduction import ROW_REDUCTIONS
 from fusepass.runtime.device import interpreting
 from fusepass.runtime.launch import BoundLaunch
 from fusepass.runtime.sizes import cdiv, next_power_of_2
 
-# Rows up to this long are held whole in registers (4096 fp32 values at 8 warps: 16 a thread); longer ones are
-# walked in chunks of LOOP_BLOCK.
-PERSISTENT_MAX = 4096
+# Rows up to reduction.PERSISTENT_MAX long are held whole in registers (4096 fp32 values at 8 warps: 16 a thread);
+# longer ones are walked in chunks of LOOP_BLOCK.
 LOOP_BLOCK = 2048
-PROGRAM_TILE = 2048  # elements a program holds (8 a thread at 8 warps): short rows take several a program
+PROGRAM_TILE = 4096  # elements a program holds (16 a thread at 8 warps): short rows take several a program
 
 # Torch's maximum and minimum propagate NaN; Triton's reductions of tl.maximum need not.
 COMBINE = '''@triton.jit
@@ -148,9 +148,13 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     params = kernel_params(program, q, variant.load_dims, variant.load_base, variant.output_dims)
     params += ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
 
+    columns = [i for i, space in enumerate(spaces) if space in COLUMN_SPACES]
+    if columns:
+        params.insert(-2, "row_steps")
     wide = ".to(tl.int64)" if variant.wide else ""
     rows = " * ".join(f"n{d}" for d in range(last)) or "1"
-    body = [f"x = tl.program_id(0){wide} * XBLOCK + tl.arange(0, XBLOCK)[:, None]", f"row_mask = x < {rows}"]
+    block = f"(tl.program_id(0){wide} * row_steps + rs)" if columns else f"tl.program_id(0){wide}"
+    body = [f"x = {block} * XBLOCK + tl.arange(0, XBLOCK)[:, None]", f"row_mask = x < {rows}"]
     rest = "x"
     for d in range(last - 1, 0, -1):
         body += [f"c{d} = {rest} % n{d}", f"x{d} = {rest} // n{d}"]
@@ -302,6 +306,11 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                 done.add(total)
             emit_rows(walk + 1)
 
+    def add_up(i: int) -> str:
+        """A column sum's input added to the program's sums (rows past the last, columns past the row: 0)."""
+        ref, _ = program.outputs[i]
+        return f"col{i} = col{i} + tl.where(mask, {names[ref]}, 0.0).to({TRITON_DTYPE[_column_dtype(program, i)]})"
+
     def store(i: int) -> str:
         ref, dtype = program.outputs[i]
         row_output = spaces[i] != "root"
@@ -316,11 +325,18 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             where = "x * 0" if row_output else f"x * 0 + c{last} * 0"
         return f"tl.store(o{i}_ptr + {where}, {value}, mask={'row_mask' if row_output else 'mask'})"
 
-    row_outputs = [i for i, space in enumerate(spaces) if space != "root"]
+    row_outputs = [i for i, space in enumerate(spaces) if space in ("row", "row_dropped")]
     tile_outputs = [i for i, space in enumerate(spaces) if space == "root"]
     body += [store(i) for i in row_outputs]
     if not variant.looped:
-        body += [store(i) for i in tile_outputs]
+        body += [store(i) for i in tile_outputs] + [add_up(i) for i in columns]
+    if columns:  # the program's rows, XBLOCK at a time, then its sums of each column
+        assert not variant.looped, "a column sum's rows are held whole"
+        body = [f"col{i} = tl.zeros([XBLOCK, RBLOCK], {TRITON_DTYPE[_column_dtype(program, i)]})" for i in columns] + \
+            ["for rs in range(0, row_steps):"] + [f"    {line}" for line in body] + \
+            [f"{col} = tl.arange(0, RBLOCK)[None, :]"] + \
+            [f"tl.store(o{i}_ptr + tl.program_id(0) * o{i}_s0 + {col} * o{i}_s{last}, "
+             f"tl.sum(col{i}, axis=0, keep_dims=True), mask={col} < n{last})" for i in columns]
     elif tile_outputs:
         loop = chunk()
         needed = _depends(program, [program.outputs[i][0] for i in tile_outputs])
@@ -334,24 +350,60 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     return COMBINE + jit_text(name, params, body)
 
 
+COLUMN_SPACES = ("column", "column_kept")
+
+
+def _column_dtype(program: Program, i: int) -> torch.dtype:
+    """What a column sum adds up in: float32, float64 where its input or output is."""
+    ref, dtype = program.outputs[i]
+    held = program.loads[ref.index].dtype if ref.kind == "load" else program.steps[ref.index].dtype
+    return torch.float64 if torch.float64 in (held, dtype) else torch.float32
+
+
 def _space_shape(root: tuple[int, ...], space: str) -> tuple[int, ...]:
+    if space == "column":
+        return root[-1:]
+    if space == "column_kept":
+        return (1,) * (len(root) - 1) + root[-1:]
     return root if space == "root" else root[:-1] + (1,) if space == "row" else root[:-1]
 
 
+def column_programs(device: torch.device) -> int:
+    """Programs a group with column sums runs: each adds up its share of the rows, the launcher their sums."""
+    if device.type != "cuda":
+        return 4
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class RowLauncher(PointwiseLauncher):
-    """Runs one fused group holding row reductions: the pointwise launcher with the row kernel's plan."""
+    """Runs one fused group holding row reductions or column sums: the pointwise launcher with the row kernel's
+    plan. A column sum's kernel output is each program's sums of the columns (float32, P × the row's length),
+    which the plan's `finish` adds up: deterministic, where atomic adds into one row would not be."""
 
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
         lowered = self.lowered
         accesses = lowered.accesses
         root = resolved_root(lowered, inputs)
         q = len(root)
+        spaces = tuple(out.space for out in lowered.outputs)
+        columns = [i for i, space in enumerate(spaces) if space in COLUMN_SPACES]
         shapes = tuple(_space_shape(root, out.space) for out in lowered.outputs)
-        out_strides = tuple(contiguous_strides(shape, out.stride_order)
-                            for shape, out in zip(shapes, lowered.outputs))
         rows, length = math.prod(root[:-1]), root[-1]
-        if rows == 0:  # nothing to compute: empty outputs, no launch
-            return LaunchPlan(None, shapes, out_strides, (0,))
+        looped = length > reduction.PERSISTENT_MAX
+        rblock = LOOP_BLOCK if looped else next_power_of_2(max(length, 1))
+        xblock = 1 if looped else min(next_power_of_2(max(rows, 1)), max(1, PROGRAM_TILE // rblock))
+        row_blocks = cdiv(rows, xblock)
+        row_steps = max(1, cdiv(row_blocks, column_programs(self.device))) if columns else 1
+        programs = cdiv(row_blocks, row_steps)
+        # What the kernel writes: a column sum's partial sums, the other outputs as they are.
+        written = tuple((programs, length) if i in columns else shape for i, shape in enumerate(shapes))
+        out_strides = tuple((length, 1) if i in columns else contiguous_strides(shape, out.stride_order)
+                            for i, (shape, out) in enumerate(zip(written, lowered.outputs)))
+        dtypes = tuple(_column_dtype(lowered.program, i) if i in columns else out.dtype
+                       for i, out in enumerate(lowered.outputs))
+        finish = _column_sums(columns, shapes, tuple(out.dtype for out in lowered.outputs)) if columns else None
+        if rows == 0:  # nothing to compute: empty outputs (column sums of no rows: zeros), no launch
+            return LaunchPlan(None, written, out_strides, (0,), out_dtypes=dtypes, finish=finish)
         int_args: list[int] = list(root)
         load_dims, load_base, extents = [], [], [rows * length]
         for access in accesses:
@@ -366,20 +418,34 @@ class RowLauncher(PointwiseLauncher):
             int_args += [s for s in strides if s != 0] + ([base] if base else [])
             extents.append(sum((n - 1) * abs(s) for n, s in zip(root, strides)) + abs(base))
         output_dims = []
-        for out, strides in zip(lowered.outputs, out_strides):
+        for i, (out, strides) in enumerate(zip(lowered.outputs, out_strides)):
+            if i in columns:  # by program (along dim 0) and column
+                output_dims.append(tuple(d in (0, q - 1) for d in range(q)))
+                int_args += [length, 1]
+                extents.append(programs * length)
+                continue
             at_root, _ = strides_at(output_map(out.space, q), strides, q)
             output_dims.append(tuple(s != 0 for s in at_root))
             int_args += [s for s in at_root if s != 0]
             extents.append(sum((n - 1) * abs(s) for n, s in zip(root, at_root)))
-        looped = length > PERSISTENT_MAX
-        rblock = LOOP_BLOCK if looped else next_power_of_2(max(length, 1))
-        xblock = 1 if looped else min(next_power_of_2(rows), max(1, PROGRAM_TILE // rblock))
+        if columns:
+            int_args.append(row_steps)
         num_warps = 8 if xblock * rblock >= 2048 else 4
         variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims),
                              max(extents) > INT32_MAX, looped)
-        spaces = tuple(out.space for out in lowered.outputs)
         kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),
                                  lambda: row_kernel_source(self.__name__, lowered.program, spaces, variant))
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,
                              RBLOCK=rblock, num_warps=num_warps)
-        return LaunchPlan(launch, shapes, out_strides, (cdiv(rows, xblock),))
+        return LaunchPlan(launch, written, out_strides, (programs,), out_dtypes=dtypes, finish=finish)
+
+
+def _column_sums(columns: list[int], shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...]
+                 ) -> Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
+    """The kernel's outputs → the group's: each column sum's partial sums added up, rounded once to its dtype."""
+
+    def finish(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(out.sum(0).to(dtypes[i]).view(shapes[i]) if i in columns else out
+                     for i, out in enumerate(outputs))
+
+    return finish

@@ -8,7 +8,7 @@ import torch.nn as nn
 from support import DEVICE, check, random_tensor, rewrites
 
 import fusepass
-from fusepass.elementwise import row_kernel
+from fusepass.elementwise import reduction, row_kernel
 
 STRICT = fusepass.backend(strict=True)  # a kernel that fails raises: these tests see the kernels' values
 aten = torch.ops.aten
@@ -18,7 +18,7 @@ aten = torch.ops.aten
 def row_form(request, monkeypatch):
     """Every test twice: rows held whole, and rows walked in chunks (the kernels of long rows, at test sizes)."""
     if request.param == "walked rows":
-        monkeypatch.setattr(row_kernel, "PERSISTENT_MAX", 16)
+        monkeypatch.setattr(reduction, "PERSISTENT_MAX", 16)
         monkeypatch.setattr(row_kernel, "LOOP_BLOCK", 16)
     return request.param
 
@@ -154,8 +154,9 @@ def test_a_second_call_at_other_sizes_keeps_every_gradient(row_form):
 
 
 def test_reductions_over_other_dimensions_stay_aten():
-    x = random_tensor((9, 13), torch.float32)
-    report = check(lambda x: torch.exp(x * 2).sum(0) + 1, x, backend=STRICT)
+    """Neither the last dim (a row) nor every other (a column sum): a middle one."""
+    x = random_tensor((4, 9, 13), torch.float32)
+    report = check(lambda x: torch.exp(x * 2).sum(1) + 1, x, backend=STRICT)
     assert not rewrites(report, kind="reduction")
     graph = report.graphs["forward"].graph
     assert [n for n in graph.nodes if n.target == aten.sum.dim_IntList]
@@ -297,6 +298,44 @@ def test_a_log_sum_exp_by_hand_keeps_its_input_and_counts_the_maximum_in_its_ker
     (backward,) = rewrites(report, kind="reduction", phase="backward")
     assert "aten.eq" in backward.ops and backward.ops.count("aten.sum") == 2
     assert not [n for n in report.graphs["backward"].graph.nodes if n.target == aten.sum.dim_IntList]
+
+
+def bias_gelu(x, bias):
+    return torch.nn.functional.gelu(x + bias) * 2
+
+
+@pytest.mark.parametrize("fn, shapes", [(RMSNorm(45, torch.bfloat16), [(3, 50, 45)]),
+                                        (layer_norm_by_hand, [(130, 37), (37,), (37,)]),
+                                        (bias_gelu, [(2, 61, 29), (29,)])],
+                         ids=["rmsnorm", "layer norm by hand", "bias and gelu"])
+def test_weight_and_bias_gradients_are_summed_in_the_row_kernel(row_form, fn, shapes):
+    """A gradient summed over every dim but the last (a norm's weight, a bias) is added up in the backward's row
+    kernel, each program its rows (several steps of them here), the launcher their sums: no ATen sum left."""
+    inputs = [random_tensor(shape, torch.bfloat16) for shape in shapes]
+    report = check(fn, *inputs, backward=True, backend=STRICT)
+    backward = report.graphs["backward"].graph
+    summed = [n for n in backward.nodes if n.target == aten.sum.dim_IntList]
+    assert not summed if row_form == "whole rows" else summed  # walked: rows past 16 are not held whole
+    if row_form == "whole rows":
+        assert not [h for h in report.hotspots if h.phase == "backward" and "aten.sum" in h.ops]
+
+
+def test_a_column_sum_is_read_by_another_kernel_and_a_wide_one_stays_aten():
+    """A column sum is whole only after every program: its reader runs in a kernel of its own."""
+    x = random_tensor((9, 21), torch.float32)
+    report = check(lambda x: torch.sigmoid(x) * torch.sigmoid(x).sum(0) + 1, x, backward=True, backend=STRICT)
+    assert len([r for r in report.rewrites if r.phase == "forward"]) == 2
+    assert not [n for n in report.graphs["forward"].graph.nodes if n.target == aten.sum.dim_IntList]
+    wide = random_tensor((3, reduction.PERSISTENT_MAX + 5), torch.float32)
+    report = check(lambda x: (torch.sigmoid(x) * 2).sum(0, keepdim=True), wide, backend=STRICT)
+    assert [n for n in report.graphs["forward"].graph.nodes if n.target == aten.sum.dim_IntList]
+
+
+def test_a_column_sum_of_no_rows_is_zero():
+    compiled = torch.compile(lambda x: ((x * 2 + 1).sum(0), torch.exp(x)), backend=STRICT, dynamic=False)
+    x = random_tensor((0, 13), torch.float32)
+    total, _ = compiled(x)
+    torch.testing.assert_close(total, torch.zeros(13, device=x.device))
 
 
 def test_class_weights_keep_cross_entropy_backward_aten():
