@@ -330,14 +330,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     body += [store(i) for i in row_outputs]
     if not variant.looped:
         body += [store(i) for i in tile_outputs] + [add_up(i) for i in columns]
-    if columns:  # the program's rows, XBLOCK at a time, then its sums of each column
-        assert not variant.looped, "a column sum's rows are held whole"
-        body = [f"col{i} = tl.zeros([XBLOCK, RBLOCK], {TRITON_DTYPE[_column_dtype(program, i)]})" for i in columns] + \
-            ["for rs in range(0, row_steps):"] + [f"    {line}" for line in body] + \
-            [f"{col} = tl.arange(0, RBLOCK)[None, :]"] + \
-            [f"tl.store(o{i}_ptr + tl.program_id(0) * o{i}_s0 + {col} * o{i}_s{last}, "
-             f"tl.sum(col{i}, axis=0, keep_dims=True), mask={col} < n{last})" for i in columns]
-    elif tile_outputs:
+    elif tile_outputs:  # walked rows: a last walk writes them
         loop = chunk()
         needed = _depends(program, [program.outputs[i][0] for i in tile_outputs])
         for ref in order:
@@ -346,7 +339,13 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         loop += [store(i) for i in tile_outputs]
         body.append(f"for r0 in range(0, n{last}, RBLOCK):")
         body += [f"    {line}" for line in loop]
-
+    if columns:  # the program's rows, XBLOCK at a time, then its sums of each column
+        assert not variant.looped, "a column sum's rows are held whole"
+        body = [f"col{i} = tl.zeros([XBLOCK, RBLOCK], {TRITON_DTYPE[_column_dtype(program, i)]})" for i in columns] + \
+            ["for rs in range(0, row_steps):"] + [f"    {line}" for line in body] + \
+            [f"{col} = tl.arange(0, RBLOCK)[None, :]"] + \
+            [f"tl.store(o{i}_ptr + tl.program_id(0) * o{i}_s0 + {col} * o{i}_s{last}, "
+             f"tl.sum(col{i}, axis=0, keep_dims=True), mask={col} < n{last})" for i in columns]
     return COMBINE + jit_text(name, params, body)
 
 

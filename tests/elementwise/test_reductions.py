@@ -2,6 +2,8 @@
 backward, rows held whole and rows walked in chunks, the report and the rewritten graph, and what stays ATen."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -74,6 +76,19 @@ def test_rmsnorm_is_one_kernel_each_way(row_form, dtype):
     assert forward.detail["shape"] == ["3", "5", "37"]
     assert rewrites(report, kind="reduction", phase="backward")  # the row sum of dy · x beside its pointwise ops
     assert not [n for n in report.graphs["forward"].graph.nodes if n.target == aten.mean.dim]
+
+
+def test_whole_rows_are_read_and_written_once(monkeypatch):
+    """Held whole, a row's kernel loads each input once and stores each output once: no walk over the row."""
+    sources = []
+    source = row_kernel.row_kernel_source
+    monkeypatch.setattr(row_kernel, "row_kernel_source", lambda *args: sources.append(source(*args)) or sources[-1])
+    check(RMSNorm(40, torch.bfloat16), random_tensor((6, 40), torch.bfloat16), backward=True, backend=STRICT)
+    assert len(sources) == 2
+    for text in sources:
+        assert "for r0" not in text
+        stores = text.count("tl.store(")
+        assert stores == len(set(re.findall(r"tl\.store\((o\d+)_ptr", text))) > 0
 
 
 @pytest.mark.parametrize("fn, shape", [(softmax_by_hand, (4, 29)), (layer_norm_by_hand, (2, 3, 41))],
