@@ -1,19 +1,22 @@
-"""`nn.LayerNorm`'s forward op written out as the row reductions and pointwise ops it computes, where those fuse.
+"""`nn.LayerNorm`'s ops written out as the row reductions, column sums and pointwise ops they compute, where those
+fuse.
 
 ``native_layer_norm`` is one ATen kernel that reads its input and writes its output: written out, it joins the
-residual add before it and the ops after it in one row kernel. It is written out only where the whole of it
-lands in one fused group (``fuse`` tries it on a copy of the graph first): left in pieces, it would run as
-several ATen kernels where eager runs one. Computed as eager's kernel computes it: in the dtype of the saved
-mean and reciprocal deviation (float32 for half precision), the biased variance, the output rounded once. Its
-backward stays ATen's (one kernel for the input's gradient, one for the weight's and bias's): written out, the
-weight's gradient would be a sum over rows of a tensor the row kernel writes.
+residual add before it and the ops after it in one row kernel. Its backward, ``native_layer_norm_backward``, is
+two (the input's gradient; the weight's and bias's, sums over the rows): written out, one row kernel computes the
+input's gradient beside the ops around it and adds up the weight's and bias's (column sums, ``row_kernel``). Each
+is written out only where the whole of it lands in one fused group (``fuse`` tries it on a copy of the graph
+first): left in pieces, it would run as several ATen kernels where eager runs one or two. Computed as eager's
+kernels compute them: in float32 for half precision, the biased variance, each output rounded once.
 """
 from __future__ import annotations
 
 import operator
+
 import torch
 import torch.fx
 
+from fusepass.elementwise import reduction
 from fusepass.fx_util import Writer, val
 
 aten = torch.ops.aten
@@ -31,11 +34,48 @@ def _eligible(node: torch.fx.Node) -> bool:
             all(user.target is operator.getitem for user in node.users))
 
 
+def _computed_in(dtype: torch.dtype) -> torch.dtype:
+    """Eager's kernels compute a half-precision norm in float32 (on the CPU too, where they save its mean and
+    deviation rounded to the half dtype)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _eligible_backward(node: torch.fx.Node) -> bool:
+    """The backward of a norm over the last dim of rows short enough to be held whole (its weight's and bias's
+    gradients are column sums)."""
+    if node.op != "call_function" or node.target != aten.native_layer_norm_backward.default:
+        return False
+    x, shape = val(node.args[1]), node.args[2]
+    tensors = [val(a) for a in node.all_input_nodes]
+    return (isinstance(x, torch.Tensor) and x.dim() >= 2 and len(shape) == 1 and isinstance(x.shape[-1], int) and
+            x.shape[-1] <= reduction.PERSISTENT_MAX and
+            all(isinstance(t, torch.Tensor) and t.dtype in FLOATING for t in tensors) and
+            all(user.target is operator.getitem for user in node.users))
+
+
+def _backward(w: Writer, node: torch.fx.Node) -> list[torch.fx.Node | None]:
+    """dx = rstd · (g − mean(g) − x̂ · mean(g · x̂)), g = dy · weight; the weight's gradient Σ dy · x̂ and the
+    bias's Σ dy over the rows."""
+    dy, x, _, mean, rstd, weight, bias, _ = node.args
+    acc = _computed_in(val(x).dtype)
+    rows = list(range(val(x).dim() - 1))
+    dyf = w.cast(dy, acc)
+    rstd = w.cast(rstd, acc)  # saved in the input's half dtype on the CPU
+    xhat = w(aten.mul.Tensor, w(aten.sub.Tensor, w.cast(x, acc), w.cast(mean, acc)), rstd)
+    g = dyf if weight is None else w(aten.mul.Tensor, dyf, w.cast(weight, acc))
+    mean_g = w(aten.mean.dim, g, [-1], True)
+    mean_gx = w(aten.mean.dim, w(aten.mul.Tensor, g, xhat), [-1], True)
+    dx = w(aten.mul.Tensor, rstd, w(aten.sub.Tensor, w(aten.sub.Tensor, g, mean_g), w(aten.mul.Tensor, xhat, mean_gx)))
+    outputs = {u.args[1] for u in node.users}
+    dw = w.cast(w(aten.sum.dim_IntList, w(aten.mul.Tensor, dyf, xhat), rows), val(weight).dtype) \
+        if 1 in outputs else None
+    db = w.cast(w(aten.sum.dim_IntList, dyf, rows), val(bias).dtype) if 2 in outputs else None
+    return [w.cast(dx, val(x).dtype), dw, db]
+
+
 def _forward(w: Writer, node: torch.fx.Node) -> list[torch.fx.Node]:
     x, _, weight, bias, eps = node.args
-    outputs = {u.args[1]: u for u in node.users}
-    acc = val(outputs[1]).dtype if 1 in outputs else (torch.float32 if val(x).dtype in FLOATING[:2] else val(x).dtype)
-    xf = w.cast(x, acc)
+    xf = w.cast(x, _computed_in(val(x).dtype))
     mean = w(aten.mean.dim, xf, [-1], True)
     centered = w(aten.sub.Tensor, xf, mean)
     variance = w(aten.mean.dim, w(aten.mul.Tensor, centered, centered), [-1], True)
@@ -52,7 +92,7 @@ def write_out(graph: torch.fx.Graph, node: torch.fx.Node) -> list[torch.fx.Node]
     """Replace `node` by the ops it computes; the new nodes."""
     before = set(graph.nodes)
     writer = Writer(graph, node)
-    results = _forward(writer, node)
+    results = _forward(writer, node) if node.target == aten.native_layer_norm.default else _backward(writer, node)
     for user in list(node.users):
         replacement = results[user.args[1]]
         if val(replacement).dtype != val(user).dtype:  # the saved mean and deviation, as eager keeps them
@@ -64,4 +104,4 @@ def write_out(graph: torch.fx.Graph, node: torch.fx.Node) -> list[torch.fx.Node]
 
 
 def candidates(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if _eligible(n)]
+    return [n for n in graph.nodes if _eligible(n) or _eligible_backward(n)]

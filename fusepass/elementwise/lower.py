@@ -17,7 +17,7 @@ import torch.fx
 
 from fusepass.elementwise.coords import Map, broadcast, identity, is_mapped_view, through_view
 from fusepass.elementwise.partition import Group, is_constant, root_shape
-from fusepass.elementwise.reduction import (NLL_BACKWARD, expand, is_column_sum, is_composite, is_row_reduction,
+from fusepass.elementwise.reduction import (NLL_BACKWARD, column_sum_of, expand, is_composite, is_row_reduction,
                                            keeps_dim, read_inputs)
 from fusepass.elementwise.program import Load, Program, Ref, Step
 from fusepass.fx_util import val
@@ -65,7 +65,7 @@ def stride_order(tensor: torch.Tensor) -> tuple[int, ...]:
 def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Node, Map]]:
     if is_mapped_view(node):
         return [(node.args[0], through_view(node, m, rank))]
-    if is_column_sum(node):  # its input at the root's coordinates, added up by the kernel
+    if column_sum_of(node) is not None:  # its input (a sum's: at the root's coordinates) added up by the kernel
         return [(node.args[0], identity(rank))]
     if is_row_reduction(node):
         # Read in the row it reduces: its outer coordinates are the root's own (a softmax's, all of them).
@@ -136,7 +136,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
                 return a
 
             value = val(node)
-            if is_column_sum(node):  # not a step: the kernel adds up its input (row_kernel)
+            if column_sum_of(node) is not None:  # not a step: the kernel adds up the sum's input (row_kernel)
                 refs[(node, m)] = operand(node.args[0])
                 continue
             if is_composite(node):
@@ -161,8 +161,9 @@ def lower(group: Group, device: torch.device) -> Lowered:
 
 
 def _space(out: torch.fx.Node, root: tuple[Any, ...]) -> str:
-    if is_column_sum(out):
-        return "column_kept" if keeps_dim(out) else "column"
+    summed = column_sum_of(out)
+    if summed is not None:
+        return "column_kept" if keeps_dim(summed) else "column"
     shape = tuple(val(out).shape)
     if tuple(map(str, shape)) == tuple(map(str, root)):
         return "root"

@@ -26,7 +26,7 @@ from fusepass.codegen.operands import SUPPORTED_DTYPES
 from fusepass.codegen.translate import CONSTANTS, constant_value, packet_of, translation_gap
 from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
-from fusepass.elementwise.reduction import is_column_sum, is_row_reduction, reduced_input
+from fusepass.elementwise.reduction import column_sum_of, is_column_sum, is_row_reduction, reduced_input
 
 
 @dataclass
@@ -184,12 +184,13 @@ def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
         return len({_shape_key(_val(_storage(n, members)).shape) for n in _escaping(members)}) <= 1
     if any(_shape_key(_val(reduced_input(n)).shape) != _shape_key(root) for n in members if _reduces(n)):
         return False
-    # A column sum is whole only once every program has added its rows: read outside the group alone.
-    if any(u in members for n in members if is_column_sum(n) for u in n.users):
+    # A column sum is whole only once every program has added its rows: read outside the group alone (but for
+    # its rounding, which the launcher applies).
+    if any(u in members and column_sum_of(u) is not n for n in members if is_column_sum(n) for u in n.users):
         return False
     rows = {_shape_key(root), _shape_key(root[:-1] + (1,)), _shape_key(root[:-1])}
     return all(_shape_key(_val(_storage(n, members)).shape) in rows for n in _escaping(members)
-               if not is_column_sum(n))
+               if column_sum_of(n) is None)
 
 
 def partition(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torch.fx.Node] = frozenset()

@@ -107,6 +107,22 @@ def is_column_sum(node: torch.fx.Node) -> bool:
         width <= PERSISTENT_MAX
 
 
+def column_sum_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The column sum `node` is, or rounds to another floating dtype (a `_to_copy` its one reader: the launcher
+    rounds the sum once, as eager's cast of it does); None otherwise."""
+    if is_column_sum(node):
+        return node
+    if node.op != "call_function" or node.target != aten._to_copy.default or not node.args or \
+            not isinstance(node.args[0], torch.fx.Node) or not is_column_sum(node.args[0]) or \
+            len(node.args[0].users) != 1:
+        return None
+    out, summed = val(node), val(node.args[0])
+    same_place = node.kwargs.get("device", summed.device) == summed.device and \
+        node.kwargs.get("layout", torch.strided) == torch.strided
+    fits = set(node.kwargs) <= {"dtype", "device", "layout"} and same_place and out.dtype in FLOATING
+    return node.args[0] if fits else None
+
+
 def keeps_dim(node: torch.fx.Node) -> bool:
     if len(node.args) > 2:
         return bool(node.args[2])

@@ -248,8 +248,34 @@ def test_layer_norm_joins_the_residual_add(row_form, dtype):
     assert forward.ops[0] == "aten.add" and forward.ops.count("aten.mean") == 2
     forward_graph = report.graphs["forward"].graph
     assert not [n for n in forward_graph.nodes if n.target == aten.native_layer_norm.default]
-    # its backward stays ATen's, reading the mean and deviation the row kernel saved
-    assert [n for n in report.graphs["backward"].graph.nodes if n.target == aten.native_layer_norm_backward.default]
+    # its backward too, the weight's and bias's gradients summed in the row kernel, where its rows are held whole
+    backward_graph = report.graphs["backward"].graph
+    norm_backward = [n for n in backward_graph.nodes if n.target == aten.native_layer_norm_backward.default]
+    assert bool(norm_backward) == (row_form == "walked rows")
+    if row_form == "whole rows":
+        (backward,) = rewrites(report, kind="reduction", phase="backward")
+        assert backward.ops.count("aten.sum") == 2 and backward.ops.count("aten.mean") == 2
+
+
+def test_a_half_layer_norm_rounds_once_as_eager():
+    """Computed in float32 and rounded once, forward and backward, on the CPU too (where eager saves the mean and
+    deviation in bf16): the output and the input's gradient as close to float64 as eager's (eager's CPU sums of
+    the weight's gradient are further: `check` bounds those)."""
+    inputs = [random_tensor(shape, torch.bfloat16).requires_grad_() for shape in ((40, 96), (96,), (96,))]
+
+    def norm(x, w, b):
+        return torch.nn.functional.layer_norm(x, (96,), w, b)
+
+    check(norm, *inputs, backward=True, backend=STRICT)
+    out = torch.compile(norm, backend=STRICT)(*inputs)
+    eager = norm(*inputs)
+    exact_inputs = [t.detach().double().requires_grad_() for t in inputs]
+    exact = norm(*exact_inputs)
+    dy = random_tensor(out.shape, torch.bfloat16)
+    (dx,), (eager_dx,) = torch.autograd.grad(out, inputs[:1], dy), torch.autograd.grad(eager, inputs[:1], dy)
+    (exact_dx,) = torch.autograd.grad(exact, exact_inputs[:1], dy.double())
+    for got, want, true in ((out, eager, exact), (dx, eager_dx, exact_dx)):
+        assert (got.double() - true).norm() <= 1.01 * (want.double() - true).norm()
 
 
 def test_a_layer_norm_over_two_dims_stays_aten():
