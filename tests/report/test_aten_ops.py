@@ -19,8 +19,8 @@ class Block(nn.Module):
         self.up = nn.Linear(24, 40)
         self.down = nn.Linear(40, 24)
 
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))) * 2)
+    def forward(self, x):  # a scan and a mean over the positions: ATen's, each a hotspot
+        return x + self.down(F.gelu(self.up(self.norm(x))) * 2) + torch.cumsum(x, -1) * x.mean(1, keepdim=True)
 
 
 def _compiled_report(fn, *inputs, backend=STRICT):
@@ -37,10 +37,12 @@ def test_matmuls_and_aten_ops_are_hotspots_with_their_cost():
     assert len(forward) == 2 and all(h.flops > 0 and h.bytes > 0 and h.time_ms > 0 for h in forward)
     assert any("15×24 @ 24×40" in h.reason for h in forward)  # the up projection, as ATen runs it
     assert len([h for h in matmuls if h.phase == "backward"]) == 4  # dX and dW of each
-    norm = [h for h in report.hotspots if h.ops == ("aten.native_layer_norm_backward",)]
-    assert norm and "no fusion rule" in norm[0].reason and norm[0].location.endswith("test_aten_ops.py:23")
-    # bias gradients: sums over the batch, not rows
+    scan = [h for h in report.hotspots if h.ops == ("aten.cumsum",)]
+    assert scan and "no fusion rule" in scan[0].reason and scan[0].location.endswith("test_aten_ops.py:23")
+    # the mean over the positions: neither a row nor every leading dim (the norm's and the biases' gradients,
+    # sums over every leading dim, are summed in row kernels)
     assert any(h.kind == "aten" and "other dims than the last" in h.reason for h in report.hotspots)
+    assert not [h for h in report.hotspots if h.ops == ("aten.native_layer_norm_backward",)]
 
 
 def test_fused_ops_are_not_listed_again():
