@@ -33,9 +33,10 @@ UNARY = [
     torch.abs, lambda x: F.celu(x, 0.5), lambda x: torch.erfc(x), torch.sinc,
     lambda x: torch.lgamma(x.abs() + 0.5), lambda x: torch.digamma(x.abs() + 0.5),
     # Row reductions between them: a max subtracted (a softmax's), a mean of squares (a norm's), a row sum, a
-    # layer norm.
+    # layer norm, softmaxes (written out before the partition for training).
     lambda x: x - x.amax(-1, keepdim=True), lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1.0),
     lambda x: x.sum(-1, keepdim=True) * 0.125 - x, lambda x: F.layer_norm(x, x.shape[-1:]) + x,
+    lambda x: torch.softmax(x, -1) * 4.0 - x, lambda x: torch.log_softmax(x.float(), -1).to(x.dtype) * 0.5,
 ]
 BINARY = [
     torch.add, torch.sub, torch.mul, torch.maximum, torch.minimum,
