@@ -36,6 +36,8 @@ class Operand:
     expr: str
     dtype: torch.dtype  # what eager would give
     zero_dim: bool = False  # 0-d tensors rank below dimensioned ones in type promotion
+    # held exactly in its half dtype (a load, a result rounded as eager materializes it): rounding it is nothing
+    rounded: bool = False
 
 
 class Emitter:

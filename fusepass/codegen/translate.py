@@ -32,9 +32,9 @@ CONSTANTS = {aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.zeros_li
 def cast(value: Operand | bool | int | float, dtype: torch.dtype) -> Operand:
     """An explicit cast: the value eager held (rounded to its dtype) converted, then rounded to ``dtype``."""
     if not isinstance(value, Operand) or value.dtype == dtype:
-        return Operand(convert(value, dtype), dtype)
-    source = Operand(round_to(value.expr, value.dtype), value.dtype)
-    return Operand(round_to(convert(source, dtype), dtype), dtype)
+        return Operand(convert(value, dtype), dtype, rounded=isinstance(value, Operand) and value.rounded)
+    source = value if value.rounded else Operand(round_to(value.expr, value.dtype), value.dtype)
+    return Operand(round_to(convert(source, dtype), dtype), dtype, rounded=True)
 
 
 def constant_value(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -128,7 +128,7 @@ def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
     continuous = not round_halves and packet in CONTINUOUS_ARITHMETIC and not bound.get("rounding_mode")
     for name in operand_names:
         value = bound[name]
-        if isinstance(value, Operand) and value.dtype != result_dtype and not continuous:
+        if isinstance(value, Operand) and value.dtype != result_dtype and not continuous and not value.rounded:
             # Where a half value meets another dtype (a comparison, a promotion), eager had already
             # rounded it: do the same, so that results that depend on it discontinuously agree.
             value = Operand(round_to(value.expr, value.dtype), value.dtype, value.zero_dim)
@@ -141,4 +141,4 @@ def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
         expr = f"{expr}.to({TRITON_DTYPE[held_dtype(result_dtype)]})"
     if round_halves:  # each op's half result as eager materializes it: a later comparison sees eager's values
         expr = round_to(expr, result_dtype)
-    return Operand(expr, result_dtype)
+    return Operand(expr, result_dtype, rounded=round_halves)

@@ -172,7 +172,7 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
         if tile and (load.by_value or not any(variant.load_dims[k])):
             value = f"tl.broadcast_to({value}, {tile})"
         body.append(f"l{k} = {value}")
-        operands[Ref("load", k)] = Operand(f"l{k}", load.dtype, load.zero_dim)
+        operands[Ref("load", k)] = Operand(f"l{k}", load.dtype, load.zero_dim, rounded=True)
 
     def resolve(a: Any) -> Any:
         if isinstance(a, Ref):
@@ -185,7 +185,7 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
         result = translate(step.target, resolve(step.args), {k: resolve(v) for k, v in step.kwargs},
                            step.dtype)
         body.append(f"t{j} = {result.expr}")
-        operands[Ref("step", j)] = Operand(f"t{j}", step.dtype, step.zero_dim)
+        operands[Ref("step", j)] = Operand(f"t{j}", step.dtype, step.zero_dim, result.rounded)
 
     for i, (ref, dtype) in enumerate(program.outputs):
         value = operands[ref].expr

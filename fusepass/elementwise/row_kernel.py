@@ -166,10 +166,12 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     tile = interpreting()  # see kernel.kernel_source: the interpreter broadcasts scalars where they are read
     names: dict[Ref, str] = {}
 
+    rounded: set[Ref] = set()  # steps whose results round as eager materializes them
+
     def operand(ref: Ref) -> Operand:
         dtype = program.loads[ref.index].dtype if ref.kind == "load" else program.steps[ref.index].dtype
         zero_dim = program.loads[ref.index].zero_dim if ref.kind == "load" else program.steps[ref.index].zero_dim
-        return Operand(names[ref], dtype, zero_dim)
+        return Operand(names[ref], dtype, zero_dim, ref.kind == "load" or ref in rounded)
 
     def resolve(a: Any) -> Any:
         if isinstance(a, Ref):
@@ -203,8 +205,11 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                 lines.append(f"{var} = {value}")
                 names[ref] = var
                 return
-            value = translate(step.target, resolve(step.args), {k: resolve(v) for k, v in step.kwargs},
-                              step.dtype).expr
+            result = translate(step.target, resolve(step.args), {k: resolve(v) for k, v in step.kwargs},
+                               step.dtype)
+            value = result.expr
+            if result.rounded:
+                rounded.add(ref)
         lines.append(f"{var} = {value}")
         names[ref] = var
 
