@@ -19,11 +19,11 @@ from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.lower import Lowered, NotLowerable, lower
 from fusepass.elementwise.reduction import is_column_sum, is_row_reduction
 from fusepass.elementwise.partition import Group, is_constant, partition, root_shape
-from fusepass.elementwise.row_kernel import RowLauncher
+from fusepass.elementwise.row_kernel import RowLauncher, walked_bytes
 from fusepass.elementwise.views import move_views
 from fusepass.fx_util import op_name
 from fusepass.report import profile, roofline
-from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes
+from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes, value_bytes
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.source import first_location, keep_location, location
 
@@ -88,16 +88,17 @@ def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gra
         ops = tuple(op_name(n) for n in group.compute_nodes)
         where = first_location(group.nodes)
         try:
+            # Lowered again (lowerable_partition tried it on the graph as it was): a group replaced before this
+            # one has rewired its inputs.
+            lowered = lower(group, ctx.device)
             # Recorded before the graph changes: the ledger reads the group's nodes as they are.
             root = root_shape(group.nodes)
+            extra = 0 if root is None else walked_bytes(lowered, [value_bytes(n) for n in group.inputs], ctx.device)
             record = elementwise_rewrite(
                 ctx.phase, where, ops, group.compute_nodes, group.inputs, group.outputs,
                 detail={"kernel": kernel_name(group),
                         "shape": list(map(str, root if root is not None else group.outputs[0].meta["val"].shape))},
-                kind="elementwise" if root is None else "reduction")
-            # Lowered again (lowerable_partition tried it on the graph as it was): a group replaced before this
-            # one has rewired its inputs.
-            lowered = lower(group, ctx.device)
+                kind="elementwise" if root is None else "reduction", extra_bytes=extra)
             if ctx.run_kernels:
                 _replace(gm, group, lowered, ctx, where, ops, record)
                 changed = True

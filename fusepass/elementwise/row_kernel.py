@@ -23,7 +23,7 @@ from fusepass.codegen.translate import translate
 from fusepass.elementwise.coords import strides_at
 from fusepass.elementwise.kernel import (INT32_MAX, LaunchPlan, PointwiseLauncher, compiled_kernel,
                                          contiguous_strides, jit_text, kernel_params, offset, resolved_root)
-from fusepass.elementwise.lower import output_map
+from fusepass.elementwise.lower import Lowered, output_map
 from fusepass.elementwise.program import Program, Ref
 from fusepass.elementwise import reduction
 from fusepass.elementwise.reduction import ROW_REDUCTIONS
@@ -143,7 +143,10 @@ def _online_sums(program: Program, level: dict[Ref, int]) -> dict[Ref, Ref]:
     return found
 
 
-def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], variant: RowVariant) -> str:
+def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], variant: RowVariant,
+                      passes: dict[int, int] | None = None) -> str:
+    """The kernel's source; `passes`, where given, counts the times it reads each load (once per walk that
+    computes from it)."""
     q, last = variant.rank, variant.rank - 1
     params = kernel_params(program, q, variant.load_dims, variant.load_base, variant.output_dims)
     params += ["XBLOCK: tl.constexpr", "RBLOCK: tl.constexpr"]
@@ -188,6 +191,8 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             if load.by_value:
                 value = f"l{k}_value"
             else:
+                if passes is not None:
+                    passes[k] = passes.get(k, 0) + 1
                 dims = variant.load_dims[k]
                 mask = "mask" if not in_row[ref] else ("row_mask" if any(dims) else "")
                 value = f"tl.load(l{k}_ptr + {offset(f'l{k}', dims, variant.load_base[k])}" \
@@ -354,6 +359,40 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     return COMBINE + jit_text(name, params, body)
 
 
+def walked_bytes(lowered: Lowered, input_bytes: list[int], device: torch.device) -> int:
+    """What a kernel of `lowered` moves beyond reading each input once and writing each output once: the loads a
+    walked row's later walks read again, and the column sums' partial sums (written, then read by the launcher).
+    0 where the root's sizes are not known when it compiles."""
+    root = lowered.root_shape
+    if not all(isinstance(n, int) for n in root):
+        return 0
+    q, length, rows = len(root), root[-1], math.prod(root[:-1])
+    spaces = tuple(out.space for out in lowered.outputs)
+    extra = 0
+    if length > reduction.PERSISTENT_MAX:
+        load_dims = tuple(tuple(any(row[d] for row in a.map) for d in range(q)) for a in lowered.accesses)
+        variant = RowVariant(q, load_dims, (False,) * len(load_dims),
+                             tuple((True,) * q for _ in spaces), False, True)
+        passes: dict[int, int] = {}
+        row_kernel_source("counted", lowered.program, spaces, variant, passes)
+        extra += sum((n - 1) * input_bytes[lowered.accesses[k].input] for k, n in passes.items())
+    columns = [i for i, space in enumerate(spaces) if space in COLUMN_SPACES]
+    if columns:
+        _, _, programs = _row_grid(rows, length, True, device)
+        extra += sum(2 * programs * length * _column_dtype(lowered.program, i).itemsize for i in columns)
+    return extra
+
+
+def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tuple[int, int, int]:
+    """Rows a program takes at once (XBLOCK), the times it does (a group with column sums: each program adds up
+    several blocks of rows), and the programs."""
+    xblock = 1 if length > reduction.PERSISTENT_MAX else \
+        min(next_power_of_2(max(rows, 1)), max(1, PROGRAM_TILE // next_power_of_2(max(length, 1))))
+    row_blocks = cdiv(rows, xblock)
+    row_steps = max(1, cdiv(row_blocks, column_programs(device))) if columns else 1
+    return xblock, row_steps, cdiv(row_blocks, row_steps)
+
+
 COLUMN_SPACES = ("column", "column_kept")
 
 
@@ -395,10 +434,7 @@ class RowLauncher(PointwiseLauncher):
         rows, length = math.prod(root[:-1]), root[-1]
         looped = length > reduction.PERSISTENT_MAX
         rblock = LOOP_BLOCK if looped else next_power_of_2(max(length, 1))
-        xblock = 1 if looped else min(next_power_of_2(max(rows, 1)), max(1, PROGRAM_TILE // rblock))
-        row_blocks = cdiv(rows, xblock)
-        row_steps = max(1, cdiv(row_blocks, column_programs(self.device))) if columns else 1
-        programs = cdiv(row_blocks, row_steps)
+        xblock, row_steps, programs = _row_grid(rows, length, bool(columns), self.device)
         # What the kernel writes: a column sum's partial sums, the other outputs as they are.
         written = tuple((programs, length) if i in columns else shape for i, shape in enumerate(shapes))
         out_strides = tuple((length, 1) if i in columns else contiguous_strides(shape, out.stride_order)

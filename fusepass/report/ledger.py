@@ -193,10 +193,12 @@ def saved_for_backward(node: torch.fx.Node) -> tuple[list[torch.fx.Node], int]:
 
 def elementwise_rewrite(phase: str, location: str, ops: tuple[str, ...], compute_nodes: Sequence[torch.fx.Node],
                         inputs: Sequence[torch.fx.Node], outputs: Sequence[torch.fx.Node],
-                        detail: dict, kind: str = "elementwise") -> Rewrite:
-    """A fused pointwise group's record; `kind` "reduction" where it holds row reductions."""
-    fused = fused_bytes(inputs, outputs)
+                        detail: dict, kind: str = "elementwise", extra_bytes: int = 0) -> Rewrite:
+    """A fused pointwise group's record; `kind` "reduction" where it holds row reductions or column sums;
+    `extra_bytes`: what its kernel moves past each input read once and each output written once (a walked row's
+    second reads, column sums' partial sums)."""
+    ideal = fused_bytes(inputs, outputs)
     flops = unfused_flops(compute_nodes)
     return Rewrite(kind=kind, phase=phase, location=location, ops=ops,
-                   bytes_unfused=unfused_bytes(compute_nodes), bytes_fused=fused, bytes_ideal=fused, flops=flops,
-                   flops_fused=flops, detail=detail)
+                   bytes_unfused=unfused_bytes(compute_nodes), bytes_fused=ideal + extra_bytes, bytes_ideal=ideal,
+                   flops=flops, flops_fused=flops, detail=detail)

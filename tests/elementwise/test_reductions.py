@@ -319,7 +319,9 @@ def test_cross_entropy_forward_picks_the_target_in_its_row_kernel(row_form, redu
     assert not [n for n in forward.nodes if n.target in (aten.nll_loss_forward.default, aten._log_softmax.default)]
     assert all(n.meta["val"].dtype == torch.bfloat16 for n in saved_full_size(report, (21, 45)))
     (row,) = [r for r in rewrites(report, kind="reduction", phase="forward") if "aten.amax" in r.ops]
-    assert row.bytes_fused < (2 if upcast else 3) * logits.numel() * logits.element_size()
+    # walked, bf16 log-probabilities take three walks of the row (no online sum in half precision) and a write
+    walks = 1 if upcast or row_form == "whole rows" else 3
+    assert row.bytes_fused < (walks + (1 if upcast else 2)) * logits.numel() * logits.element_size()
     (backward,) = rewrites(report, kind="reduction", phase="backward")
     assert {"aten.nll_loss_backward", "aten._log_softmax_backward_data"} <= set(backward.ops)
 

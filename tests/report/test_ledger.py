@@ -153,7 +153,9 @@ def test_elementwise_forward_and_backward_follow_the_same_formulas():
     assert forward.flops == forward.flops_fused == 5 * 30
     trained = check(gelu_chain, x, b, backward=True)
     for r in trained.rewrites:  # the backward's a reduction: b's gradient summed in its kernel
-        assert r.bytes_ideal == r.bytes_fused and r.flops == r.flops_fused > 0
+        # one program's partial sums of b's gradient (6 rows of 5 fit one), written and read back: 2 · 5 · 4 bytes
+        assert r.bytes_fused - r.bytes_ideal == (40 if r.kind == "reduction" else 0)
+        assert r.flops == r.flops_fused > 0
         assert r.bytes_unfused > r.bytes_fused and r.time_unfused_ms > r.time_fused_ms
     assert {(r.kind, r.phase) for r in trained.rewrites} == {("elementwise", "forward"), ("reduction", "backward")}
 

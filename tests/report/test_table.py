@@ -102,6 +102,6 @@ rewrites                          HBM bytes                 FLOP/B           est
       tests/report/test_table.py:48 | 7 ops | 274 kFLOP | causal
   elementwise forward    44.1 KiB    8.1 KiB   36.0 KiB     0.11    0.62   12.3 ns   2.25 ns
       tests/report/test_table.py:49 | 5 ops | 5.12 kFLOP
-  reduction   backward  116.2 KiB   12.1 KiB  104.1 KiB     0.09    0.91   32.4 ns   3.38 ns
+  reduction   backward  116.2 KiB   12.2 KiB  103.9 KiB     0.09    0.90   32.4 ns   3.42 ns
       tests/report/test_table.py:49 | 12 ops | 11.3 kFLOP
-  total                 367.2 KiB   86.2 KiB  281.0 KiB                     102 ns   24.1 ns""")
+  total                 367.2 KiB   86.4 KiB  280.9 KiB                     102 ns   24.1 ns""")
