@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,18 @@ def median_ms(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 200) -> 
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def fastest_batch_s(fn: Callable[[], Any], calls: int, batches: int) -> float:
+    """Host seconds a call of ``fn`` takes, from the fastest of `batches` batches of `calls` calls (a shared
+    machine's neighbours only ever add)."""
+    times = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+    return min(times)
 
 
 def device_ms(fn: Callable[[], Any], calls: int = 10) -> float:

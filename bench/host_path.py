@@ -26,13 +26,12 @@ import cProfile
 import collections
 import os
 import pstats
-import time
 
 assert "TRITON_INTERPRET" not in os.environ, "the stubs replace compiled launches, not the interpreter's"
 
 import torch  # noqa: E402
 from attention import CASES, SHAPES, fusepass_call  # noqa: E402
-from harness import keep  # noqa: E402
+from harness import fastest_batch_s, keep  # noqa: E402
 from launch_cost import replace_attention_launches  # noqa: E402
 
 from fusepass import pipeline  # noqa: E402
@@ -102,13 +101,7 @@ def main() -> None:
         case = CASES[name]
         call, _ = fusepass_call(case, args.backward, (b, h, args.seq, d, kv_heads), args.device)
         launched.clear()
-        batches = []
-        for _ in range(BATCHES):
-            start = time.perf_counter()
-            for _ in range(CALLS):
-                call()
-            batches.append((time.perf_counter() - start) / CALLS * 1e6)
-        host_us = min(batches)
+        host_us = fastest_batch_s(call, CALLS, BATCHES) * 1e6
         rows.append({"case": case.name, "pass": "fwd+bwd" if args.backward else "fwd", "device": args.device,
                      "host µs": host_us, "launches per call": ", ".join(
                          f"{kernel} {count / CALLS / BATCHES:g}" for kernel, count in launched.most_common())})

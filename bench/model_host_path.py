@@ -20,12 +20,11 @@ import importlib
 import os
 import pstats
 import sys
-import time
 
 assert "TRITON_INTERPRET" not in os.environ, "the stubs replace compiled launches, not the interpreter's"
 
 import torch  # noqa: E402
-from harness import keep  # noqa: E402
+from harness import fastest_batch_s, keep  # noqa: E402
 from launch_cost import replace_attention_launches  # noqa: E402
 
 from fusepass import pipeline  # noqa: E402
@@ -87,14 +86,9 @@ def main() -> None:
     step()
     step()
     launched.clear()
-    batches = []
-    for _ in range(BATCHES):
-        start = time.perf_counter()
-        for _ in range(STEPS):
-            step()
-        batches.append((time.perf_counter() - start) / STEPS * 1e3)
+    host_ms = fastest_batch_s(step, STEPS, BATCHES) * 1e3
     launches = sum(launched.values()) / STEPS / BATCHES
-    row = {"model": args.model, "size": args.size, "batch": batch, "seq": seq, "host ms a step": min(batches),
+    row = {"model": args.model, "size": args.size, "batch": batch, "seq": seq, "host ms a step": host_ms,
            "fused launches a step": launches,
            "kernels": ", ".join(f"{k} {n / STEPS / BATCHES:g}" for k, n in launched.most_common(8))}
     print(row, flush=True)
