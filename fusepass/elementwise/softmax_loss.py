@@ -17,6 +17,7 @@ import operator
 
 import torch
 import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fusepass.elementwise.reduction import REDUCTIONS_BY_MEAN, reduction_kind
 from fusepass.fx_util import Writer, val
@@ -50,7 +51,13 @@ def _write_out_softmax(graph: torch.fx.Graph, node: torch.fx.Node) -> _LogSoftma
         graph.erase_node(node)
         return None
     log_total = w(aten.log.default, total)
-    node.replace_all_uses_with(w.cast(w(aten.sub.Tensor, shifted, log_total), out_dtype))
+    difference = w(aten.sub.Tensor, shifted, log_total)
+    out = w.cast(difference, out_dtype)
+    # Recomputed in the backward, never kept: in half precision the log-probabilities are as many bytes as the
+    # logits, and the cut, finding them as cheap to keep, would have the forward write them.
+    for part in {x, shifted, difference, out} - {node.args[0]}:
+        part.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    node.replace_all_uses_with(out)
     graph.erase_node(node)
     return _LogSoftmax(x, maximum, log_total, out_dtype)
 
