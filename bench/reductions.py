@@ -45,6 +45,10 @@ def cross_entropy(logits, targets):
     return F.cross_entropy(logits.float(), targets)
 
 
+def cross_entropy_bf16(logits, targets):  # nanoGPT's: the logits as the model gives them
+    return F.cross_entropy(logits, targets)
+
+
 def layer_norm(x, w, b):
     return F.layer_norm(x, x.shape[-1:], w, b)
 
@@ -73,6 +77,7 @@ CASES = [
     Case("softmax-by-hand 16384x1024", softmax_by_hand, (16384, 1024), 0),
     Case("cross-entropy 8192x50257", cross_entropy, (8192, 50257), 0, classes=True),
     Case("cross-entropy 4096x128256", cross_entropy, (4096, 128256), 0, classes=True),
+    Case("cross-entropy-bf16 8192x50257", cross_entropy_bf16, (8192, 50257), 0, classes=True),
     Case("logsumexp-by-hand 4096x50257", logsumexp_by_hand, (4096, 50257), 0),
 ]
 
