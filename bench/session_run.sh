@@ -12,7 +12,7 @@
 #                with new inputs builds it                                         without packed)
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
-#   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~150 s (2026-12-04, 6 rows)
+#   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     (not run yet)
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
