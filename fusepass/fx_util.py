@@ -49,7 +49,7 @@ def infer_meta(nodes: Iterable[torch.fx.Node], fake_mode: FakeTensorMode | None 
 
 
 class Writer:
-    """Inserts ATen ops before a node, each with what later passes read of it (`fx_util.infer_meta`)."""
+    """Inserts ATen ops before a node, each with what later passes read of it (`infer_meta`)."""
 
     def __init__(self, graph: torch.fx.Graph, at: torch.fx.Node) -> None:
         self.graph, self.at = graph, at

@@ -17,7 +17,7 @@ from fusepass.context import PassContext
 from fusepass.elementwise import layer_norm
 from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.lower import Lowered, NotLowerable, lower
-from fusepass.elementwise.reduction import is_column_sum, is_row_reduction
+from fusepass.elementwise.reduction import is_reduction
 from fusepass.elementwise.partition import Group, is_constant, partition, root_shape
 from fusepass.elementwise.row_kernel import RowLauncher, walked_bytes
 from fusepass.elementwise.views import move_views
@@ -42,8 +42,7 @@ def lowerable_partition(graph: torch.fx.Graph, device: torch.device, reductions:
                         ) -> tuple[list[Group], list]:
     """`partition`, with the row reductions and column sums of a group that cannot be lowered (one read in another
     row than it reduces) left as ATen ops, and the rest grouped again; without `reductions`, every one."""
-    apart = frozenset() if reductions else frozenset(n for n in graph.nodes
-                                                     if is_row_reduction(n) or is_column_sum(n))
+    apart = frozenset() if reductions else frozenset(n for n in graph.nodes if is_reduction(n))
     while True:
         groups, declined = partition(graph, device, apart)
         unlowerable = set()
@@ -53,7 +52,7 @@ def lowerable_partition(graph: torch.fx.Graph, device: torch.device, reductions:
             try:
                 lower(group, device)
             except NotLowerable:
-                unlowerable |= {n for n in group.nodes if is_row_reduction(n) or is_column_sum(n)}
+                unlowerable |= {n for n in group.nodes if is_reduction(n)}
         if not unlowerable:
             return groups, declined
         apart |= unlowerable

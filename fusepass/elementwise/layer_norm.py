@@ -23,15 +23,18 @@ aten = torch.ops.aten
 FLOATING = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _eligible(node: torch.fx.Node) -> bool:
-    if node.op != "call_function" or node.target != aten.native_layer_norm.default:
-        return False
-    x, shape = val(node.args[0]), node.args[1]
+def _over_last_dim(node: torch.fx.Node, x: torch.fx.Node, shape: list, min_rank: int) -> bool:
+    """A norm of `x` over its last dim, every tensor it reads floating, each of its outputs read by index."""
     # a normalized shape read off a symbolic size is a graph value, not a tensor: the norm stays ATen's
     tensors = [val(a) for a in node.all_input_nodes]
-    return (isinstance(x, torch.Tensor) and x.dim() >= 1 and len(shape) == 1 and
+    return (isinstance(val(x), torch.Tensor) and val(x).dim() >= min_rank and len(shape) == 1 and
             all(isinstance(t, torch.Tensor) and t.dtype in FLOATING for t in tensors) and
             all(user.target is operator.getitem for user in node.users))
+
+
+def _eligible(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target == aten.native_layer_norm.default and \
+        _over_last_dim(node, node.args[0], node.args[1], 1)
 
 
 def _computed_in(dtype: torch.dtype) -> torch.dtype:
@@ -43,14 +46,11 @@ def _computed_in(dtype: torch.dtype) -> torch.dtype:
 def _eligible_backward(node: torch.fx.Node) -> bool:
     """The backward of a norm over the last dim of rows short enough to be held whole (its weight's and bias's
     gradients are column sums)."""
-    if node.op != "call_function" or node.target != aten.native_layer_norm_backward.default:
+    if node.op != "call_function" or node.target != aten.native_layer_norm_backward.default or \
+            not _over_last_dim(node, node.args[1], node.args[2], 2):
         return False
-    x, shape = val(node.args[1]), node.args[2]
-    tensors = [val(a) for a in node.all_input_nodes]
-    return (isinstance(x, torch.Tensor) and x.dim() >= 2 and len(shape) == 1 and isinstance(x.shape[-1], int) and
-            x.shape[-1] <= reduction.PERSISTENT_MAX and
-            all(isinstance(t, torch.Tensor) and t.dtype in FLOATING for t in tensors) and
-            all(user.target is operator.getitem for user in node.users))
+    width = val(node.args[1]).shape[-1]
+    return isinstance(width, int) and width <= reduction.PERSISTENT_MAX
 
 
 def _backward(w: Writer, node: torch.fx.Node) -> list[torch.fx.Node | None]:

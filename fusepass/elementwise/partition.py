@@ -1,7 +1,8 @@
 """Which pointwise nodes of a graph run together as one kernel.
 
-Producer and consumer merge greedily, in graph order, again until none merge; then groups reading a common tensor (siblings, such as
-the two gradients of SwiGLU's backward) merge, so that the tensor is read once. Both while three rules hold:
+Producer and consumer merge greedily, in graph order, the pairs refused again until none merge; then groups
+reading a common tensor (siblings, such as the two gradients of SwiGLU's backward) merge, so that the tensor is
+read once. Both while three rules hold:
 - no cycle: no path leaves the merged group and comes back into it (checked with networkx on the
   graph of groups; siblings merge only where no path joins them);
 - one iteration space: every value the group writes out has one shape (values read only inside the
@@ -26,7 +27,7 @@ from fusepass.codegen.operands import SUPPORTED_DTYPES
 from fusepass.codegen.translate import CONSTANTS, constant_value, packet_of, translation_gap
 from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
-from fusepass.elementwise.reduction import column_sum_of, is_column_sum, is_row_reduction, reduced_input
+from fusepass.elementwise.reduction import column_sum_of, is_column_sum, is_reduction, reduced_input
 
 
 @dataclass
@@ -83,8 +84,7 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
     if is_mapped_view(node):
         rank = val.dim()
         return None if through_view(node, identity(rank), rank) is not None else "view is not affine"
-    reduces = is_row_reduction(node) or is_column_sum(node)
-    gap = None if reduces else translation_gap(node.target, node.args, node.kwargs)
+    gap = None if is_reduction(node) else translation_gap(node.target, node.args, node.kwargs)
     if gap is not None:
         return gap
     if is_constant(node):
@@ -166,14 +166,10 @@ def _shape_key(shape: Sequence) -> tuple[str, ...]:
     return tuple(map(str, shape))  # symbolic sizes by their expressions (SymInts do not hash)
 
 
-def _reduces(node: torch.fx.Node) -> bool:
-    return is_row_reduction(node) or is_column_sum(node)
-
-
 def root_shape(members: Iterable[torch.fx.Node]) -> tuple | None:
     """The shape a group holding row reductions or column sums iterates over (their input's), or None."""
     for node in members:
-        if _reduces(node):
+        if is_reduction(node):
             return tuple(_val(reduced_input(node)).shape)
     return None
 
@@ -182,7 +178,7 @@ def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
     root = root_shape(members)
     if root is None:
         return len({_shape_key(_val(_storage(n, members)).shape) for n in _escaping(members)}) <= 1
-    if any(_shape_key(_val(reduced_input(n)).shape) != _shape_key(root) for n in members if _reduces(n)):
+    if any(_shape_key(_val(reduced_input(n)).shape) != _shape_key(root) for n in members if is_reduction(n)):
         return False
     # A column sum is whole only once every program has added its rows: read outside the group alone (but for
     # its rounding, which the launcher applies).
@@ -206,25 +202,22 @@ def partition(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torc
                 and not planned_attention(n) and not _host_scalar(n, device)]
 
     groups = _Groups(graph)
-    # Again while any merged: a producer whose value escapes to readers not yet grouped (a view read by a row's
-    # maximum and by the row's other ops) can join their group once they are one.
-    merged = True
-    while merged:
-        merged = False
-        for node in nodes:
-            if node not in fusable:
+    # The pairs refused are tried again while any pair merged: a producer whose value escapes to readers not yet
+    # grouped (a view read by a row's maximum and by the row's other ops) can join their group once they are one.
+    pending = [(arg, node) for node in nodes if node in fusable for arg in node.all_input_nodes if arg in fusable]
+    while pending:
+        refused, merged = [], False
+        for arg, node in pending:
+            producer, consumer = groups.find(arg), groups.find(node)
+            if producer is consumer:
                 continue
-            for arg in node.all_input_nodes:
-                if arg not in fusable:
-                    continue
-                producer, consumer = groups.find(arg), groups.find(node)
-                if producer is consumer:
-                    continue
-                union = set(groups.members[producer]) | set(groups.members[consumer])
-                if not _one_iteration_space(union) or groups.creates_cycle(producer, consumer):
-                    continue
-                groups.merge(producer, consumer)
-                merged = True
+            union = set(groups.members[producer]) | set(groups.members[consumer])
+            if not _one_iteration_space(union) or groups.creates_cycle(producer, consumer):
+                refused.append((arg, node))
+                continue
+            groups.merge(producer, consumer)
+            merged = True
+        pending = refused if merged else []
     for node in nodes:
         readers = [u for u in node.users if u in fusable]
         for first, other in zip(readers, readers[1:]):

@@ -107,6 +107,11 @@ def is_column_sum(node: torch.fx.Node) -> bool:
         width <= PERSISTENT_MAX
 
 
+def is_reduction(node: torch.fx.Node) -> bool:
+    """A row reduction or a column sum: what a row kernel reduces."""
+    return is_row_reduction(node) or is_column_sum(node)
+
+
 def column_sum_of(node: torch.fx.Node) -> torch.fx.Node | None:
     """The column sum `node` is, or rounds to another floating dtype (a `_to_copy` its one reader: the launcher
     rounds the sum once, as eager's cast of it does); None otherwise."""

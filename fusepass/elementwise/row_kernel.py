@@ -49,13 +49,14 @@ def _min_nan(a, b):
 
 '''
 NEUTRAL = {"sum": "0.0", "mean": "0.0", "amax": 'float("-inf")', "amin": 'float("inf")'}
+COMBINER = {"amax": "_max_nan", "amin": "_min_nan"}
+COLUMN = torch.ops.prims.iota.default  # a step giving each lane its column (the class of a row of classes)
+COLUMN_SPACES = ("column", "column_kept")  # a column sum's outputs (lower.OutputLayout)
 
 
 def _neutral(kind: str, dtype: torch.dtype) -> str:
     """The kind's neutral element in a reduction's held dtype (a count's is an integer zero)."""
     return NEUTRAL[kind] if dtype.is_floating_point else "0"
-COMBINER = {"amax": "_max_nan", "amin": "_min_nan"}
-COLUMN = torch.ops.prims.iota.default  # a step giving each lane its column (the class of a row of classes)
 
 
 @dataclass(frozen=True)
@@ -392,8 +393,6 @@ def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tu
     row_steps = max(1, cdiv(row_blocks, column_programs(device))) if columns else 1
     return xblock, row_steps, cdiv(row_blocks, row_steps)
 
-
-COLUMN_SPACES = ("column", "column_kept")
 
 
 def _column_dtype(program: Program, i: int) -> torch.dtype:

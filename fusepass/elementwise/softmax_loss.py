@@ -14,6 +14,7 @@ the written-out form is several kernels where eager runs one.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -28,12 +29,14 @@ NLL_FORWARD = aten.nll_loss_forward.default
 REDUCTIONS_BY_SUM, NO_REDUCTION = 2, 0
 
 
+@dataclass(frozen=True)
 class _LogSoftmax:
-    """A written-out log-softmax's parts: the input in the dtype it is computed in, the row maximum, the log of
-    the row's sum of exponentials, and the output's dtype."""
+    """A written-out log-softmax's parts: the input in the dtype it is computed in, the row maximum, and the log of
+    the row's sum of exponentials."""
 
-    def __init__(self, x: torch.fx.Node, maximum: torch.fx.Node, log_total: torch.fx.Node, dtype: torch.dtype):
-        self.x, self.maximum, self.log_total, self.dtype = x, maximum, log_total, dtype
+    x: torch.fx.Node
+    maximum: torch.fx.Node
+    log_total: torch.fx.Node
 
 
 def _write_out_softmax(graph: torch.fx.Graph, node: torch.fx.Node) -> _LogSoftmax | None:
@@ -59,7 +62,7 @@ def _write_out_softmax(graph: torch.fx.Graph, node: torch.fx.Node) -> _LogSoftma
         part.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     node.replace_all_uses_with(out)
     graph.erase_node(node)
-    return _LogSoftmax(x, maximum, log_total, out_dtype)
+    return _LogSoftmax(x, maximum, log_total)
 
 
 def _nll_fits(node: torch.fx.Node) -> bool:

@@ -46,8 +46,6 @@ def move_views(graph: torch.fx.Graph, device: torch.device) -> None:
     work = [n for n in graph.nodes if n.op == "call_function" and n.target == aten.view.default]
     while work:
         view = work.pop()
-        if view.graph is not graph:  # erased
-            continue
         rank = val(view).dim()
         if through_view(view, identity(rank), rank) is not None:
             _after(graph, view, device)

@@ -345,10 +345,10 @@ def bias_gelu(x, bias):
     return torch.nn.functional.gelu(x + bias) * 2
 
 
-@pytest.mark.parametrize("fn, shapes", [(RMSNorm(45, torch.bfloat16), [(3, 50, 45)]),
+@pytest.mark.parametrize("fn, shapes", [(residual_rmsnorm, [(3, 50, 45), (3, 50, 45), (45,)]),
                                         (layer_norm_by_hand, [(130, 37), (37,), (37,)]),
                                         (bias_gelu, [(2, 61, 29), (29,)])],
-                         ids=["rmsnorm", "layer norm by hand", "bias and gelu"])
+                         ids=["residual rmsnorm", "layer norm by hand", "bias and gelu"])
 def test_weight_and_bias_gradients_are_summed_in_the_row_kernel(row_form, fn, shapes):
     """A gradient summed over every dim but the last (a norm's weight, a bias) is added up in the backward's row
     kernel, each program its rows (several steps of them here), the launcher their sums: no ATen sum left."""
