@@ -1,6 +1,7 @@
 """Which kernels one training step of an example model runs, and for how long, under Inductor and fusepass.
 
     PYTHONPATH=. python bench/profile_models.py [--models t5,bert] [--size small] [--batch 8] [--seq 512] [--rows 14]
+                                                [--forward]
 
 Builds each model at its size (``small`` unless given) in bf16, runs its step (forward, loss, backward) warm under both backends,
 profiles three steps with torch.profiler and prints each backend's kernels by device time: a model row of
@@ -29,6 +30,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--rows", type=int, default=14)
+    parser.add_argument("--forward", action="store_true", help="profile the forward under no_grad, not the step")
     args = parser.parse_args()
     for name in args.models.split(","):
         example = importlib.import_module(name)
@@ -44,13 +46,18 @@ def main() -> None:
             compiled = torch.compile(built, backend=backend)
 
             def step():
+                if args.forward:
+                    with torch.no_grad():
+                        compiled(*inputs)
+                    return
                 out = compiled(*inputs)
                 loss(out).backward()
 
             step()
             ms = median_ms(step)
             label = backend if isinstance(backend, str) else "fusepass"
-            print(f"== {name} B{batch} T{seq} under {label}: {ms:.2f} ms per step (median)")
+            what = "forward" if args.forward else "step"
+            print(f"== {name} B{batch} T{seq} under {label}: {ms:.2f} ms per {what} (median)")
             print(kernels_by_device_time(step, steps=3, rows=args.rows))
             del compiled, built
             torch.cuda.empty_cache()
