@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 from fusepass.compare import Comparison, compare
 from fusepass.options import Options
 from fusepass.pipeline import Backend, backend, fusepass_backend
+from fusepass.profiling import Profile, profile
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.report.report import Report, last_report, reports, reset
 from fusepass.report.roofline import Ceilings, measure_ceilings, set_ceilings
@@ -15,7 +16,7 @@ from fusepass.report.summary import summarize
 from fusepass.runtime.launch import start_triton_in_background
 
 __all__ = ["Backend", "Ceilings", "Comparison", "Hotspot", "Options", "Report", "Rewrite", "backend", "compare",
-           "last_report", "measure_ceilings", "reports", "reset", "set_ceilings", "summarize"]
+           "last_report", "measure_ceilings", "Profile", "profile", "reports", "reset", "set_ceilings", "summarize"]
 
 
 def _register() -> None:

@@ -195,7 +195,8 @@ class Backend:
                     if run_kernels:  # otherwise the graph still holds what the rewrites would remove
                         self._list_intermediates(module, context(phase))
                     compiling.forward_compiled(backward_follows)
-                return make_boxed_func(on_device(runnable(module).forward, device))
+                annotated = phase if self.options.annotate else None
+                return make_boxed_func(on_device(runnable(module, annotated).forward, device))
 
             return compile_graph
 

@@ -22,7 +22,7 @@ from fusepass.elementwise.partition import Group, is_constant, partition, root_s
 from fusepass.elementwise.row_kernel import RowLauncher, walked_bytes
 from fusepass.elementwise.views import move_views
 from fusepass.fx_util import op_name
-from fusepass.report import profile, roofline
+from fusepass.report import attribution, profile, roofline
 from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes, value_bytes
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.source import first_location, keep_location, location
@@ -79,9 +79,10 @@ def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gra
         write_out_layer_norms(gm.graph, ctx.device)
     groups, declined = lowerable_partition(gm.graph, ctx.device, ctx.options.reductions)
     for d in declined:
-        ctx.report.hotspots.append(Hotspot(kind="elementwise", phase=ctx.phase, location=location(d.node),
-                                           reason=d.reason, ops=(op_name(d.node),), bytes=op_bytes(d.node),
-                                           flops=op_flops(d.node)))
+        hotspot = Hotspot(kind="elementwise", phase=ctx.phase, location=location(d.node), reason=d.reason,
+                          ops=(op_name(d.node),), bytes=op_bytes(d.node), flops=op_flops(d.node))
+        ctx.report.hotspots.append(hotspot)
+        attribution.tag(d.node, hotspot)
     changed = False
     for group in groups:
         ops = tuple(op_name(n) for n in group.compute_nodes)
@@ -153,6 +154,7 @@ def _replace(gm: torch.fx.GraphModule, group: Group, lowered: Lowered, ctx: Pass
         call = graph.call_function(launcher, tuple(inputs))
         call.meta["val"] = tuple(out.meta["val"] for out in group.outputs)
         keep_location(call, group.nodes[0])
+        attribution.tag(call, record)
         results = []
         for i, out in enumerate(group.outputs):
             item = graph.call_function(operator.getitem, (call, i))

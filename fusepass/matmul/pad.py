@@ -15,6 +15,7 @@ import torch.fx
 
 from fusepass.context import PassContext
 from fusepass.fx_util import packet, val
+from fusepass.report import attribution
 from fusepass.report.ledger import op_bytes, op_flops
 from fusepass.report.records import Rewrite
 from fusepass.source import keep_location, location
@@ -123,11 +124,13 @@ def pad_matmuls(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
             keep_location(new, node)
         new.meta["val"] = node.meta["val"]
         new.meta["requires_grad"] = node.meta.get("requires_grad", False)
-        ctx.report.rewrites.append(Rewrite(
+        record = Rewrite(
             kind="matmul", phase=ctx.phase, location=location(node), ops=(f"aten.{packet(node).__name__}",),
             bytes_unfused=op_bytes(node), bytes_fused=op_bytes(node), flops=op_flops(node), flops_fused=op_flops(node),
             measured_unfused_ms=as_is, measured_fused_ms=padded,
-            detail={"padded": dict(zip("mkn", pads)), "shape": [list(val(a).shape), list(val(b).shape)]}))
+            detail={"padded": dict(zip("mkn", pads)), "shape": [list(val(a).shape), list(val(b).shape)]})
+        ctx.report.rewrites.append(record)
+        attribution.tag(new, record)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         changed = True

@@ -13,6 +13,7 @@ import torch.fx
 from fusepass.elementwise.partition import decline_reason, is_pointwise
 from fusepass.elementwise.reduction import is_row_reduction
 from fusepass.fx_util import op_name
+from fusepass.report import attribution
 from fusepass.report.ledger import is_matmul, matmul_operands, moves_no_bytes, op_bytes, op_flops, tensor_bytes
 from fusepass.report.records import Hotspot
 from fusepass.source import location
@@ -83,6 +84,8 @@ def aten_ops(graph: torch.fx.Graph, phase: str, device: torch.device, pointwise_
             moved += sum(tensor_bytes(v) for v in val)
         if moved == 0:
             continue
-        found.append(Hotspot(kind="matmul" if is_matmul(node) else "aten", phase=phase, location=location(node),
-                             reason=_reason(node), ops=(op_name(node),), bytes=moved, flops=op_flops(node)))
+        hotspot = Hotspot(kind="matmul" if is_matmul(node) else "aten", phase=phase, location=location(node),
+                          reason=_reason(node), ops=(op_name(node),), bytes=moved, flops=op_flops(node))
+        found.append(hotspot)
+        attribution.tag(node, hotspot)
     return found

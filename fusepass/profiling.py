@@ -1,0 +1,218 @@
+"""``fusepass.profile(model, *inputs)``: the compiled model's measured kernel time, given to each rewrite,
+hotspot and matmul of its report, beside their roofline estimates.
+
+The model is compiled with the ``annotate`` option (each op inside a profiler range naming its record,
+report/attribution.py), run warm, then profiled for a few steps under ``torch.profiler``. Each range's
+kernel time (on the CPU, where nothing runs on a device, its host time) is added to its record; records
+alike (a repeated layer's) are one row, `× n` their calls per step. A kernel measured under 30 % of its
+roofline time is flagged with what bounds it: the seeds' rule, a kernel far from its roofline is an
+opportunity, not the hardware's limit.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.utils._pytree import tree_leaves
+
+from fusepass.report import attribution
+from fusepass.report.records import Hotspot, Rewrite
+from fusepass.report.render import format_bytes, format_time
+from fusepass.report.report import Report, reports
+from fusepass.report.roofline import Ceilings, current_ceilings
+
+FLAGGED_BELOW = 0.3  # of the roofline time: the seeds' "an opportunity, not a hardware limit"
+
+
+@dataclass
+class ProfiledRow:
+    """Records alike (kind, phase, source line, ops, bytes), their calls per step and times per step."""
+
+    kind: str  # a rewrite's or hotspot's kind; "op" for an op no record names
+    record: str  # "rewrite" | "hotspot" | "op"
+    phase: str
+    location: str
+    what: str  # the ops, or the hotspot's reason
+    calls: int  # per step
+    measured_ms: float  # per step: device time on CUDA, host time on the CPU
+    estimated_ms: float | None  # per step, at the roofline
+    bytes: int  # per step
+    flops: int
+
+    @property
+    def of_roofline(self) -> float | None:
+        if self.estimated_ms is None or self.measured_ms <= 0:
+            return None
+        return self.estimated_ms / self.measured_ms
+
+    def limit(self, ceilings: Ceilings) -> str:
+        """The bound the roofline puts on this row and how far it is from it."""
+        seconds = self.measured_ms * 1e-3
+        if seconds <= 0:
+            return ""
+        if self.flops / ceilings.flops_per_s > self.bytes / ceilings.hbm_bytes_per_s:
+            return f"compute-bound: {self.flops / seconds / 1e12:.3g} of {ceilings.flops_per_s / 1e12:.3g} TFLOP/s"
+        return f"memory-bound: {self.bytes / seconds / 1e12:.3g} of {ceilings.hbm_bytes_per_s / 1e12:.3g} TB/s"
+
+
+@dataclass
+class Profile:
+    rows: list[ProfiledRow]  # longest measured first
+    steps: int  # profiled
+    on_device: bool  # times are device times (CUDA); otherwise host times
+    total_ms: float  # per step: every kernel's device time on CUDA; the step's wall time on the CPU
+    reports: list[Report]
+    ceilings: Ceilings
+
+    @property
+    def attributed_ms(self) -> float:
+        return sum(r.measured_ms for r in self.rows)
+
+    @property
+    def flagged(self) -> list[ProfiledRow]:
+        """Rows under `FLAGGED_BELOW` of their roofline time (on a device only: the estimates are its)."""
+        return [r for r in self.rows if self.on_device and r.of_roofline is not None and r.of_roofline < FLAGGED_BELOW]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "on_device": self.on_device, "total_ms": self.total_ms,
+                "attributed_ms": self.attributed_ms, "ceilings": self.ceilings.to_dict(),
+                "rows": [{**asdict(r), "of_roofline": r.of_roofline, "limit": r.limit(self.ceilings)}
+                         for r in self.rows]}
+
+    def __str__(self) -> str:
+        clock = "device" if self.on_device else "host (no CUDA device: the kernels ran on the CPU)"
+        share = self.attributed_ms / self.total_ms if self.total_ms > 0 else 0.0
+        lines = [f"fusepass profile: {self.steps} steps, {clock} time {self.total_ms:.3f} ms per step, "
+                 f"{self.attributed_ms:.3f} ms ({share:.0%}) in the compiled graphs' ops",
+                 "| what | phase | where | calls | estimated | measured | of roofline | bytes | bound |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        flagged = {id(r) for r in self.flagged}
+        for r in self.rows:
+            fraction = "" if r.of_roofline is None or not self.on_device else f"{r.of_roofline:.0%}"
+            if id(r) in flagged:
+                fraction += " ⚠"
+            estimate = "" if r.estimated_ms is None else format_time(r.estimated_ms)
+            bound = r.limit(self.ceilings) if self.on_device and r.record != "op" else ""
+            what = f"{r.what}: in no record" if r.record == "op" else f"{r.kind} {r.record}: {r.what}"
+            lines.append(f"| {what} | {r.phase} | {r.location} | {r.calls} | {estimate} | "
+                         f"{format_time(r.measured_ms)} | {fraction} | {format_bytes(r.bytes)} | {bound} |")
+        outside = self.total_ms - self.attributed_ms
+        if self.on_device:
+            lines.append(f"outside the compiled graphs' ops (eager code around the model, the loss if not compiled, "
+                         f"the optimizer): {max(outside, 0.0):.3f} ms per step")
+        if flagged:
+            lines.append(f"⚠ {len(flagged)} row{'s' * (len(flagged) != 1)} under {FLAGGED_BELOW:.0%} of the roofline: "
+                         "far from what their bytes and flops allow, not at a hardware limit")
+        return "\n".join(lines)
+
+
+def _what(record: Rewrite | Hotspot | None, op: str) -> tuple[str, str, str]:
+    """(kind, record, what) of a row."""
+    if isinstance(record, Rewrite):
+        features = f" [{', '.join(record.features)}]" if record.features else ""
+        return record.kind, "rewrite", f"{len(record.ops)} ops{features}"
+    if isinstance(record, Hotspot):
+        return record.kind, "hotspot", record.reason.split("\n")[0][:90]
+    return "op", "op", op
+
+
+def _cost(record: Rewrite | Hotspot | None) -> tuple[float | None, int, int]:
+    """(estimated ms, bytes, flops) of one call."""
+    if isinstance(record, Rewrite):
+        return record.time_fused_ms, record.bytes_fused, record.flops_fused
+    if isinstance(record, Hotspot):
+        return record.time_ms, record.bytes, record.flops
+    return None, 0, 0
+
+
+def attribute(events: Sequence[Any], steps: int, on_device: bool) -> list[ProfiledRow]:
+    """The profiled ranges' times per step, records alike in one row, longest first."""
+    rows: OrderedDict[tuple, ProfiledRow] = OrderedDict()
+    for event in events:
+        target = attribution.target_of(event.name)
+        if target is None or event.device_type != DeviceType.CPU:
+            continue
+        measured = (event.device_time_total if on_device else event.cpu_time_total) / 1e3 / steps
+        kind, record, what = _what(target.record, target.op)
+        estimated, moved, flops = _cost(target.record)
+        key = (kind, record, target.phase, target.location, what, moved, flops)
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = ProfiledRow(kind, record, target.phase, target.location, what, 0, 0.0,
+                                          None if estimated is None else 0.0, 0, 0)
+        row.calls += 1
+        row.measured_ms += measured
+        row.bytes += moved
+        row.flops += flops
+        if estimated is not None:
+            row.estimated_ms += estimated
+    for row in rows.values():  # the sums ran over every profiled step
+        row.calls //= steps
+        row.bytes //= steps
+        row.flops //= steps
+        if row.estimated_ms is not None:
+            row.estimated_ms /= steps
+    return sorted((r for r in rows.values() if r.record != "op" or r.measured_ms > 0),
+                  key=lambda r: -r.measured_ms)
+
+
+def _device_total_ms(events: Sequence[Any], steps: int) -> float:
+    return sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / steps
+
+
+def profile(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any], torch.Tensor] | None = None,
+            steps: int = 3, **options: Any) -> Profile:
+    """Compile `model` with fusepass (`options` as ``fusepass.backend`` takes them), run it warm, and profile
+    `steps` calls: with `loss` (a function of the outputs returning a scalar) each is a training step, forward
+    and backward; without, a forward under ``torch.no_grad()``. The parameters' gradients are as they were
+    before. The result prints as a table (``print(fusepass.profile(...))``) and converts to a dict."""
+    from fusepass.options import Options
+    from fusepass.pipeline import Backend
+
+    if steps < 1:
+        raise ValueError(f"fusepass.profile: steps must be at least 1, not {steps}")
+    backend = Backend(Options.from_kwargs(**options).with_changes(annotate=True))
+    parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+    grads = [p.grad for p in parameters]  # set aside: a backward would add to them in place
+    for p in parameters:
+        p.grad = None
+    on_device = any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_leaves(inputs))
+    known = {id(r) for r in reports()}
+    compiled = torch.compile(model, backend=backend)
+
+    def step() -> None:
+        if loss is None:
+            with torch.no_grad():
+                compiled(*inputs)
+        else:
+            loss(compiled(*inputs)).backward()
+
+    def synchronize() -> None:
+        if on_device:
+            torch.cuda.synchronize()
+
+    try:
+        for _ in range(3):  # the first call compiles, the next ones capture what replays (runtime/replay.py)
+            step()
+        synchronize()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if on_device:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as profiler:
+            started = time.perf_counter()
+            for _ in range(steps):
+                step()
+            synchronize()
+            wall_ms = (time.perf_counter() - started) * 1e3 / steps
+    finally:
+        for p, grad in zip(parameters, grads):
+            p.grad = grad
+    events = profiler.events()
+    return Profile(attribute(events, steps, on_device), steps, on_device,
+                   _device_total_ms(events, steps) if on_device else wall_ms,
+                   [r for r in reports() if id(r) not in known], current_ceilings())
