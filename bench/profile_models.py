@@ -1,22 +1,26 @@
 """Which kernels one training step of an example model runs, and for how long, under Inductor and fusepass.
 
     PYTHONPATH=. python bench/profile_models.py [--models t5,bert] [--size small] [--batch 8] [--seq 512] [--rows 14]
-                                                [--forward]
+                                                [--forward] [--host] [--records]
 
 Builds each model at its size (``small`` unless given) in bf16, runs its step (forward, loss, backward) warm under both backends,
 profiles three steps with torch.profiler and prints each backend's kernels by device time: a model row of
 bench/models.py that trails Inductor is explained by a kernel fusepass runs that Inductor's does not, or by one
-slower than its bytes say.
+slower than its bytes say. Each backend's line gives the call's median beside its kernels' device time: a call
+that takes longer than its kernels is host-bound. --host adds the Python functions where fusepass's call spends
+its host time (cProfile over 20 calls); --records, fusepass.profile's table (kernel time by report record).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib
 import os
+import pstats
 import sys
 
 import torch
-from harness import kernels_by_device_time, median_ms
+from harness import device_ms, kernels_by_device_time, median_ms
 
 import fusepass
 
@@ -31,6 +35,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int)
     parser.add_argument("--rows", type=int, default=14)
     parser.add_argument("--forward", action="store_true", help="profile the forward under no_grad, not the step")
+    parser.add_argument("--host", action="store_true", help="where fusepass's call spends its host time")
+    parser.add_argument("--records", action="store_true", help="fusepass.profile's table")
     args = parser.parse_args()
     for name in args.models.split(","):
         example = importlib.import_module(name)
@@ -57,8 +63,16 @@ def main() -> None:
             ms = median_ms(step)
             label = backend if isinstance(backend, str) else "fusepass"
             what = "forward" if args.forward else "step"
-            print(f"== {name} B{batch} T{seq} under {label}: {ms:.2f} ms per {what} (median)")
+            print(f"== {name} B{batch} T{seq} under {label}: {ms:.2f} ms per {what} (median), "
+                  f"{device_ms(step):.2f} ms of kernels")
             print(kernels_by_device_time(step, steps=3, rows=args.rows))
+            if label == "fusepass" and args.host:
+                torch.cuda.synchronize()
+                profiler = cProfile.Profile()
+                profiler.runcall(lambda: [step() for _ in range(20)])
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+            if label == "fusepass" and args.records:
+                print(fusepass.profile(built, *inputs, loss=None if args.forward else loss))
             del compiled, built
             torch.cuda.empty_cache()
 
