@@ -394,6 +394,10 @@ def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tu
     return xblock, row_steps, cdiv(row_blocks, row_steps)
 
 
+def row_warps(xblock: int, rblock: int) -> int:
+    """Warps of a program holding an XBLOCK × RBLOCK tile."""
+    return 8 if xblock * rblock >= 2048 else 4
+
 
 def _column_dtype(program: Program, i: int) -> torch.dtype:
     """What a column sum adds up in: float32, float64 where its input or output is."""
@@ -469,7 +473,7 @@ class RowLauncher(PointwiseLauncher):
             extents.append(sum((n - 1) * abs(s) for n, s in zip(root, at_root)))
         if columns:
             int_args.append(row_steps)
-        num_warps = 8 if xblock * rblock >= 2048 else 4
+        num_warps = row_warps(xblock, rblock)
         variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims),
                              max(extents) > INT32_MAX, looped)
         kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),
