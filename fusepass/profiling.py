@@ -162,21 +162,25 @@ def attribute(events: Sequence[Any], steps: int, on_device: bool) -> list[Profil
 
 
 def _device_total_ms(events: Sequence[Any], steps: int) -> float:
-    return sum(e.device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3 / steps
+    """Every kernel's device time per step (the ranges also show on the device's timeline: not kernels)."""
+    return sum(e.device_time_total for e in events
+               if e.device_type == DeviceType.CUDA and attribution.target_of(e.name) is None) / 1e3 / steps
 
 
 def profile(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any], torch.Tensor] | None = None,
             steps: int = 3, **options: Any) -> Profile:
     """Compile `model` with fusepass (`options` as ``fusepass.backend`` takes them), run it warm, and profile
     `steps` calls: with `loss` (a function of the outputs returning a scalar) each is a training step, forward
-    and backward; without, a forward under ``torch.no_grad()``. The parameters' gradients are as they were
-    before. The result prints as a table (``print(fusepass.profile(...))``) and converts to a dict."""
+    and backward; without, a forward under ``torch.no_grad()``. Launches are not replayed as CUDA graphs
+    (`replay` is off): device times are the same, host times are not those of a replayed call. The parameters'
+    gradients are as they were before. The result prints as a table (``print(fusepass.profile(...))``) and converts to a dict."""
     from fusepass.options import Options
     from fusepass.pipeline import Backend
 
     if steps < 1:
         raise ValueError(f"fusepass.profile: steps must be at least 1, not {steps}")
-    backend = Backend(Options.from_kwargs(**options).with_changes(annotate=True))
+    # Without replay: the kernels a CUDA graph replays are not linked to the range that replayed them.
+    backend = Backend(Options.from_kwargs(**options).with_changes(annotate=True, replay=False))
     parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     grads = [p.grad for p in parameters]  # set aside: a backward would add to them in place
     for p in parameters:
@@ -197,7 +201,7 @@ def profile(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             torch.cuda.synchronize()
 
     try:
-        for _ in range(3):  # the first call compiles, the next ones capture what replays (runtime/replay.py)
+        for _ in range(2):  # the first call compiles, the second runs as every later one
             step()
         synchronize()
         activities = [torch.profiler.ProfilerActivity.CPU]

@@ -1,0 +1,97 @@
+"""Whether an example model's compiled call is host-bound, and where: the host time to enqueue a call beside the
+wall time of calls in a row and their kernels' device time, under fusepass with and without replay and under
+Inductor, in one process; beside them the host cost of plain torch calls (an empty tensor, a CUDA graph's replay),
+before and after the compiles, and the threads alive: a machine or process whose every call is slow shows there.
+
+    PYTHONPATH=. python bench/host_bound.py [--model gpt2] [--size small] [--train]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import threading
+import time
+
+import torch
+from harness import device_ms
+from profile_models import _build
+
+import fusepass
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+CALLS = 30
+
+
+def host_us(fn, calls: int = 2000) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def plain_calls() -> str:
+    x = torch.empty(8, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x.add_(1)  # warm
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            x.add_(1)
+    torch.cuda.synchronize()
+    empty, add, replay = (host_us(lambda: torch.empty(8, device="cuda")), host_us(lambda: x.add_(1)),
+                          host_us(graph.replay))
+    torch.cuda.synchronize()
+    return f"host µs per call: torch.empty {empty:.1f}, x.add_ {add:.1f}, CUDAGraph.replay {replay:.1f}"
+
+
+def timings(call) -> str:
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        call()
+    enqueued = (time.perf_counter() - start) / CALLS * 1e3
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / CALLS * 1e3
+    return f"host {enqueued:.2f} ms to enqueue a call, {wall:.2f} ms a call in a row, {device_ms(call):.2f} ms of kernels"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--train", action="store_true")
+    args = parser.parse_args()
+    example = importlib.import_module(args.model)
+    batch, seq = example.BATCH[args.size], example.SEQ[args.size]
+    loss = getattr(example, {"bert": "readout_loss", "vit": "classification_loss"}.get(args.model, "next_token_loss"))
+    print("before:", plain_calls(), flush=True)
+    for label, backend in (("inductor", "inductor"), ("fusepass", fusepass.backend()),
+                           ("fusepass replay=False", fusepass.backend(replay=False))):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = _build(example, args.size, seq).cuda().to(torch.bfloat16)
+        inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in example.inputs(model, batch, seq))
+        compiled = torch.compile(model, backend=backend)
+
+        def call():
+            if args.train:
+                loss(compiled(*inputs)).backward()
+            else:
+                with torch.no_grad():
+                    compiled(*inputs)
+
+        call()
+        print(f"{label}: {timings(call)}", flush=True)
+        print(f"  then {plain_calls()}", flush=True)
+        del compiled, model
+        torch.cuda.empty_cache()
+    print("threads:", ", ".join(f"{t.name}{'' if t.daemon else ' (not daemon)'}" for t in threading.enumerate()))
+
+
+if __name__ == "__main__":
+    main()
