@@ -130,14 +130,43 @@ def _cost(record: Rewrite | Hotspot | None) -> tuple[float | None, int, int]:
     return None, 0, 0
 
 
+def _kernels_by_launch(events: Sequence[Any]) -> dict[int, float]:
+    """Device µs of the kernels each launch (by its correlation id) ran, ranges' device-timeline entries aside."""
+    found: dict[int, float] = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA and attribution.target_of(e.name) is None:
+            found[e.id] = found.get(e.id, 0.0) + e.device_time_total
+    return found
+
+
+def _direct_launches(event: Any) -> list[Any]:
+    """The launches `event` made outside any ATen op (a Triton kernel's): the profiler links their kernels to the
+    outermost compiled region, not to the range, where an ATen op's kernels are linked to the op."""
+    found = []
+    for child in event.cpu_children:
+        if child.name.startswith("aten::"):
+            continue
+        if child.name.startswith(("cu", "cuda")):
+            found.append(child)
+        else:
+            found += _direct_launches(child)
+    return found
+
+
+def _device_us(event: Any, launched: dict[int, float]) -> float:
+    """Device µs of the kernels a range ran: its ATen ops' (linked to them) and its direct launches'."""
+    return event.device_time_total + sum(launched.get(launch.id, 0.0) for launch in _direct_launches(event))
+
+
 def attribute(events: Sequence[Any], steps: int, on_device: bool) -> list[ProfiledRow]:
     """The profiled ranges' times per step, records alike in one row, longest first."""
     rows: OrderedDict[tuple, ProfiledRow] = OrderedDict()
+    launched = _kernels_by_launch(events) if on_device else {}
     for event in events:
         target = attribution.target_of(event.name)
         if target is None or event.device_type != DeviceType.CPU:
             continue
-        measured = (event.device_time_total if on_device else event.cpu_time_total) / 1e3 / steps
+        measured = (_device_us(event, launched) if on_device else event.cpu_time_total) / 1e3 / steps
         kind, record, what = _what(target.record, target.op)
         estimated, moved, flops = _cost(target.record)
         key = (kind, record, target.phase, target.location, what, moved, flops)
