@@ -1,6 +1,7 @@
 """Whether an example model's compiled call is host-bound, and where: the host time to enqueue a call beside the
 wall time of calls in a row and their kernels' device time, under fusepass with and without replay and under
-Inductor, in one process; beside them the host cost of plain torch calls (an empty tensor, a CUDA graph's replay),
+Inductor, in one process (a training step also with its gradients set to None first, as fusepass.compare times
+it), with the launch replays' counters; beside them the host cost of plain torch calls (an empty tensor, a CUDA graph's replay),
 before and after the compiles, and the threads alive: a machine or process whose every call is slow shows there.
 
     PYTHONPATH=. python bench/host_bound.py [--model gpt2] [--size small] [--train]
@@ -19,6 +20,7 @@ from harness import device_ms
 from profile_models import _build
 
 import fusepass
+from fusepass.runtime.replay import attention_replays, pointwise_replays
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 CALLS = 30
@@ -46,6 +48,13 @@ def plain_calls() -> str:
                           host_us(graph.replay))
     torch.cuda.synchronize()
     return f"host µs per call: torch.empty {empty:.1f}, x.add_ {add:.1f}, CUDAGraph.replay {replay:.1f}"
+
+
+def replay_counts() -> str:
+    """The launch replays' counters so far: calls replayed, graphs held and dropped, keys refused."""
+    return "; ".join(f"{name} replays: {r.replayed} replayed, {len(r._replays)} held, {r.dropped} dropped, "
+                     f"{len(r._refused)} refused" for name, r in (("pointwise", pointwise_replays),
+                                                                  ("attention", attention_replays)))
 
 
 def timings(call) -> str:
@@ -85,8 +94,16 @@ def main() -> None:
                 with torch.no_grad():
                     compiled(*inputs)
 
+        def call_with_grads_dropped():  # the step as fusepass.compare times it: every gradient allocated anew
+            for p in model.parameters():
+                p.grad = None
+            call()
+
         call()
-        print(f"{label}: {timings(call)}", flush=True)
+        print(f"{label}: {timings(call)}; {replay_counts()}", flush=True)
+        if args.train:
+            call_with_grads_dropped()
+            print(f"  gradients set to None first: {timings(call_with_grads_dropped)}; {replay_counts()}", flush=True)
         print(f"  then {plain_calls()}", flush=True)
         del compiled, model
         torch.cuda.empty_cache()

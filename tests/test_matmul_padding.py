@@ -11,8 +11,13 @@ from fusepass.matmul import pad
 
 @pytest.mark.parametrize("shapes", [((13, 7), (7, 11)), ((5, 13, 7), (5, 7, 9))])
 @pytest.mark.parametrize("bias", [None, "row", "full"])
-def test_padded_products_are_the_products(shapes, bias):
+@pytest.mark.parametrize("transposed", [False, True])
+def test_padded_products_are_the_products(shapes, bias, transposed):
+    """Column-major operands (a weight gradient's) are padded in their own order, and stay column-major."""
     a, b = (random_tensor(s, torch.float32) for s in shapes)
+    if transposed:
+        a, b = (x.mT.contiguous().mT for x in (a, b))
+        assert pad._padded(a, 3, 1).stride(-2) == 1
     if bias is not None and a.dim() == 3:
         pytest.skip("bmm takes no bias")
     m, n = a.shape[-2], b.shape[-1]
@@ -21,6 +26,16 @@ def test_padded_products_are_the_products(shapes, bias):
     got = pad.padded_matmul(c, a, b, (3, 1, 5))
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected)
+
+
+def test_timed_operands_have_the_graphs_strides():
+    """cuBLAS picks its kernel by the strides too: the LM head's weight gradient reads a transposed operand whose
+    leading dimension is unaligned, slow where the same values contiguous are fast."""
+    transposed = torch.empty(8, 13).t()
+    broadcast = torch.empty(7).expand(5, 7)
+    for t in (transposed, broadcast):
+        timed = pad.random_like(t)
+        assert (timed.shape, timed.stride(), timed.dtype) == (t.shape, t.stride(), t.dtype)
 
 
 def mlp(x, w1, b1, w2):

@@ -34,7 +34,7 @@ from fusepass.runtime.sizes import cdiv, next_power_of_2
 # Rows up to reduction.PERSISTENT_MAX long are held whole in registers (4096 fp32 values at 8 warps: 16 a thread);
 # longer ones are walked in chunks of LOOP_BLOCK.
 LOOP_BLOCK = 2048
-PROGRAM_TILE = 4096  # elements a program holds (16 a thread at 8 warps): short rows take several a program
+PROGRAM_TILE = 2048  # elements a program holds (16 a thread at 4 warps): short rows take several a program
 
 # Torch's maximum and minimum propagate NaN; Triton's reductions of tl.maximum need not.
 COMBINE = '''@triton.jit
@@ -52,6 +52,9 @@ NEUTRAL = {"sum": "0.0", "mean": "0.0", "amax": 'float("-inf")', "amin": 'float(
 COMBINER = {"amax": "_max_nan", "amin": "_min_nan"}
 COLUMN = torch.ops.prims.iota.default  # a step giving each lane its column (the class of a row of classes)
 COLUMN_SPACES = ("column", "column_kept")  # a column sum's outputs (lower.OutputLayout)
+# A column sum's program walks its rows one tile at a time, each tile's loads waited for before the next: more
+# programs a multiprocessor keep more bytes in flight, and write more partial sums (bench/column_sums.py).
+COLUMN_PROGRAMS_PER_SM = 2
 
 
 def _neutral(kind: str, dtype: torch.dtype) -> str:
@@ -395,8 +398,9 @@ def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tu
 
 
 def row_warps(xblock: int, rblock: int) -> int:
-    """Warps of a program holding an XBLOCK × RBLOCK tile."""
-    return 8 if xblock * rblock >= 2048 else 4
+    """Warps of a program holding an XBLOCK × RBLOCK tile: 8 for one long row, 4 for several short ones (their
+    reductions' barriers span fewer warps; bench/row_tiles.py)."""
+    return 8 if xblock == 1 and rblock >= 2048 else 4
 
 
 def _column_dtype(program: Program, i: int) -> torch.dtype:
@@ -418,7 +422,7 @@ def column_programs(device: torch.device) -> int:
     """Programs a group with column sums runs: each adds up its share of the rows, the launcher their sums."""
     if device.type != "cuda":
         return 4
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return COLUMN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class RowLauncher(PointwiseLauncher):

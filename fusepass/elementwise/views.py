@@ -15,7 +15,7 @@ import torch.fx
 
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
 from fusepass.elementwise.partition import decline_reason
-from fusepass.elementwise.reduction import is_row_reduction
+from fusepass.elementwise.reduction import is_column_sum, is_row_reduction, keeps_dim
 from fusepass.fx_util import infer_meta, val
 
 aten = torch.ops.aten
@@ -43,6 +43,7 @@ def _viewable(x: torch.fx.Node, shape: list) -> bool:
 
 
 def move_views(graph: torch.fx.Graph, device: torch.device) -> None:
+    _column_sums_before_merges(graph)
     work = [n for n in graph.nodes if n.op == "call_function" and n.target == aten.view.default]
     while work:
         view = work.pop()
@@ -65,6 +66,33 @@ def move_views(graph: torch.fx.Graph, device: torch.device) -> None:
         graph.erase_node(view)
         graph.erase_node(op)
         work.append(moved)
+
+
+def _column_sums_before_merges(graph: torch.fx.Graph) -> None:
+    """A column sum of a view merging its input's leading dims (a bias's gradient, ``grad.view(-1, n).sum(0)``)
+    sums the input over those dims instead, then takes the sum's shape: the same sum, over the rows of the op that
+    wrote them, whose group it can join."""
+    for node in list(graph.nodes):
+        merged = node.args[0] if is_column_sum(node) else None
+        if not isinstance(merged, torch.fx.Node) or merged.op != "call_function" or \
+                merged.target not in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            continue
+        x = merged.args[0]
+        if not isinstance(x, torch.fx.Node) or not isinstance(x.meta.get("val"), torch.Tensor) or \
+                val(x).dim() <= val(merged).dim() or str(val(x).shape[-1]) != str(val(merged).shape[-1]):
+            continue
+        with graph.inserting_before(node):
+            summed = graph.call_function(aten.sum.dim_IntList, (x, list(range(val(x).dim() - 1)), keeps_dim(node)),
+                                         {k: v for k, v in node.kwargs.items()})
+            shaped = graph.call_function(aten.view.default, (summed, list(val(node).shape)))
+        for new in (summed, shaped):
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "nn_module_stack",
+                                                                        "source_fn_stack")})
+        infer_meta([summed, shaped])
+        node.replace_all_uses_with(shaped)
+        graph.erase_node(node)
+        if not merged.users:
+            graph.erase_node(merged)
 
 
 def _after(graph: torch.fx.Graph, view: torch.fx.Node, device: torch.device) -> None:

@@ -24,7 +24,7 @@ aten = torch.ops.aten
 ALIGN_BYTES = 16  # a row of a tensor-core GEMM's operand starts at a multiple of this
 FASTER = 0.9  # padded only where the padded matmul, pads included, takes at most this fraction of the time
 
-_decisions: dict[tuple, tuple[float, float]] = {}  # (op, shapes, dtype, device) -> (ms as it is, ms padded)
+_decisions: dict[tuple, tuple[float, float]] = {}  # (layouts, dtype, device, pads) -> (ms as it is, ms padded)
 
 
 def _aligned(n: int, dtype: torch.dtype) -> int:
@@ -60,13 +60,22 @@ def _padding(node: torch.fx.Node, a: torch.Tensor, b: torch.Tensor) -> tuple[int
     return pads if any(pads) else None
 
 
+def _padded(x: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """`x` zero-padded by `rows` and `columns` in its own order: a column-major operand (a transposed weight or
+    gradient) stays column-major, so the pad is a copy without a transpose and its leading dimension aligned."""
+    if not rows and not columns:
+        return x
+    if x.stride(-2) == 1 and x.stride(-1) != 1:
+        return torch.nn.functional.pad(x.mT, (0, rows, 0, columns)).mT
+    return torch.nn.functional.pad(x, (0, columns, 0, rows))
+
+
 def padded_matmul(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, pads: tuple[int, int, int]
                   ) -> torch.Tensor:
     """``addmm(bias, a, b)`` (``bmm``, ``mm`` without a bias) from zero-padded operands, cut back to its size."""
     pad_m, pad_k, pad_n = pads
     m, n = a.shape[-2], b.shape[-1]
-    a = torch.nn.functional.pad(a, (0, pad_k, 0, pad_m)) if pad_m or pad_k else a
-    b = torch.nn.functional.pad(b, (0, pad_n, 0, pad_k)) if pad_k or pad_n else b
+    a, b = _padded(a, pad_m, pad_k), _padded(b, pad_k, pad_n)
     if bias is not None:  # broadcast to the output: padded along the dims it spans
         spans_n = pad_n if bias.dim() and bias.shape[-1] == n and n > 1 else 0
         spans_m = pad_m if bias.dim() == 2 and bias.shape[0] == m and m > 1 else 0
@@ -78,18 +87,23 @@ def padded_matmul(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, p
     return out[..., :m, :n]
 
 
+def random_like(t: torch.Tensor) -> torch.Tensor:
+    """Random values in `t`'s shape, strides, dtype and device (a transposed or broadcast operand stays one)."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return torch.randn(extent, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
+
+
 def _measured(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, pads: tuple[int, int, int]
               ) -> tuple[float, float]:
-    """(ms as it is, ms padded, pads included) on random operands of these shapes, once per shape and dtype."""
-    key = (None if bias is None else tuple(bias.shape), tuple(a.shape), tuple(b.shape), a.dtype, a.device, pads)
+    """(ms as it is, ms padded, pads included) on random operands of these shapes and strides, once per layout and
+    dtype: cuBLAS's kernel depends on the strides too (a transposed operand's unaligned leading dimension, the LM
+    head's weight gradient, is slow where the same operand contiguous is not)."""
+    key = tuple(None if t is None else (tuple(t.shape), t.stride()) for t in (bias, a, b)) + (a.dtype, a.device, pads)
     if key not in _decisions:
         import triton.testing
 
-        def real(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else torch.randn(t.shape, dtype=t.dtype, device=t.device)
-
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
-            rb, ra, rbb = real(bias), real(a), real(b)
+            rb, ra, rbb = (None if t is None else random_like(t) for t in (bias, a, b))
             plain = (lambda: torch.addmm(rb, ra, rbb)) if rb is not None else (
                 lambda: torch.bmm(ra, rbb) if ra.dim() == 3 else torch.mm(ra, rbb))
             as_is = triton.testing.do_bench(plain, warmup=5, rep=20, return_mode="median")

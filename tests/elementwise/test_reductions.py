@@ -361,6 +361,21 @@ def test_weight_and_bias_gradients_are_summed_in_the_row_kernel(row_form, fn, sh
         assert not [h for h in report.hotspots if h.phase == "backward" and "aten.sum" in h.ops]
 
 
+def linear_gelu(x, weight, bias):
+    return torch.nn.functional.gelu(torch.nn.functional.linear(x, weight, bias))
+
+
+def test_a_bias_gradient_of_merged_rows_is_summed_where_they_are_written():
+    """A linear layer's bias gradient sums the gradient's rows through a view merging its leading dims: summed
+    over those dims instead, it joins the GELU's backward that writes them, and no ATen sum is left."""
+    x, weight, bias = (random_tensor(s, torch.float32) for s in ((3, 37, 29), (41, 29), (41,)))
+    report = check(linear_gelu, x, weight, bias, backward=True, backend=STRICT)
+    backward = report.graphs["backward"].graph
+    assert not [n for n in backward.nodes if n.target == aten.sum.dim_IntList]
+    (summed,) = rewrites(report, kind="reduction", phase="backward")
+    assert "aten.gelu_backward" in summed.ops and "aten.sum" in summed.ops
+
+
 def test_a_column_sum_is_read_by_another_kernel_and_a_wide_one_stays_aten():
     """A column sum is whole only after every program: its reader runs in a kernel of its own."""
     x = random_tensor((9, 21), torch.float32)

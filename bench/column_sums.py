@@ -1,0 +1,74 @@
+"""Groups with column sums (a norm's weight and bias gradients, a bias's beside the GELU's backward), forward and
+backward, swept over the programs a multiprocessor runs (`row_kernel.COLUMN_PROGRAMS_PER_SM`) and the elements a
+program holds (`row_kernel.PROGRAM_TILE`) beside Inductor, bf16, device ms per forward+backward.
+
+    PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096]
+
+Writes bench/results/column-sums-<date>.md and .json; the product's setting is the "as is" column.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from harness import device_ms, keep
+
+import fusepass
+from fusepass.elementwise import row_kernel
+
+
+def layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+
+def bias_gelu(x, b):
+    return F.gelu(x + b, approximate="tanh")
+
+
+def rmsnorm(x, w):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+
+CASES = [("layernorm 8x1024x768", layer_norm, (8, 1024, 768), 2),
+         ("bias+gelu 8x1024x3072", bias_gelu, (8, 1024, 3072), 1),
+         ("rmsnorm 16384x4096", rmsnorm, (16384, 4096), 1)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--programs", default="2,4,8")
+    parser.add_argument("--tiles", default="2048,4096")
+    args = parser.parse_args()
+    settings = [(p, t) for t in map(int, args.tiles.split(",")) for p in map(int, args.programs.split(","))]
+    rule = row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE
+    rows = []
+    for name, fn, shape, weights in CASES:
+        torch.manual_seed(0)
+        x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        extra = [torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                 for _ in range(weights)]
+        grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        row = {"case": name}
+        for label, backend, setting in [("inductor", "inductor", rule), ("as is", fusepass.backend(strict=True), rule)] + \
+                [(f"{p}/SM {t}", fusepass.backend(strict=True), (p, t)) for p, t in settings]:
+            row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE = setting
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend=backend)
+
+            def step():
+                compiled(x, *extra).backward(grad)
+
+            step()
+            row[f"{label} ms"] = device_ms(step)
+        row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE = rule
+        rows.append(row)
+        print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else str(v) for k, v in row.items()), flush=True)
+    print(keep("column-sums", list(rows[0]), rows, "bf16 forward+backward, device ms per call (torch.profiler); "
+                                                   "fusepass columns: column programs a multiprocessor, elements a "
+                                                   "program holds"))
+
+
+if __name__ == "__main__":
+    main()
