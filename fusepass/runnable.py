@@ -5,6 +5,9 @@
   nothing inside a compiled graph, where AOTAutograd has already placed the backward;
 - ``aten.detach`` nodes, which AOTAutograd adds to the values the forward saves for the backward, are
   dropped: the graphs run without autograd, where a detached tensor is the tensor;
+- the ATen ops a step calls most (views, matrix products) are called through torch's Python bindings
+  (`BINDINGS`), which take the overload's arguments as the graph holds them: an op overload's call takes the
+  dispatcher's boxed path, more host time per call (bench/host_by_op.py, bench/NOTES.md);
 - with the ``annotate`` option (`annotate_phase`), each op runs inside a profiler range naming its record (report/attribution.py).
 
 `on_device` runs a compiled graph with its tensors' device current: Triton launches on the current device.
@@ -38,6 +41,29 @@ _DIRECT_CALLS = {
 }
 
 
+aten = torch.ops.aten
+# Each overload → the binding that selects it from the same arguments (positional and keyword, as the graph's
+# node holds them); tests/test_runnable.py checks each against its overload.
+BINDINGS: dict[Any, Callable[..., Any]] = {
+    aten.view.default: torch.Tensor.view,
+    aten.t.default: torch.t,
+    aten.transpose.int: torch.transpose,
+    aten.permute.default: torch.permute,
+    aten.expand.default: torch.Tensor.expand,
+    aten.unsqueeze.default: torch.unsqueeze,
+    aten.mm.default: torch.mm,
+    aten.bmm.default: torch.bmm,
+    aten.addmm.default: torch.addmm,
+    aten.clone.default: torch.clone,
+    aten.cat.default: torch.cat,
+    aten.sum.dim_IntList: torch.sum,
+    aten.gelu.default: torch.nn.functional.gelu,
+    aten.add.Tensor: torch.add,
+    aten.mul.Tensor: torch.mul,
+    aten.empty.memory_format: torch.empty,
+}
+
+
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     copy = torch.fx.Graph()
     output = copy.graph_copy(graph, {})
@@ -54,8 +80,9 @@ def _attention_record(node: torch.fx.Node) -> Rewrite | None:
 
 
 def runnable(module: torch.fx.GraphModule, annotate_phase: str | None = None) -> torch.fx.GraphModule:
-    """A copy of `module` with direct calls for fusepass's ops and without detaches (`module` is unchanged:
-    the report shows it); with `annotate_phase`, its ops run inside profiler ranges (`attribution.annotate`)."""
+    """A copy of `module` with direct calls for fusepass's ops and torch's bindings for ATen's most called, without
+    detaches (`module` is unchanged: the report shows it); with `annotate_phase`, its ops (as overloads) run inside
+    profiler ranges (`attribution.annotate`)."""
     graph = copy_graph(module.graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -66,8 +93,12 @@ def runnable(module: torch.fx.GraphModule, annotate_phase: str | None = None) ->
         elif node.target in _DIRECT_CALLS:
             node.target = _DIRECT_CALLS[node.target]
     held = [_NAMED_BY[n.target](n.args[-1]) for n in graph.nodes if n.target in _NAMED_BY]
-    if annotate_phase is not None:
+    if annotate_phase is not None:  # its ranges name the ops by their overloads
         attribution.annotate(graph, annotate_phase, _attention_record)
+    else:
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in BINDINGS:
+                node.target = BINDINGS[node.target]
     result = torch.fx.GraphModule(module, graph)
     hold(result, *held)
     return result

@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -223,6 +223,17 @@ def compiled_kernel(name: str, program: Program, variant: Any, source: Callable[
 # Launcher
 
 
+class Scratch(Protocol):
+    """Outputs a kernel writes for the group's to be made from, after it: allocated inside the launched sequence
+    (a replay's memory pool holds them), so that the group's outputs alone leave it."""
+
+    def written(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """What the kernel writes, given the group's outputs: new tensors in place of some."""
+
+    def finish(self, written: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
+        """The group's outputs from what the kernel wrote."""
+
+
 @dataclass
 class LaunchPlan:
     """Everything about a launch that depends only on input shapes and strides."""
@@ -232,9 +243,9 @@ class LaunchPlan:
     out_shapes: tuple[tuple[int, ...], ...]
     out_strides: tuple[tuple[int, ...], ...]
     grid: tuple[int]
-    out_dtypes: tuple[torch.dtype, ...] | None = None  # of what the kernel writes, where not the outputs' own
-    # the kernel's outputs → the group's (row_kernel: column sums added up from each program's)
-    finish: Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] | None = None
+    # What the kernel writes in place of some of the group's outputs, and how they become them (row_kernel: each
+    # program's column sums, added up), as launches of their own: both run inside the replayed sequence
+    scratch: Scratch | None = None
     serial: int = field(default_factory=itertools.count().__next__)  # names it in replay keys (ids recur)
 
 
@@ -313,21 +324,32 @@ class PointwiseLauncher:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(inputs)
-        dtypes = plan.out_dtypes or tuple(layout.dtype for layout in self.lowered.outputs)
-        outputs = tuple(torch.empty_strided(shape, strides, dtype=dtype, device=self.device)
-                        for shape, strides, dtype in zip(plan.out_shapes, plan.out_strides, dtypes))
+        outputs = tuple(torch.empty_strided(shape, strides, dtype=layout.dtype, device=self.device)
+                        for shape, strides, layout in zip(plan.out_shapes, plan.out_strides, self.lowered.outputs))
         if plan.grid[0] == 0:
-            return plan.finish(outputs) if plan.finish else outputs
+            if plan.scratch is not None:
+                plan.scratch.finish(plan.scratch.written(outputs), outputs)
+            return outputs
         pointers = [inputs[a.input].item() if a.by_value else inputs[a.input] for a in self.lowered.accesses]
+
+        def launches() -> None:
+            if plan.scratch is None:
+                plan.launch(plan.grid, *pointers, *outputs)
+                return
+            written = plan.scratch.written(outputs)
+            plan.launch(plan.grid, *pointers, *written)
+            plan.scratch.finish(written, outputs)
+
         if self.replay and pointwise_replays.can_replay(outputs[0]):
             # Scalars by repr: -0.0 and 0.0, True and 1 are equal keys but other launches.
             tensors = [p for p in pointers if isinstance(p, torch.Tensor)]
             values = (plan.serial, *(repr(p) for p in pointers if not isinstance(p, torch.Tensor)))
-            # The outputs' layouts follow from the plan (its serial among the values).
-            pointwise_replays.run(tensors, values, lambda: plan.launch(plan.grid, *pointers, *outputs), outputs)
+            # The plan (its serial among the values) is that of the inputs' shapes and strides and fixes the
+            # outputs' layouts; the graph fixes every dtype: the tensors enter the key by pointer alone.
+            pointwise_replays.run((), values, launches, (*tensors, *outputs))
         else:
-            plan.launch(plan.grid, *pointers, *outputs)
-        return plan.finish(outputs) if plan.finish else outputs
+            launches()
+        return outputs
 
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
         lowered = self.lowered

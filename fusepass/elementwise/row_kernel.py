@@ -12,7 +12,7 @@ softmax), where both are computed in fp32 or wider: one read of the row fewer.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -428,7 +428,7 @@ def column_programs(device: torch.device) -> int:
 class RowLauncher(PointwiseLauncher):
     """Runs one fused group holding row reductions or column sums: the pointwise launcher with the row kernel's
     plan. A column sum's kernel output is each program's sums of the columns (float32, P × the row's length),
-    which the plan's `finish` adds up: deterministic, where atomic adds into one row would not be."""
+    which `ColumnSums.finish` adds up: deterministic, where atomic adds into one row would not be."""
 
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
         lowered = self.lowered
@@ -442,15 +442,13 @@ class RowLauncher(PointwiseLauncher):
         looped = length > reduction.PERSISTENT_MAX
         rblock = LOOP_BLOCK if looped else next_power_of_2(max(length, 1))
         xblock, row_steps, programs = _row_grid(rows, length, bool(columns), self.device)
-        # What the kernel writes: a column sum's partial sums, the other outputs as they are.
-        written = tuple((programs, length) if i in columns else shape for i, shape in enumerate(shapes))
-        out_strides = tuple((length, 1) if i in columns else contiguous_strides(shape, out.stride_order)
-                            for i, (shape, out) in enumerate(zip(written, lowered.outputs)))
-        dtypes = tuple(_column_dtype(lowered.program, i) if i in columns else out.dtype
-                       for i, out in enumerate(lowered.outputs))
-        finish = _column_sums(columns, shapes, tuple(out.dtype for out in lowered.outputs)) if columns else None
+        # A column sum's output is contiguous; the kernel writes its programs' partial sums (`ColumnSums`).
+        out_strides = tuple(contiguous_strides(shape, range(len(shape)) if i in columns else out.stride_order)
+                            for i, (shape, out) in enumerate(zip(shapes, lowered.outputs)))
+        scratch = ColumnSums(tuple(columns), programs, length,
+                             tuple(_column_dtype(lowered.program, i) for i in columns)) if columns else None
         if rows == 0:  # nothing to compute: empty outputs (column sums of no rows: zeros), no launch
-            return LaunchPlan(None, written, out_strides, (0,), out_dtypes=dtypes, finish=finish)
+            return LaunchPlan(None, shapes, out_strides, (0,), scratch=scratch)
         int_args: list[int] = list(root)
         load_dims, load_base, extents = [], [], [rows * length]
         for access in accesses:
@@ -484,15 +482,28 @@ class RowLauncher(PointwiseLauncher):
                                  lambda: row_kernel_source(self.__name__, lowered.program, spaces, variant))
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,
                              RBLOCK=rblock, num_warps=num_warps)
-        return LaunchPlan(launch, written, out_strides, (programs,), out_dtypes=dtypes, finish=finish)
+        return LaunchPlan(launch, shapes, out_strides, (programs,), scratch=scratch)
 
 
-def _column_sums(columns: list[int], shapes: tuple[tuple[int, ...], ...], dtypes: tuple[torch.dtype, ...]
-                 ) -> Callable[[tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]]:
-    """The kernel's outputs → the group's: each column sum's partial sums added up, rounded once to its dtype."""
+@dataclass(frozen=True)
+class ColumnSums:
+    """The row kernel writes each column sum as its programs' partial sums, `programs` × `length` in `dtypes` (one
+    per column output, `columns`), which `finish` adds up, rounded once to the output's dtype."""
 
-    def finish(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return tuple(out.sum(0).to(dtypes[i]).view(shapes[i]) if i in columns else out
-                     for i, out in enumerate(outputs))
+    columns: tuple[int, ...]
+    programs: int
+    length: int
+    dtypes: tuple[torch.dtype, ...]
 
-    return finish
+    def written(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        partials = dict(zip(self.columns, self.dtypes))
+        return tuple(torch.empty((self.programs, self.length), dtype=partials[i], device=out.device)
+                     if i in partials else out for i, out in enumerate(outputs))
+
+    def finish(self, written: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
+        for i in self.columns:
+            column = outputs[i].view(self.length)
+            if column.dtype == written[i].dtype:
+                torch.sum(written[i], 0, out=column)
+            else:  # summed in the partials' dtype, then rounded: not summed in the output's
+                column.copy_(written[i].sum(0))
