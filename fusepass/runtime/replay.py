@@ -151,16 +151,17 @@ class LaunchReplays:
         if stream is None:
             stream = self._streams[where] = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.stream(stream), launch.holding() as held:
                 # thread_local: another thread's CUDA calls meanwhile do not invalidate the capture
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     launches()
                 finally:
                     graph.capture_end()
         except Exception:  # whatever a capture meets (a wait on the device, above all) refuses it
+            _end_refused_capture(pool)
             return None
         torch.cuda.current_stream().wait_stream(stream)
         return _Replay(graph, held_by_replay(held, named))
@@ -171,6 +172,18 @@ class LaunchReplays:
         self._refused.clear()
         self._launch_pools.clear()
         self.dropped = 0
+
+
+def _end_refused_capture(pool: tuple[int, int]) -> None:
+    """The allocator told that a refused capture into `pool` has ended. `capture_end` raises on an invalidated
+    capture before it tells the allocator, which would go on treating `pool` as a capture underway: every later
+    free deferred, and `torch.cuda.empty_cache()` (or a memory pool's end) failing its assert that none is."""
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:  # capture_end told it: the graph releases the pool
+        return
+    torch._C._cuda_releasePool(device, pool)  # what the capture allocated, freed (the graph never owned it)
 
 
 def _remember(keys: OrderedDict, key: Hashable, capacity: int) -> None:

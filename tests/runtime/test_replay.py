@@ -130,7 +130,8 @@ def test_a_map_built_while_capturing_is_not_cached(monkeypatch):
 
 def test_a_pointwise_replay_key_names_every_tensor_of_the_launch(monkeypatch):
     """The tensors the kernel reads (a zero-dim one on the kernel's device among them, read by pointer) and
-    the outputs it writes; scalars from another device (read by value on the GPU) enter the key by repr."""
+    the outputs it writes, by pointer alone (the plan, its serial among the values, fixes their layouts);
+    scalars from another device (read by value on the GPU) enter the key by repr."""
     from support import random_tensor
 
     import fusepass
@@ -153,7 +154,7 @@ def test_a_pointwise_replay_key_names_every_tensor_of_the_launch(monkeypatch):
     out = torch.compile(lambda x, s: torch.relu(x * s) + x, backend=fusepass.backend(strict=True))(x, scale)
     (named, values, allocated), = keys
     assert [t is expected for t, expected in zip((*named, *allocated), (x, scale, out))] == [True, True, True]
-    assert (len(named), len(allocated), len(values)) == (2, 1, 1)  # the output by its pointer; the plan's serial
+    assert (len(named), len(allocated), len(values)) == (0, 3, 1)  # every tensor by its pointer; the plan's serial
 
 
 def test_clear_drops_every_graph_and_starts_over():
