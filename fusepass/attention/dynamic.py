@@ -13,6 +13,7 @@ the symbolic graph keeps it unfused, with the reason) and gives the report its f
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from fusepass.capture import mark_requires_grad
 from fusepass.context import PassContext, mark_planned
 from fusepass.fx_util import hold, infer_meta, val
 from fusepass.options import Options
-from fusepass.report.records import Rewrite
+from fusepass.report.records import Hotspot, Rewrite
 from fusepass.report.report import Report
 from fusepass.source import keep_location
 
@@ -50,6 +51,7 @@ class DynamicSpec:
     options: Options
     static_rewrite: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]  # the attention pass
     report: Report | None = None  # the compile's, where a kernel failing at a size planned at run time is recorded
+    location: str = ""  # the user's source line of the attention
     plans: OrderedDict[Signature, torch.fx.GraphModule] = field(default_factory=OrderedDict)
 
     # per plan: the strides of the replaced ops' output at its sizes (what the fake implementation returns)
@@ -70,13 +72,29 @@ class DynamicSpec:
             with compile_lock, autograd_enabled():  # planning traces the score chain's derivative
                 plan = self.plans.get(key)
                 if plan is None:
-                    plan, _, self.out_strides[key] = plan_static(self, tensors, sizes)
+                    plan, report, self.out_strides[key] = plan_static(self, tensors, sizes)
+                    self._record_unfused(report, sizes)
                     self.plans[key] = plan
                     if len(self.plans) > PLANS:
                         dropped, _ = self.plans.popitem(last=False)
                         del self.out_strides[dropped]
         self.plans.move_to_end(key)
         return plan
+
+    def _record_unfused(self, report: Report, sizes: list[int]) -> None:
+        """A size at which the attention, rewritten at the sizes Dynamo saw, is not: it runs unfused there, which
+        the compile's report must say (strict: an error)."""
+        if any(r.kind == "attention" for r in report.rewrites):
+            return
+        reasons = [h.reason for h in report.hotspots if h.kind in ("attention", "fallback")]
+        reason = f"not rewritten at sizes {sizes}: {reasons[0] if reasons else 'no attention matched'}"
+        if self.options.strict:
+            raise Unsupported(f"{self.name}: {reason}")
+        warnings.warn(f"fusepass: {self.name} at {self.location}: {reason}; running it unfused", RuntimeWarning,
+                      stacklevel=2)
+        if self.report is not None and all(h.reason != reason for h in self.report.hotspots):  # once per size
+            self.report.hotspots.append(Hotspot(kind="attention", phase="forward", location=self.location,
+                                                reason=reason))
 
 
 # By name, weakly, as the static specs (`op._specs`): held by the graphs that call them.
@@ -163,7 +181,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
                           "or specialize_float=False); torch.compile(..., dynamic=False) keeps it a constant")
     module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
     spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options,
-                       static_rewrite)
+                       static_rewrite, location=where)
 
     examples = [_AtHint(val(n)) for n in tensors]
     _, report, _ = plan_static(spec, examples, [_hint(val(n)) for n in sizes])

@@ -75,9 +75,10 @@ class Unfused:
 
 @contextlib.contextmanager
 def autograd_enabled() -> Iterator[None]:
-    """Autograd inside a custom op's implementation, which runs below it."""
+    """Autograd inside a custom op's implementation, which runs below it: views tracked too (ADInplaceOrView),
+    which autograd needs of an in-place op on a view, and the attention's layout analysis of every view."""
     excluded = torch._C._dispatch_tls_local_exclude_set() - torch._C.DispatchKeySet(
-        torch._C.DispatchKey.AutogradFunctionality)
+        torch._C.DispatchKey.AutogradFunctionality) - torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded), \
             torch.enable_grad():
         yield

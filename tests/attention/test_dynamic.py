@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from support import DEVICE, random_tensor, rewrites
@@ -128,3 +129,62 @@ def test_unmasked_attention_reading_no_size_trains_under_symbolic_sizes():
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
     assert any("symbolic" in r.detail.get("sizes", "")
                for r in rewrites(fusepass.last_report(), kind="attention", phase="forward"))
+
+
+class CausalBlock(torch.nn.Module):
+    """nanoGPT's attention: q, k, v split from one projection and viewed into heads, its causal mask a
+    registered `tril` buffer sliced to the length."""
+
+    def __init__(self, d=32, heads=2, longest=64):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.register_buffer("bias", torch.tril(torch.ones(longest, longest)).view(1, 1, longest, longest))
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        s = F.softmax(s.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")), dim=-1)
+        return (s @ v).transpose(1, 2).reshape(b, t, c)
+
+
+def test_a_viewed_projection_is_fused_at_every_length_planned_at_run_time():
+    """The op plans each new length below autograd's dispatch, where views were not tracked: the layout
+    analysis took the heads' view for a copy at the length Dynamo first saw symbolic, and that length ran
+    unfused (eager's result, so only the count of fused calls saw it)."""
+    from fusepass.attention import dynamic
+
+    fusepass.reset()
+    block = CausalBlock().to(DEVICE)
+    compiled = torch.compile(block, backend=fusepass.backend(strict=True))  # strict: a length not fused raises
+    earlier = set(dynamic._specs.keys())
+    for t in (24, 37, 29, 37):  # the second length recompiles with symbolic sizes, planned at 37 and 29
+        x = random_tensor((2, t, 32), torch.float32).requires_grad_()
+        out, expected = compiled(x), block(x)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        grad = torch.randn_like(out)
+        params = (x, *block.parameters())
+        for a, e in zip(torch.autograd.grad(out, params, grad), torch.autograd.grad(expected, params, grad)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    (spec,) = [spec for name, spec in dynamic._specs.items() if name not in earlier]
+    assert sorted(key[0][0][1] for key in spec.plans) == [29, 37]  # q's length
+    assert not [h for report in fusepass.reports() for h in report.hotspots if h.kind == "attention"]
+
+
+def test_a_length_whose_plan_does_not_fuse_is_reported():
+    from fusepass.attention import dynamic
+
+    fusepass.reset()
+    earlier = set(dynamic._specs.keys())
+    compiled = torch.compile(lambda q, k, v: unmasked(q, k, v), backend="fusepass")
+    for n in (13, 21):  # 21 compiles with symbolic sizes
+        q = random_tensor((1, 2, n, 16), torch.float32)
+        compiled(q, q, q)
+    (spec,) = [spec for name, spec in dynamic._specs.items() if name not in earlier]
+    spec.static_rewrite = lambda gm, ctx: gm  # a plan that rewrites nothing
+    q = random_tensor((1, 2, 30, 16), torch.float32)
+    with pytest.warns(RuntimeWarning, match="not rewritten at sizes"):
+        torch.testing.assert_close(compiled(q, q, q), unmasked(q, q, q), rtol=1e-4, atol=1e-4)
+    (hotspot,) = [h for h in fusepass.last_report().hotspots if h.kind == "attention"]
+    assert "not rewritten at sizes" in hotspot.reason
