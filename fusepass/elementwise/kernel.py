@@ -197,10 +197,11 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
     return jit_text(name, params, body)
 
 
-def jit_text(name: str, params: list[str], body: list[str]) -> str:
-    """A generated kernel's source: its parameters and body under ``triton.jit``."""
+def jit_text(name: str, params: list[str], body: list[str], unspecialized: Sequence[str] = ()) -> str:
+    """A generated kernel's source: its parameters and body under ``triton.jit``; Triton specialises none of the
+    `unspecialized` ones on their values."""
     # Scalars read by value change from call to call: one compiled kernel for all of their values.
-    by_value = [p for p in params if p.endswith("_value")]
+    by_value = [p for p in params if p.endswith("_value") or p in unspecialized]
     decorator = f"@triton.jit(do_not_specialize={by_value})" if by_value else "@triton.jit"
     lines = [decorator, f"def {name}({', '.join(params)}):"] + [f"    {line}" for line in body]
     return "\n".join(lines) + "\n"

@@ -360,7 +360,9 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             [f"{col} = tl.arange(0, RBLOCK)[None, :]"] + \
             [f"tl.store(o{i}_ptr + tl.program_id(0) * o{i}_s0 + {col} * o{i}_s{last}, "
              f"tl.sum(col{i}, axis=0, keep_dims=True), mask={col} < n{last})" for i in columns]
-    return COMBINE + jit_text(name, params, body)
+    # The leading sizes (rows, a sequence's length among them) and the row steps count rows only: no load or store
+    # along a row depends on their divisibility, which Triton would otherwise compile a kernel for at a new length.
+    return COMBINE + jit_text(name, params, body, unspecialized=[f"n{d}" for d in range(last)] + ["row_steps"])
 
 
 def walked_bytes(lowered: Lowered, input_bytes: list[int], device: torch.device) -> int:

@@ -331,7 +331,13 @@ def _list_of(selected, tiles, n, count, index):
     tl.store(count, tl.sum(selected.to(tl.int32), 0))
 
 
-@triton.jit
+# The lists kernel holds a map's row (or column) of tiles in one block of at least this many: maps up to it, at any
+# length, share one compile (the block counts are not specialised on either), where a block sized to each map
+# compiled the kernel again at almost every new sequence length (bench/new_lengths.py).
+LIST_BLOCK_MIN = 128
+
+
+@triton.jit(do_not_specialize=["n_q_blocks", "n_kind_q_blocks", "n_kv_blocks"])
 def _tile_lists_kernel(Kind, RowsCount, RowsIndex, ColsCount, ColsIndex, n_q_blocks, n_kind_q_blocks, n_kv_blocks,
                        ROW_GROUP: tl.constexpr, BLOCK: tl.constexpr):
     """Program (block, bh, 0): the FULL and the PARTIAL kv blocks of q block `block` of the rows lists, whose
@@ -367,7 +373,7 @@ def _write_tile_lists(block_map: BlockMap) -> None:
     _launch_map_kernel(_tile_lists_kernel, grid, block_map.kind, block_map.rows.count, block_map.rows.index,
                        block_map.cols.count, block_map.cols.index, n_q_blocks, n_kind_q_blocks, n_kv_blocks,
                        ROW_GROUP=block_map.block_m // block_map.kind_block_m,
-                       BLOCK=next_power_of_2(max(n_kind_q_blocks, n_kv_blocks)))
+                       BLOCK=max(LIST_BLOCK_MIN, next_power_of_2(max(n_kind_q_blocks, n_kv_blocks))))
 
 
 def _batch_head_extent(mod: ScoreMod, batch: int, heads: int) -> tuple[int, int]:

@@ -91,6 +91,23 @@ def test_whole_rows_are_read_and_written_once(monkeypatch):
         assert stores == len(set(re.findall(r"tl\.store\((o\d+)_ptr", text))) > 0
 
 
+def test_a_row_kernel_is_not_specialised_on_its_row_counts(monkeypatch):
+    """Its leading sizes (a sequence's length among them) and row steps count rows; no access along a row
+    depends on them, and Triton would compile the kernel again at a length of another divisibility. The row's
+    own length stays specialised: its masks' alignment does."""
+    sources = []
+    source = row_kernel.row_kernel_source
+    monkeypatch.setattr(row_kernel, "row_kernel_source", lambda *args: sources.append(source(*args)) or sources[-1])
+    x = random_tensor((2, 3, 40), torch.float32)
+    check(torch.nn.LayerNorm(40).to(DEVICE), x, backward=True, backend=STRICT)  # its backward sums columns
+    assert any("row_steps" in text for text in sources)
+    for text in sources:
+        (unspecialized,) = re.findall(r"do_not_specialize=\[([^\]]*)\]", text)
+        names = set(re.findall(r"'(\w+)'", unspecialized))
+        assert {"n0", "n1"} <= names and "n2" not in names
+        assert ("row_steps" in names) == ("row_steps" in text)
+
+
 @pytest.mark.parametrize("fn, shape", [(softmax_by_hand, (4, 29)), (layer_norm_by_hand, (2, 3, 41))],
                          ids=["softmax", "layernorm"])
 def test_chained_reductions(row_form, fn, shape):

@@ -556,6 +556,20 @@ def test_block_map_matches_dense_mask(monkeypatch, name, group, block_m, kind_bl
                 assert torch.equal(listed, (expected[block] == kind).nonzero().flatten().to(torch.int32))
 
 
+def test_the_lists_kernel_is_launched_alike_at_every_length_up_to_its_block(monkeypatch):
+    """Its block of tiles is at least `LIST_BLOCK_MIN`: a map's new length does not compile it again."""
+    launched = []
+    launch = blockmap._launch_map_kernel
+    monkeypatch.setattr(blockmap, "_launch_map_kernel", lambda kernel, grid, *args, **keywords: (
+        launched.append(keywords) if kernel is blockmap._tile_lists_kernel else None,
+        launch(kernel, grid, *args, **keywords)))
+    case = CASES["causal_min"]
+    for n in (37, 300, 1000):
+        shape = Shape(1, 1, 1, n, n, 16)
+        build_block_map(case.mod, case.make_inputs(shape).aux, 1, 1, n, n, 16, 16, DEVICE)
+    assert [k["BLOCK"] for k in launched] == [blockmap.LIST_BLOCK_MIN] * 3
+
+
 @pytest.mark.parametrize("name", ["causal_min", "window_min"])
 def test_cached_maps_at_larger_tiles_derive_from_one_base_map(monkeypatch, name):
     """Maps of one mask at several tiles (the forward's, dQ's and dK/dV's) take one tile-kind launch, at the

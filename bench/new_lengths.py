@@ -1,0 +1,113 @@
+"""What a new sequence length costs a training step once the compile has gone dynamic: a GPT-2 block (nanoGPT's
+attention, its `tril` buffer) trained at lengths one after another, fusepass beside Inductor, in one process.
+
+    PYTHONPATH=. python bench/new_lengths.py [--lengths 1024,1536,2048,3000,4096,1536] [--batch 4]
+
+Per backend and length: the first step's seconds, the step's median after it (ms), the first step's seconds
+beyond that median (what the new length cost), the Triton kernels compiled or loaded during that first step
+(their names: a kernel that comes back at each length is specialised on it), and for fusepass the seconds its
+attention spent planning the length. The second length recompiles with symbolic sizes (Dynamo's default);
+the lengths after it are what a user training at varying lengths pays.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+
+import gpt2  # noqa: E402
+from harness import keep  # noqa: E402
+
+import fusepass  # noqa: E402
+from fusepass.attention import dynamic  # noqa: E402
+
+
+class _Kernels:
+    """The Triton kernels compiled (or loaded from Triton's cache) meanwhile, by name."""
+
+    def __init__(self) -> None:
+        self.names: collections.Counter[str] = collections.Counter()
+        import triton
+        triton.knobs.runtime.jit_post_compile_hook = self._compiled
+
+    def _compiled(self, *, fn, **_: object) -> bool:
+        self.names[fn.name] += 1
+        return False
+
+    def take(self) -> str:
+        names, self.names = self.names, collections.Counter()
+        return " ".join(f"{name}×{n}" if n > 1 else name for name, n in sorted(names.items())) or "-"
+
+
+class _Planning:
+    """Seconds fusepass's attention spent planning new sizes meanwhile."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        plan = dynamic.plan_static
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return plan(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        dynamic.plan_static = timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
+    model(x).float().square().mean().backward()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lengths", default="1024,1536,2048,3000,4096,1536")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--width", type=int, default=768, help="12 heads of width/12 (a smaller one to try it on the CPU)")
+    args = parser.parse_args(argv)
+    lengths = [int(n) for n in args.lengths.split(",")]
+    # A context longer than every length: slicing the mask buffer to its full length would recompile (both backends)
+    config = gpt2.Config(1, 12, args.width, context=2 * max(lengths))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels, planning = _Kernels(), _Planning()
+    rows = []
+    for backend in ("inductor", "fusepass"):
+        torch.manual_seed(0)
+        block = gpt2.Block(config).to(device, torch.bfloat16)
+        torch._dynamo.reset()
+        compiled = torch.compile(block, backend=backend)
+        kernels.take(), planning.take()
+        for n in lengths:
+            x = torch.randn(args.batch, n, config.width, device=device, dtype=torch.bfloat16, requires_grad=True)
+            start = time.perf_counter()
+            _step(compiled, x)
+            first = time.perf_counter() - start
+            compiled_now, planned = kernels.take(), planning.take()
+            times = []
+            for _ in range(5):
+                start = time.perf_counter()
+                _step(compiled, x)
+                times.append(time.perf_counter() - start)
+            step = sorted(times)[len(times) // 2]
+            rows.append({"backend": backend, "length": n, "first s": round(first, 3), "step ms": round(step * 1e3, 2),
+                         "new length s": round(first - step, 3),
+                         "planning s": round(planned, 3) if backend == "fusepass" else None,
+                         "kernels compiled or loaded": compiled_now})
+    print(keep("new-lengths", list(rows[0]), rows,
+               notes=f"GPT-2 block (d {args.width}, 12 heads, bf16), batch {args.batch}, a training step per length"))
+
+
+if __name__ == "__main__":
+    main()
