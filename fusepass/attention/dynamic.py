@@ -4,8 +4,10 @@ Layouts, score functions and tiles all depend on sizes, so a symbolic graph cann
 attention is cut out instead, as a module of the ops it replaces, and called through
 ``torch.ops.fusepass.attention_dynamic``. On the first call at a concrete size the op traces that module at
 it and runs the ordinary, static rewrite on the trace; later calls at that size reuse the result. The
-backward traces nothing more: it runs the same static graph again under autograd (its forward is
-recomputed, once) and differentiates it, through the static op's own backward.
+backward traces nothing more: where gradients flow, the forward ran the static graph under autograd and kept
+its autograd graph, named by a token the op returns beside the output (AOTAutograd saves it for the
+backward), and the backward differentiates that graph, through the static op's own backward: the forward is
+not run again.
 
 Planned once at compile time too, at the sizes Dynamo saw: that plan must rewrite the attention (else
 the symbolic graph keeps it unfused, with the reason) and gives the report its figures.
@@ -13,6 +15,7 @@ the symbolic graph keeps it unfused, with the reason) and gives the report its f
 from __future__ import annotations
 
 import copy
+import operator
 import warnings
 import weakref
 from collections import OrderedDict
@@ -198,9 +201,11 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     if ctx.run_kernels:
         with graph.inserting_before(m.pv):
             call = graph.call_function(torch.ops.fusepass.attention_dynamic.default, (tensors, sizes, name))
+            out = graph.call_function(operator.getitem, (call, 0))
             keep_location(call, m.softmax)
-        infer_meta([call])
-        m.pv.replace_all_uses_with(call)
+            keep_location(out, m.softmax)
+        infer_meta([call, out])
+        m.pv.replace_all_uses_with(out)
     else:
         mark_planned(replaced, name)
     return records
@@ -224,31 +229,62 @@ class _AtHint:
         return self._stride
 
 
+# The forward's autograd graph at each call whose gradients flow ((the inputs it differentiates, the output)), by
+# the storage of the token the call returns: AOTAutograd saves the token for the backward, which takes the
+# graph from here and differentiates it rather than running the forward again. A saved output comes back as
+# another tensor of the token's storage, so the key is the storage's address; an entry leaves with the backward,
+# or with the token's storage where no backward comes (a forward never differentiated).
+_forwards: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+
+def _token() -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int8)  # on the host: its address names the call, its value nothing
+
+
+def _keep_forward(token: torch.Tensor, xs: list[torch.Tensor], out: torch.Tensor) -> None:
+    key = token.untyped_storage().data_ptr()
+    _forwards[key] = (xs, out)
+    weakref.finalize(token.untyped_storage(), _forwards.pop, key, None)
+
+
 @torch.library.custom_op("fusepass::attention_dynamic", mutates_args=())
-def attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: str) -> torch.Tensor:
+def attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention's output, and a token naming the call's forward for the backward."""
     s = _specs[spec]
-    out = s.static(tensors, sizes)(*tensors, *sizes)[0]
+    static, token = s.static(tensors, sizes), _token()
+    if any(s.requires_grad):
+        with autograd_enabled():
+            xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
+            out = static(*xs, *sizes)[0]
+        _keep_forward(token, xs, out)
+        out = out.detach()
+    else:
+        out = static(*tensors, *sizes)[0]
     # As the fake lays it out (the replaced ops' output's, as empty_like lays it out: see `plan_static`); a copy,
-    # since a custom op's output may not alias its inputs.
+    # since a custom op's output may not alias its inputs, nor what the backward will read.
     laid_out = with_strides(out, s.out_strides[s.key(tensors, sizes)])
-    return laid_out.clone() if laid_out is out else laid_out
+    return (laid_out.clone() if laid_out is out else laid_out), token
 
 
 @attention_dynamic.register_fake
 def _attention_dynamic_fake(tensors, sizes, spec):
-    return torch.empty_like(_specs[spec].module(*tensors, *sizes)[0])
+    return torch.empty_like(_specs[spec].module(*tensors, *sizes)[0]), torch.empty(1, dtype=torch.int8)
 
 
 @torch.library.custom_op("fusepass::attention_dynamic_backward", mutates_args=())
-def attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int], spec: str
-                               ) -> list[torch.Tensor]:
-    """Gradients of every tensor input (empty where none flows): the static graph at these sizes run
-    again under autograd, its attention's backward the fused one."""
+def attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int], token: torch.Tensor,
+                               spec: str) -> list[torch.Tensor]:
+    """Gradients of every tensor input (empty where none flows): the forward's autograd graph differentiated,
+    its attention's backward the fused one. Where the token names none (a second backward through one forward),
+    the static graph at these sizes runs again under autograd."""
     s = _specs[spec]
-    static = s.static(tensors, sizes)
+    kept = _forwards.pop(token.untyped_storage().data_ptr(), None)
     with autograd_enabled():
-        xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
-        out = static(*xs, *sizes)[0]
+        if kept is None:
+            xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
+            out = s.static(tensors, sizes)(*xs, *sizes)[0]
+        else:
+            xs, out = kept
         wanted = [x for x in xs if x.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
     result = []
@@ -262,20 +298,21 @@ def attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], 
 
 
 @attention_dynamic_backward.register_fake
-def _attention_dynamic_backward_fake(grad, tensors, sizes, spec):
+def _attention_dynamic_backward_fake(grad, tensors, sizes, token, spec):
     needs = _specs[spec].requires_grad
     return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tensors, needs)]
 
 
-def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     tensors, sizes, spec = inputs
-    ctx.save_for_backward(*tensors)
+    ctx.save_for_backward(*tensors, output[1])
     ctx.sizes = sizes
     ctx.spec = spec
 
 
-def _backward(ctx: Any, grad: torch.Tensor):
-    grads = attention_dynamic_backward(grad.contiguous(), list(ctx.saved_tensors), ctx.sizes, ctx.spec)
+def _backward(ctx: Any, grad: torch.Tensor, _token_grad: Any):
+    *tensors, token = ctx.saved_tensors
+    grads = attention_dynamic_backward(grad.contiguous(), tensors, ctx.sizes, token, ctx.spec)
     # torch checks the gradients' structure against the inputs': a list of ints is one leaf, whose gradient is
     # None, but an empty list (no size read, as in unmasked attention) is a list, whose gradient is one too.
     return [g if needs else None for g, needs in zip(grads, _specs[ctx.spec].requires_grad)], \

@@ -188,3 +188,44 @@ def test_a_length_whose_plan_does_not_fuse_is_reported():
         torch.testing.assert_close(compiled(q, q, q), unmasked(q, q, q), rtol=1e-4, atol=1e-4)
     (hotspot,) = [h for h in fusepass.last_report().hotspots if h.kind == "attention"]
     assert "not rewritten at sizes" in hotspot.reason
+
+
+def test_the_backward_differentiates_the_forward_it_kept(monkeypatch):
+    """One fused forward per training step: the backward takes the forward's autograd graph (named by the token
+    the op returns) rather than running it again, and nothing stays kept after it, or after a forward whose
+    output is dropped undifferentiated. A second backward through one forward runs it again, as exact."""
+    import gc
+
+    from fusepass.attention import call, dynamic
+
+    forwards = []
+    forward = call.AttentionCall.forward
+    monkeypatch.setattr(call.AttentionCall, "forward", lambda self, *a: forwards.append(1) or forward(self, *a))
+    fusepass.reset()
+    compiled = torch.compile(padded_gqa, backend=fusepass.backend(strict=True), dynamic=True)
+    q, k, v, keep = inputs(27)
+    grad = None
+    for _ in range(2):  # a plan's first call and a later one
+        forwards.clear()
+        out = compiled(q, k, v, keep)
+        grad = torch.randn_like(out)
+        actual = torch.autograd.grad(out, (q, k, v), grad)
+        assert len(forwards) == 1 and not dynamic._forwards
+    wanted = torch.autograd.grad(padded_gqa(q, k, v, keep), (q, k, v), grad)
+    for a, e in zip(actual, wanted):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, equal_nan=True)
+
+    out = compiled(q, k, v, keep)
+    assert len(dynamic._forwards) == 1
+    del out
+    gc.collect()
+    assert not dynamic._forwards
+
+    with torch._functorch.config.patch(donated_buffer=False):  # else AOTAutograd refuses a second backward
+        retaining = torch.compile(lambda *args: padded_gqa(*args), backend=fusepass.backend(strict=True),
+                                  dynamic=True)
+        out = retaining(q, k, v, keep)
+        first = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+        second = torch.autograd.grad(out, (q, k, v), grad)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
