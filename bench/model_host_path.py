@@ -1,6 +1,7 @@
 """Host time of an example model's compiled training step with every kernel launch stubbed out: on any machine.
 
-    PYTHONPATH=. python bench/model_host_path.py [--model bert|gpt2] [--size tiny] [--batch B] [--seq T] [--profile]
+    PYTHONPATH=. python bench/model_host_path.py [--model bert|gpt2] [--size tiny] [--batch B] [--seq T]
+        [--dynamic-after T0] [--profile]
 
 Builds examples/<model>.py's model (float32 on the CPU), compiles it with fusepass, replaces every launch of a
 fused kernel (the pointwise and row kernels' `BoundLaunch`, the attention kernels' `launch`) with nothing, and
@@ -9,7 +10,8 @@ autograd and Dynamo's guards cost a step, beside the ATen ops the step still run
 too: keep the size small). The outputs of stubbed kernels are left unwritten: the figures are of the host path,
 not of its results. With --profile, the Python functions with the most own and cumulative time. The launch counts
 say how many kernels a step launches; a GPU step that takes longer than its kernels by about host µs per launch
-× launches is host-bound.
+× launches is host-bound. With --dynamic-after, a step at length T0 comes first, so that the length timed runs
+the graphs Dynamo recompiled with symbolic sizes (a model trained at varying lengths).
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ def main() -> None:
     parser.add_argument("--size", default="tiny")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
+    parser.add_argument("--dynamic-after", type=int, help="a step at this length first: T runs symbolic sizes")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     launched = stub_launches()
@@ -83,12 +86,15 @@ def main() -> None:
     def step():
         loss(compiled(*inputs)).backward()
 
+    if args.dynamic_after:
+        loss(compiled(*example.inputs(model, batch, args.dynamic_after))).backward()
     step()
     step()
     launched.clear()
     host_ms = fastest_batch_s(step, STEPS, BATCHES) * 1e3
     launches = sum(launched.values()) / STEPS / BATCHES
-    row = {"model": args.model, "size": args.size, "batch": batch, "seq": seq, "host ms a step": host_ms,
+    row = {"model": args.model, "size": args.size, "batch": batch, "seq": seq,
+           "sizes": "symbolic" if args.dynamic_after else "static", "host ms a step": host_ms,
            "fused launches a step": launches,
            "kernels": ", ".join(f"{k} {n / STEPS / BATCHES:g}" for k, n in launched.most_common(8))}
     print(row, flush=True)

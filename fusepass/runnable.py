@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from fusepass.attention.call import call_named
+from fusepass.attention.dynamic import run_attention_dynamic, run_attention_dynamic_backward
 from fusepass.attention.dynamic import spec_named as dynamic_spec_named
 from fusepass.attention.op import run_attention, run_attention_backward
 from fusepass.fx_util import hold
@@ -31,13 +32,16 @@ from fusepass.report.records import Rewrite
 _NAMED_BY = {
     torch.ops.fusepass.attention.default: call_named, run_attention: call_named,
     torch.ops.fusepass.attention_backward.default: call_named, run_attention_backward: call_named,
-    torch.ops.fusepass.attention_dynamic.default: dynamic_spec_named,
+    torch.ops.fusepass.attention_dynamic.default: dynamic_spec_named, run_attention_dynamic: dynamic_spec_named,
     torch.ops.fusepass.attention_dynamic_backward.default: dynamic_spec_named,
+    run_attention_dynamic_backward: dynamic_spec_named,
 }
 
 _DIRECT_CALLS = {
     torch.ops.fusepass.attention.default: run_attention,
     torch.ops.fusepass.attention_backward.default: run_attention_backward,
+    torch.ops.fusepass.attention_dynamic.default: run_attention_dynamic,
+    torch.ops.fusepass.attention_dynamic_backward.default: run_attention_dynamic_backward,
 }
 
 

@@ -247,8 +247,8 @@ def _keep_forward(token: torch.Tensor, xs: list[torch.Tensor], out: torch.Tensor
     weakref.finalize(token.untyped_storage(), _forwards.pop, key, None)
 
 
-@torch.library.custom_op("fusepass::attention_dynamic", mutates_args=())
-def attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+def run_attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: str
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention's output, and a token naming the call's forward for the backward."""
     s = _specs[spec]
     static, token = s.static(tensors, sizes), _token()
@@ -266,14 +266,17 @@ def attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: str) 
     return (laid_out.clone() if laid_out is out else laid_out), token
 
 
+# The ops' implementations are also called directly by the compiled graphs (fusepass/runnable.py).
+attention_dynamic = torch.library.custom_op("fusepass::attention_dynamic", run_attention_dynamic, mutates_args=())
+
+
 @attention_dynamic.register_fake
 def _attention_dynamic_fake(tensors, sizes, spec):
     return torch.empty_like(_specs[spec].module(*tensors, *sizes)[0]), torch.empty(1, dtype=torch.int8)
 
 
-@torch.library.custom_op("fusepass::attention_dynamic_backward", mutates_args=())
-def attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int], token: torch.Tensor,
-                               spec: str) -> list[torch.Tensor]:
+def run_attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int],
+                                   token: torch.Tensor, spec: str) -> list[torch.Tensor]:
     """Gradients of every tensor input (empty where none flows): the forward's autograd graph differentiated,
     its attention's backward the fused one. Where the token names none (a second backward through one forward),
     the static graph at these sizes runs again under autograd."""
@@ -295,6 +298,10 @@ def attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], 
         else:  # as the fake lays it out
             result.append(with_strides(g.detach(), torch.empty_like(x, device="meta").stride()))
     return result
+
+
+attention_dynamic_backward = torch.library.custom_op("fusepass::attention_dynamic_backward",
+                                                    run_attention_dynamic_backward, mutates_args=())
 
 
 @attention_dynamic_backward.register_fake
