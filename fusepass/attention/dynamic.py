@@ -4,10 +4,11 @@ Layouts, score functions and tiles all depend on sizes, so a symbolic graph cann
 attention is cut out instead, as a module of the ops it replaces, and called through
 ``torch.ops.fusepass.attention_dynamic``. On the first call at a concrete size the op traces that module at
 it and runs the ordinary, static rewrite on the trace; later calls at that size reuse the result. The
-backward traces nothing more: where gradients flow, the forward ran the static graph under autograd and kept
-its autograd graph, named by a token the op returns beside the output (AOTAutograd saves it for the
-backward), and the backward differentiates that graph, through the static op's own backward: the forward is
-not run again.
+backward traces nothing more: where gradients flow, the forward keeps what its backward reads, named by a
+token the op returns beside the output (AOTAutograd saves it for the backward): the static op's outputs, where
+the plan is that op alone on the op's tensors (`direct_plan`), else the autograd graph of the plan run under
+autograd, which the backward differentiates through the static op's own backward. The forward does not run
+again.
 
 Planned once at compile time too, at the sizes Dynamo saw: that plan must rewrite the attention (else
 the symbolic graph keeps it unfused, with the reason) and gives the report its figures.
@@ -29,6 +30,7 @@ from torch._dynamo.convert_frame import compile_lock
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from fusepass.attention.direct_plan import DirectPlan, direct_plan
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
@@ -46,6 +48,15 @@ Signature = tuple
 PLANS = 16  # plans kept per attention (a backward whose forward's plan was dropped plans it again)
 
 
+@dataclass(frozen=True)
+class StaticPlan:
+    """The attention at one size: the module traced there with its attention rewritten, the strides of the
+    replaced ops' output there (what the fake implementation returns), and the module's direct form, if any."""
+    module: torch.fx.GraphModule
+    out_strides: tuple[int, ...]
+    direct: DirectPlan | None
+
+
 @dataclass
 class DynamicSpec:
     name: str
@@ -55,18 +66,14 @@ class DynamicSpec:
     static_rewrite: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]  # the attention pass
     report: Report | None = None  # the compile's, where a kernel failing at a size planned at run time is recorded
     location: str = ""  # the user's source line of the attention
-    plans: OrderedDict[Signature, torch.fx.GraphModule] = field(default_factory=OrderedDict)
-
-    # per plan: the strides of the replaced ops' output at its sizes (what the fake implementation returns)
-    out_strides: dict[Signature, tuple[int, ...]] = field(default_factory=dict)
+    plans: OrderedDict[Signature, StaticPlan] = field(default_factory=OrderedDict)
 
     @staticmethod
     def key(tensors: list[torch.Tensor], sizes: list[int]) -> Signature:
         return tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in tensors) + tuple(sizes)
 
-    def static(self, tensors: list[torch.Tensor], sizes: list[int]) -> torch.fx.GraphModule:
-        """The module traced at these sizes with its attention rewritten; one per size, the `PLANS` most recently
-        used kept."""
+    def static(self, tensors: list[torch.Tensor], sizes: list[int]) -> StaticPlan:
+        """The plan at these sizes; one per size, the `PLANS` most recently used kept."""
         key = self.key(tensors, sizes)
         plan = self.plans.get(key)
         if plan is None:
@@ -75,12 +82,11 @@ class DynamicSpec:
             with compile_lock, autograd_enabled():  # planning traces the score chain's derivative
                 plan = self.plans.get(key)
                 if plan is None:
-                    plan, report, self.out_strides[key] = plan_static(self, tensors, sizes)
+                    module, report, out_strides = plan_static(self, tensors, sizes)
                     self._record_unfused(report, sizes)
-                    self.plans[key] = plan
+                    plan = self.plans[key] = StaticPlan(module, out_strides, direct_plan(module))
                     if len(self.plans) > PLANS:
-                        dropped, _ = self.plans.popitem(last=False)
-                        del self.out_strides[dropped]
+                        self.plans.popitem(last=False)
         self.plans.move_to_end(key)
         return plan
 
@@ -229,21 +235,22 @@ class _AtHint:
         return self._stride
 
 
-# The forward's autograd graph at each call whose gradients flow ((the inputs it differentiates, the output)), by
-# the storage of the token the call returns: AOTAutograd saves the token for the backward, which takes the
-# graph from here and differentiates it rather than running the forward again. A saved output comes back as
-# another tensor of the token's storage, so the key is the storage's address; an entry leaves with the backward,
-# or with the token's storage where no backward comes (a forward never differentiated).
-_forwards: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+# What the backward of each call whose gradients flow reads of its forward (a direct plan's seed and outputs, or
+# the forward's autograd graph: the inputs it differentiates and the output), by the storage of the token the
+# call returns: AOTAutograd saves the token for the backward, which takes what its forward kept rather than
+# running the forward again. A saved output comes back as another tensor of the token's storage, so the key is
+# the storage's address; an entry leaves with the backward, or with the token's storage where no backward comes
+# (a forward never differentiated).
+_forwards: dict[int, tuple] = {}
 
 
 def _token() -> torch.Tensor:
     return torch.empty(1, dtype=torch.int8)  # on the host: its address names the call, its value nothing
 
 
-def _keep_forward(token: torch.Tensor, xs: list[torch.Tensor], out: torch.Tensor) -> None:
+def _keep_forward(token: torch.Tensor, kept: tuple) -> None:
     key = token.untyped_storage().data_ptr()
-    _forwards[key] = (xs, out)
+    _forwards[key] = kept
     weakref.finalize(token.untyped_storage(), _forwards.pop, key, None)
 
 
@@ -251,18 +258,23 @@ def run_attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: s
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention's output, and a token naming the call's forward for the backward."""
     s = _specs[spec]
-    static, token = s.static(tensors, sizes), _token()
-    if any(s.requires_grad):
+    plan, token = s.static(tensors, sizes), _token()
+    if plan.direct is not None:
+        seed, outputs = plan.direct.forward(tensors)
+        out = outputs[0]
+        if any(s.requires_grad):
+            _keep_forward(token, (seed, outputs))
+    elif any(s.requires_grad):
         with autograd_enabled():
             xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
-            out = static(*xs, *sizes)[0]
-        _keep_forward(token, xs, out)
+            out = plan.module(*xs, *sizes)[0]
+        _keep_forward(token, (xs, out))
         out = out.detach()
     else:
-        out = static(*tensors, *sizes)[0]
+        out = plan.module(*tensors, *sizes)[0]
     # As the fake lays it out (the replaced ops' output's, as empty_like lays it out: see `plan_static`); a copy,
     # since a custom op's output may not alias its inputs, nor what the backward will read.
-    laid_out = with_strides(out, s.out_strides[s.key(tensors, sizes)])
+    laid_out = with_strides(out, plan.out_strides)
     return (laid_out.clone() if laid_out is out else laid_out), token
 
 
@@ -277,24 +289,30 @@ def _attention_dynamic_fake(tensors, sizes, spec):
 
 def run_attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int],
                                    token: torch.Tensor, spec: str) -> list[torch.Tensor]:
-    """Gradients of every tensor input (empty where none flows): the forward's autograd graph differentiated,
-    its attention's backward the fused one. Where the token names none (a second backward through one forward),
-    the static graph at these sizes runs again under autograd."""
+    """Gradients of every tensor input (empty where none flows): the forward's kept outputs through the static
+    op's backward (a direct plan), or its kept autograd graph differentiated, its attention's backward the
+    fused one. Where the token names none (a second backward through one forward), the forward runs again."""
     s = _specs[spec]
+    plan = s.static(tensors, sizes)
     kept = _forwards.pop(token.untyped_storage().data_ptr(), None)
-    with autograd_enabled():
-        if kept is None:
-            xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
-            out = s.static(tensors, sizes)(*xs, *sizes)[0]
-        else:
-            xs, out = kept
-        wanted = [x for x in xs if x.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+    if plan.direct is not None:
+        grads = plan.direct.backward(grad, tensors, *(kept or plan.direct.forward(tensors)))
+    else:
+        with autograd_enabled():
+            if kept is None:
+                xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
+                out = plan.module(*xs, *sizes)[0]
+            else:
+                xs, out = kept
+            wanted = [x for x in xs if x.requires_grad]
+            flowing = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+        grads = [next(flowing) if x.requires_grad else None for x in xs]
     result = []
-    for x in xs:
-        g = next(grads) if x.requires_grad else None
-        if g is None:
-            result.append(torch.zeros_like(x) if x.requires_grad else x.new_empty(0))
+    for x, g, needs in zip(tensors, grads, s.requires_grad):
+        if not needs:
+            result.append(x.new_empty(0))
+        elif g is None:
+            result.append(torch.zeros_like(x))
         else:  # as the fake lays it out
             result.append(with_strides(g.detach(), torch.empty_like(x, device="meta").stride()))
     return result

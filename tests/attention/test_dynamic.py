@@ -169,6 +169,7 @@ def test_a_viewed_projection_is_fused_at_every_length_planned_at_run_time():
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
     (spec,) = [spec for name, spec in dynamic._specs.items() if name not in earlier]
     assert sorted(key[0][0][1] for key in spec.plans) == [29, 37]  # q's length
+    assert all(plan.direct is not None for plan in spec.plans.values())  # the op on the projection's splits
     assert not [h for report in fusepass.reports() for h in report.hotspots if h.kind == "attention"]
 
 
@@ -190,19 +191,24 @@ def test_a_length_whose_plan_does_not_fuse_is_reported():
     assert "not rewritten at sizes" in hotspot.reason
 
 
-def test_the_backward_differentiates_the_forward_it_kept(monkeypatch):
-    """One fused forward per training step: the backward takes the forward's autograd graph (named by the token
-    the op returns) rather than running it again, and nothing stays kept after it, or after a forward whose
-    output is dropped undifferentiated. A second backward through one forward runs it again, as exact."""
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "through autograd"])
+def test_the_backward_reads_what_the_forward_kept(monkeypatch, direct):
+    """One fused forward per training step: the backward takes what the forward kept (named by the token the op
+    returns: the static op's outputs where the plan is that op alone, else the plan's autograd graph) rather
+    than running it again, and nothing stays kept after it, or after a forward whose output is dropped
+    undifferentiated. A second backward through one forward runs it again, as exact."""
     import gc
 
     from fusepass.attention import call, dynamic
 
+    if not direct:
+        monkeypatch.setattr(dynamic, "direct_plan", lambda module: None)
     forwards = []
     forward = call.AttentionCall.forward
     monkeypatch.setattr(call.AttentionCall, "forward", lambda self, *a: forwards.append(1) or forward(self, *a))
     fusepass.reset()
-    compiled = torch.compile(padded_gqa, backend=fusepass.backend(strict=True), dynamic=True)
+    earlier = set(dynamic._specs.keys())
+    compiled = torch.compile(lambda *args: padded_gqa(*args), backend=fusepass.backend(strict=True), dynamic=True)
     q, k, v, keep = inputs(27)
     grad = None
     for _ in range(2):  # a plan's first call and a later one
@@ -211,6 +217,8 @@ def test_the_backward_differentiates_the_forward_it_kept(monkeypatch):
         grad = torch.randn_like(out)
         actual = torch.autograd.grad(out, (q, k, v), grad)
         assert len(forwards) == 1 and not dynamic._forwards
+    (spec,) = [spec for name, spec in dynamic._specs.items() if name not in earlier]
+    assert all((plan.direct is not None) == direct for plan in spec.plans.values())
     wanted = torch.autograd.grad(padded_gqa(q, k, v, keep), (q, k, v), grad)
     for a, e in zip(actual, wanted):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, equal_nan=True)
