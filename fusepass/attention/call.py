@@ -174,9 +174,9 @@ class AttentionCall:
                 grad.zero_()
 
         def new_aux_grad() -> tuple[torch.Tensor, ...]:
-            """fp32 accumulators for the aux tensors a gradient flows to; an empty stand-in for the others."""
-            return tuple(torch.zeros(a.shape, dtype=torch.float32, device=a.device) if n else a.new_empty(0)
-                         for a, n in zip(read, needs))
+            """fp32 accumulators for the aux tensors a gradient flows to, laid out as they are (the score
+            functions' gradients add at the offsets they load from); an empty stand-in for the others."""
+            return tuple(_accumulator(a) if n else a.new_empty(0) for a, n in zip(read, needs))
 
         def backward(aux_grad: tuple[torch.Tensor, ...]) -> None:
             # The forward's map, where the op returned one, viewed here: a replayed call needs only its buffer.
@@ -208,7 +208,8 @@ class AttentionCall:
             profile.measure_backward(record, lambda: backward(new_aux_grad()),
                                      lambda: unfused.gradients(inputs, grad_out, seed_value),
                                      unfused.forward_record.measured_unfused_ms or 0.0)
-        aux_grads = [g.to(a.dtype) for g, a in zip(aux_grad, read)] + [a.new_empty(0) for a in aux[len(read):]]
+        aux_grads = [_aux_gradient(g, a) if g.numel() else g for g, a in zip(aux_grad, read)] + \
+            [a.new_empty(0) for a in aux[len(read):]]
         return grads[0], grads[1], grads[2], aux_grads
 
     # ------------------------------------------------------------------------------- the replaced ops
@@ -285,3 +286,24 @@ def register(call: AttentionCall) -> str:
 
 def call_named(name: str) -> AttentionCall:
     return _calls[name]
+
+
+def _accumulator(a: torch.Tensor) -> torch.Tensor:
+    """Zeros of `a`'s shape and strides in float32, over as much memory as `a`'s strides reach: a slice of a larger
+    tensor keeps its row stride, a permuted one its order, a broadcast dim its stride 0."""
+    extent = 1 + sum((n - 1) * stride for n, stride in zip(a.shape, a.stride()))
+    return torch.zeros(extent if a.numel() else 0, dtype=torch.float32, device=a.device).as_strided(a.shape,
+                                                                                                  a.stride())
+
+
+def _aux_gradient(accumulated: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """The gradient of aux tensor `a` from its accumulator, contiguous in `a`'s dtype (as the fake lays it out).
+    Positions of `a` that share memory (a stride 0 along a broadcast dim) share one sum: it goes to the first of
+    them, zeros to the others, which is what the broadcast's own backward adds up."""
+    shared = [d for d, (n, stride) in enumerate(zip(a.shape, a.stride())) if stride == 0 and n > 1]
+    if not shared:
+        return accumulated.to(dtype=a.dtype, memory_format=torch.contiguous_format)
+    first = tuple(slice(0, 1) if d in shared else slice(None) for d in range(a.dim()))
+    gradient = torch.zeros(a.shape, dtype=a.dtype, device=a.device)
+    gradient[first] = accumulated[first]
+    return gradient

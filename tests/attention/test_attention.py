@@ -466,3 +466,36 @@ def test_one_batch_and_one_head():
 def test_plain_matrices():
     q, k, v = (t[0, 0] for t in qkv(b=1, h=1))  # 2-D: [N, D]
     attention_rewrite(check(plain, q, k, v, backward=True))
+
+
+
+LAID_OUT_BIASES = {  # a learned additive bias given to the compiled code laid out by strides of its own
+    "permuted": ((NQ, NK, H), lambda raw: raw.permute(2, 0, 1).unsqueeze(0)),
+    "sliced": ((1, H, NQ + 5, NK + 7), lambda raw: raw[:, :, :NQ, :NK]),
+    "broadcast over heads": ((1, 1, NQ, NK), lambda raw: raw.expand(1, H, NQ, NK)),
+}
+
+
+def biased(q, k, v, bias):
+    return torch.softmax(q @ k.transpose(-1, -2) * 0.2 + bias, dim=-1) @ v
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "symbolic"])
+@pytest.mark.parametrize("layout", LAID_OUT_BIASES)
+def test_a_learned_bias_laid_out_by_its_strides_gets_its_gradient(layout, dynamic):
+    """The bias's gradient accumulates at the offsets its values are read from. A bias permuted before the
+    compiled code (or before an attention planned under symbolic sizes: T5's position bias, permuted from
+    [Nq, Nk, H] and shared by every layer) had its gradient added up in a contiguous buffer, in the wrong places."""
+    shape, lay_out = LAID_OUT_BIASES[layout]
+    q, k, v = (x.requires_grad_() for x in qkv())
+    raw = random_tensor(shape, torch.float32).requires_grad_()
+    fusepass.reset()
+    compiled = torch.compile(lambda *args: biased(*args), backend=fusepass.backend(strict=True), dynamic=dynamic)
+    out = compiled(q, k, v, lay_out(raw))
+    expected = biased(q, k, v, lay_out(raw))
+    torch.testing.assert_close(out, expected, **FP32)
+    grad = torch.randn_like(out)
+    leaves = (q, k, v, raw)
+    for a, e in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(expected, leaves, grad)):
+        torch.testing.assert_close(a, e, **FP32)
+    assert attention_rewrite(fusepass.last_report())
