@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 aten = torch.ops.aten
@@ -40,8 +41,10 @@ def infer_meta(nodes: Iterable[torch.fx.Node], fake_mode: FakeTensorMode | None 
     value (``meta["val"]``: the target run on its inputs' fake values, in the graph's fake mode) and whether a
     gradient reaches it (``meta["requires_grad"]``, as `capture.mark_requires_grad` marks the graph)."""
     nodes = list(nodes)
-    # The values' own mode: a graph planned apart from Dynamo's (attention/dynamic.py) has its own.
-    with fake_mode_of(nodes) or fake_mode or FakeTensorMode():
+    # The values' own mode: a graph planned apart from Dynamo's (attention/dynamic.py) has its own. The Python
+    # dispatcher, as Dynamo's tracing has it: some fake kernels take symbolic sizes only through it (baddbmm's
+    # expand of a broadcast input, BLOOM's ALiBi).
+    with fake_mode_of(nodes) or fake_mode or FakeTensorMode(), enable_python_dispatcher():
         for node in nodes:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
             node.meta["val"] = node.target(*args, **kwargs)
