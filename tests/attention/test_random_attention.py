@@ -45,6 +45,7 @@ class Program:
     mask: str  # "none", "causal", "window", "padding", "documents", "causal documents"
     fill: str  # "masked_fill", "where", "finfo.min"
     bias: str  # "none", "alibi", "learnable alibi", "learnable tensor"
+    bias_permuted: bool  # a learnable tensor given as a [Nq, Nk, H] tensor permuted (T5 lays its bias out so)
     softcap: bool
     dtype: torch.dtype
     softmax_in_fp32: bool  # softmax(s.float()).to(dtype), as mixed-precision code writes it
@@ -68,7 +69,8 @@ def programs(draw) -> Program:
                    scale=draw(st.sampled_from(["q", "scores", "divide"])), in_place=draw(st.booleans()),
                    mask=draw(st.sampled_from(masks)),
                    fill=draw(st.sampled_from(["masked_fill", "where", "finfo.min"])),
-                   bias=draw(st.sampled_from(biases)), softcap=draw(st.booleans()),
+                   bias=draw(st.sampled_from(biases)), bias_permuted=draw(st.booleans()),
+                   softcap=draw(st.booleans()),
                    dtype=draw(st.sampled_from(DTYPES)),
                    softmax_in_fp32=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
 
@@ -169,7 +171,8 @@ def _extra(p: Program) -> dict:
     if p.bias == "learnable alibi":
         extra["slopes"] = random_tensor((p.heads,), p.dtype, low=0.05, high=0.5)
     if p.bias == "learnable tensor":
-        extra["bias"] = random_tensor((p.heads, p.q_len, p.kv_len), p.dtype)
+        extra["bias"] = random_tensor((p.q_len, p.kv_len, p.heads), p.dtype).permute(2, 0, 1) if p.bias_permuted \
+            else random_tensor((p.heads, p.q_len, p.kv_len), p.dtype)
     return extra
 
 
