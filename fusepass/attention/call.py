@@ -263,8 +263,9 @@ def _compile_ahead(call: AttentionCall, sources: tuple[torch.Tensor, ...], qkv: 
     if any(call.unfused.requires_grad):
         grads = tuple(layout.view(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"))
                       for layout, x in zip((s.q, s.k, s.v), sources))
-        aux_grad = tuple(torch.empty(a.shape if n else (0,), dtype=torch.float32 if n else a.dtype, device="meta")
-                         for a, n in zip(read, s.aux_needs_grad(len(read))))
+        aux_grad = tuple(  # as `backward` lays them out
+            _accumulator(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")) if n
+            else torch.empty(0, dtype=a.dtype, device="meta") for a, n in zip(read, s.aux_needs_grad(len(read))))
     compile_attention_ahead(*qkv, call.mod, read, dropout_p=s.dropout_p, out_dtype=s.out_dtype,
                             forward_tiles=s.forward_tiles if device.type == "cuda" else None, grads=grads,
                             aux_grad=aux_grad, device=device)
