@@ -235,12 +235,12 @@ class _AtHint:
         return self._stride
 
 
-# What the backward of each call whose gradients flow reads of its forward (a direct plan's seed and outputs, or
-# the forward's autograd graph: the inputs it differentiates and the output), by the storage of the token the
-# call returns: AOTAutograd saves the token for the backward, which takes what its forward kept rather than
-# running the forward again. A saved output comes back as another tensor of the token's storage, so the key is
-# the storage's address; an entry leaves with the backward, or with the token's storage where no backward comes
-# (a forward never differentiated).
+# What the backward of each call whose gradients flow reads of its forward (its plan, and the direct plan's seed
+# and outputs or the forward's autograd graph: the inputs it differentiates and the output), by the storage of
+# the token the call returns: AOTAutograd saves the token for the backward, which takes what its forward kept
+# rather than running the forward again. A saved output comes back as another tensor of the token's storage, so
+# the key is the storage's address; an entry leaves with the backward, or with the token's storage where no
+# backward comes (a forward never differentiated).
 _forwards: dict[int, tuple] = {}
 
 
@@ -263,12 +263,12 @@ def run_attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: s
         seed, outputs = plan.direct.forward(tensors)
         out = outputs[0]
         if any(s.requires_grad):
-            _keep_forward(token, (seed, outputs))
+            _keep_forward(token, (plan, (seed, outputs)))
     elif any(s.requires_grad):
         with autograd_enabled():
             xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
             out = plan.module(*xs, *sizes)[0]
-        _keep_forward(token, (xs, out))
+        _keep_forward(token, (plan, (xs, out)))
         out = out.detach()
     else:
         out = plan.module(*tensors, *sizes)[0]
@@ -293,17 +293,18 @@ def run_attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tenso
     op's backward (a direct plan), or its kept autograd graph differentiated, its attention's backward the
     fused one. Where the token names none (a second backward through one forward), the forward runs again."""
     s = _specs[spec]
-    plan = s.static(tensors, sizes)
+    # The forward's own plan (one dropped since is held by what it kept), or this size's.
     kept = _forwards.pop(token.untyped_storage().data_ptr(), None)
+    plan, state = kept if kept is not None else (s.static(tensors, sizes), None)
     if plan.direct is not None:
-        grads = plan.direct.backward(grad, tensors, *(kept or plan.direct.forward(tensors)))
+        grads = plan.direct.backward(grad, tensors, *(state or plan.direct.forward(tensors)))
     else:
         with autograd_enabled():
-            if kept is None:
+            if state is None:
                 xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
                 out = plan.module(*xs, *sizes)[0]
             else:
-                xs, out = kept
+                xs, out = state
             wanted = [x for x in xs if x.requires_grad]
             flowing = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [next(flowing) if x.requires_grad else None for x in xs]
