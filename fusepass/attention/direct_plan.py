@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from fusepass.attention.call import Outputs, call_named
+from fusepass.attention.call import Outputs
 from fusepass.attention.op import run_attention, run_attention_backward
 
 
@@ -38,11 +38,10 @@ class DirectPlan:
                  ) -> list[torch.Tensor | None]:
         """The gradient of each of the dynamic op's tensors (None where none flows), a tensor read twice (one
         source of Q and K) summed."""
-        out, lse, log_sum, fallback, block_map = outputs
-        n_map = 1 if call_named(self.spec).spec.passes_map else 0  # as the static op's own backward passes it
+        out, lse, log_sum, fallback, block_map = outputs  # the map the forward returned is the one its backward reads
         aux = [tensors[i] for i in self.aux]
         dq, dk, dv, daux = run_attention_backward(grad, tensors[self.q], tensors[self.k], tensors[self.v], out, lse,
-                                                  log_sum, fallback, list(block_map[:n_map]), aux, seed, self.spec)
+                                                  log_sum, fallback, list(block_map), aux, seed, self.spec)
         grads: list[torch.Tensor | None] = [None] * len(tensors)
         flowing = [(self.q, dq), (self.k, dk), (self.v, dv)] + [(i, g) for i, g in zip(self.aux, daux) if g.numel()]
         for i, g in flowing:  # an aux gradient none needs is empty

@@ -254,6 +254,14 @@ def _keep_forward(token: torch.Tensor, kept: tuple) -> None:
     weakref.finalize(token.untyped_storage(), _forwards.pop, key, None)
 
 
+def _differentiated(s: DynamicSpec, plan: StaticPlan, tensors: list[torch.Tensor], sizes: list[int]
+                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(the inputs, the output) of `plan` run under autograd, the inputs a gradient flows to requiring one."""
+    with autograd_enabled():
+        xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
+        return xs, plan.module(*xs, *sizes)[0]
+
+
 def run_attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: str
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention's output, and a token naming the call's forward for the backward."""
@@ -265,9 +273,7 @@ def run_attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: s
         if any(s.requires_grad):
             _keep_forward(token, (plan, (seed, outputs)))
     elif any(s.requires_grad):
-        with autograd_enabled():
-            xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
-            out = plan.module(*xs, *sizes)[0]
+        xs, out = _differentiated(s, plan, tensors, sizes)
         _keep_forward(token, (plan, (xs, out)))
         out = out.detach()
     else:
@@ -284,7 +290,7 @@ attention_dynamic = torch.library.custom_op("fusepass::attention_dynamic", run_a
 
 @attention_dynamic.register_fake
 def _attention_dynamic_fake(tensors, sizes, spec):
-    return torch.empty_like(_specs[spec].module(*tensors, *sizes)[0]), torch.empty(1, dtype=torch.int8)
+    return torch.empty_like(_specs[spec].module(*tensors, *sizes)[0]), _token()
 
 
 def run_attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int],
@@ -299,12 +305,8 @@ def run_attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tenso
     if plan.direct is not None:
         grads = plan.direct.backward(grad, tensors, *(state or plan.direct.forward(tensors)))
     else:
+        xs, out = state or _differentiated(s, plan, tensors, sizes)
         with autograd_enabled():
-            if state is None:
-                xs = [t.detach().requires_grad_(needs) for t, needs in zip(tensors, s.requires_grad)]
-                out = plan.module(*xs, *sizes)[0]
-            else:
-                xs, out = state
             wanted = [x for x in xs if x.requires_grad]
             flowing = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
         grads = [next(flowing) if x.requires_grad else None for x in xs]
