@@ -61,6 +61,29 @@ def causal(q, k, v):
     return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
 
+class BufferCausal(torch.nn.Module):
+    """nanoGPT's causal mask: a float ``tril`` buffer of the longest length, sliced and compared with 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.ones(1, 1, 0, 0))
+
+    def forward(self, q, k, v):
+        n = q.shape[-2]
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(self.bias[:, :, :n, :n] == 0, float("-inf"))
+        return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+BUFFER_CAUSAL = BufferCausal()
+
+
+def buffer_of_length(b, h, n, device):
+    """The buffer of `BUFFER_CAUSAL` at the case's length, on its device (as a model's block size): no input."""
+    BUFFER_CAUSAL.bias = torch.ones(n, n, device=device).tril().view(1, 1, n, n)
+    return ()
+
+
 def sliding_window(q, k, v):
     n = q.shape[-2]
     i = torch.arange(n, device=q.device)
@@ -151,6 +174,9 @@ CASES = {
     "causal": Case("causal", causal, no_extra,
                    lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                    lambda b, h, n: (None, _causal_mask), lambda n: (n + 1) / (2 * n)),
+    "causal_buffer": Case("causal, a buffer", BUFFER_CAUSAL, buffer_of_length,
+                          lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                          lambda b, h, n: (None, _causal_mask), lambda n: (n + 1) / (2 * n)),
     "window": Case(
         "sliding window 1024", sliding_window, no_extra,
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_window_dense(q.shape[-2], q.device)),

@@ -5,7 +5,7 @@
 #
 # PARTs, with the time each took on the H200 (2026-11-30):
 #   attention    large and small                                                    ~260 s
-#   large        every case but the learnable T5 table, B2 H16 N8192 D128          ~140 s (past 150 once)
+#   large        every case but the learnable T5 table, B2 H16 N8192 D128          ~140 s (past 150 once; +1 case since)
 #   small        the same at B8 H16 N2048 D64 (cut at 110 s once: now 170)         ~120 s
 #   flexmask     document, packed causal documents and padding beside            (~150 s; run once
 #                FlexAttention with its block mask built in each call, as a step   by hand at -1925,
@@ -41,10 +41,10 @@ parts=${parts//attention/large small}
 for part in $parts; do
     case $part in
     large)
-        timeout 210 python bench/attention.py --shapes large --cases causal,plain,alibi,document,window,padding,softcap,t5 \
+        timeout 210 python bench/attention.py --shapes large --cases causal,causal_buffer,plain,alibi,document,window,padding,softcap,t5 \
             2>&1 | grep "^|" | cut -d"|" -f2-13 ;;
     small)
-        timeout 170 python bench/attention.py --shapes small --cases causal,plain,alibi,document,window,padding,softcap,t5 \
+        timeout 170 python bench/attention.py --shapes small --cases causal,causal_buffer,plain,alibi,document,window,padding,softcap,t5 \
             2>&1 | grep "^|" | cut -d"|" -f2-13 ;;
     flexmask)
         timeout 260 python bench/attention.py --shapes large,small --cases document,packed,padding \

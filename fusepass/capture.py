@@ -13,6 +13,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fusepass.attention.known_contents import mark_known
 from fusepass.fx_util import infer_meta
 
 NO_GRADIENT = {torch.ops.aten.detach.default}  # ops whose float output no gradient passes through
@@ -30,7 +31,17 @@ def capture(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> torch
     if functional_pointwise(traced.graph):
         traced.recompile()
     mark_requires_grad(traced.graph, example_inputs)
+    mark_known(traced.graph, example_inputs, [input_name(n) for n in gm.graph.nodes if n.op == "placeholder"])
     return traced
+
+
+def input_name(placeholder: torch.fx.Node) -> str:
+    """The user's name of a Dynamo graph's input (``L['self'].bias``), where Dynamo kept its source."""
+    source = getattr(placeholder.meta.get("grapharg"), "source", None)
+    if source is None:
+        return placeholder.name
+    name = source.name  # a method on some torch versions, a property on others
+    return name() if callable(name) else name
 
 
 def _returns_alias(node: torch.fx.Node) -> bool:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
 from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
@@ -30,9 +31,10 @@ Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[tor
 
 
 class AttentionCall:
-    def __init__(self, spec: AttentionSpec, unfused: Unfused) -> None:
+    def __init__(self, spec: AttentionSpec, unfused: Unfused, guards: Sequence[ContentGuard] = ()) -> None:
         self.spec = spec
         self.unfused = unfused  # the replaced ops, over the op's inputs (q, k, v sources, aux, what else they read)
+        self.guards = tuple(guards)  # of the buffers the score functions compute in place of reading them
         self.compiled_ahead = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
         self._mod: ScoreMod | None = None
         self._passed_maps: dict[tuple[torch.dtype, torch.device], tuple] = {}
@@ -118,6 +120,11 @@ class AttentionCall:
         map where it is not cached: see `map_shapes`)."""
         s, unfused = self.spec, self.unfused
         seed_value = _seed(seed)
+        try:
+            for guard in () if unfused.failed else self.guards:
+                guard.check(aux)
+        except ContentsChanged as error:  # the kernels compute what the buffer held: the replaced ops read it
+            unfused.fail(error, "forward")
         if unfused.failed:
             return self._unfused_forward((q, k, v, *aux), seed_value)
         q4, k4, v4 = self.views(q, k, v, aux)

@@ -21,7 +21,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.direct_plan import DirectPlan, direct_plan
+from fusepass.attention.known_contents import KNOWN, KnownInput, is_real, known_input
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
@@ -64,6 +65,8 @@ class DynamicSpec:
     requires_grad: list[bool]  # per tensor input: whether a gradient flows to it
     options: Options
     static_rewrite: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]  # the attention pass
+    # per tensor input: the buffer it is, where the compile could read its contents (`known_contents`)
+    known: list[KnownInput | None] = field(default_factory=list)
     report: Report | None = None  # the compile's, where a kernel failing at a size planned at run time is recorded
     location: str = ""  # the user's source line of the attention
     plans: OrderedDict[Signature, StaticPlan] = field(default_factory=OrderedDict)
@@ -137,6 +140,10 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
     with fake_mode:
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(needs)
                  for t, needs in zip(tensors, spec.requires_grad)]
+    placeholders = [n for n in static.graph.nodes if n.op == "placeholder"]
+    for node, known, t in zip(placeholders, spec.known, tensors):
+        if known is not None:  # the tensor of this call, at run time; the compile's, when planned there
+            node.meta[KNOWN] = replace(known, tensor=weakref.ref(t)) if is_real(t) else known
     values = _ValueRecorder(static, fake_mode)
     (out,) = values.propagate(*fakes, *sizes)
     for node in list(static.graph.nodes):  # sizes (and arithmetic on them) become constants
@@ -190,7 +197,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
                           "or specialize_float=False); torch.compile(..., dynamic=False) keeps it a constant")
     module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
     spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options,
-                       static_rewrite, location=where)
+                       static_rewrite, [known_input(n) for n in tensors], location=where)
 
     examples = [_AtHint(val(n)) for n in tensors]
     _, report, _ = plan_static(spec, examples, [_hint(val(n)) for n in sizes])

@@ -16,6 +16,7 @@ import torch.fx
 from fusepass.attention.call import AttentionCall, register
 from fusepass.attention.cost import attention_records
 from fusepass.attention.dynamic import reads_symbolic_ints, rewrite_dynamic
+from fusepass.attention.known_contents import ContentGuard, ContentsChanged, describe, known_input, known_tensor
 from fusepass.attention.layout import Unsupported
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes
 from fusepass.attention.plan import AttentionSpec, plan
@@ -67,12 +68,15 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
                 changed = changed or ctx.run_kernels
                 continue
             spec, sources, features = plan(m, name, ctx.options.replay)
-            replaced = replaced_subgraph(graph, removed_nodes(m), sources + spec.lifted.aux)
+            # The op's inputs: Q, K and V's sources, what the score functions read, the buffers read as the bands
+            # they hold (for their guards), then whatever else the replaced ops read.
+            banded = [node for node, _ in spec.lifted.bands]
+            read = sources + spec.lifted.aux + banded
+            replaced = replaced_subgraph(graph, removed_nodes(m), read)
             records, forward_tiles = attention_records(replaced, spec, sources, features, where,
                                                        ctx.report.ceilings.sms)
             spec = replace(spec, forward_tiles=forward_tiles)
-            module, extra = subgraph_module(with_recomputed(replaced, sources + spec.lifted.aux),
-                                            sources + spec.lifted.aux, m.pv)
+            module, extra = subgraph_module(with_recomputed(replaced, read), read, m.pv)
             lost = [n.name for n in extra if n.meta.get("requires_grad")]
             if lost:
                 raise Unsupported(f"a gradient flows to {', '.join(lost)}, which the replaced ops read and which "
@@ -84,20 +88,26 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             ctx.fallback("attention", where, "attention rewrite failed", error, ("aten.softmax",),
                          op_bytes(softmax))
             continue
+        for node, band in spec.lifted.bands:
+            records[0].detail[f"read as known contents: {known_input(node).name}"] = \
+                f"{describe(band)}; checked on each call"
         ctx.report.rewrites.extend(records)
         if ctx.run_kernels:
             ops, cost = records[0].ops, records[0].bytes_unfused
 
             def on_failure(error: Exception, phase: str, where: str = where, ops: tuple = ops,
                            cost: int = cost, records: list[Rewrite] = records) -> None:
-                ctx.fallback("attention", where, f"attention {phase} kernel failed", error, ops, cost, phase,
-                             withdrawn=records)
+                reason = "a buffer read as known contents changed" if isinstance(error, ContentsChanged) else \
+                    f"attention {phase} kernel failed"
+                ctx.fallback("attention", where, reason, error, ops, cost, phase, withdrawn=records)
 
-            inputs = sources + spec.lifted.aux + extra
+            inputs = read + extra
+            guards = [ContentGuard(len(spec.lifted.aux) + i, known_input(node).name, band, known_tensor(node))
+                      for i, (node, band) in enumerate(spec.lifted.bands)]
             call = AttentionCall(spec, Unfused(module, [bool(n.meta.get("requires_grad")) for n in inputs],
                                                tuple(val(m.pv).shape), m.values.out_perm, on_failure, records[0],
-                                               records[1] if len(records) > 1 else None))
-            _replace(graph, m, register(call), sources, spec, extra)
+                                               records[1] if len(records) > 1 else None), guards)
+            _replace(graph, m, register(call), sources, spec, banded + extra)
             hold(gm, call)
             call.compile_ahead_of_first_call([val(n) for n in sources], [val(a) for a in spec.lifted.aux])
             changed = True

@@ -18,8 +18,10 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusepass.attention.index import Idx, merge
+from fusepass.attention.known_contents import BAND_DTYPES, Band, band_of, known_tensor
 from fusepass.attention.layout import REARRANGING_OPS, Unsupported
 from fusepass.attention.lift.egraph import EGraph
 from fusepass.attention.lift.emit import ScoreFunctions, linear_scale
@@ -54,6 +56,7 @@ class Lifter:
         self.aux: list[torch.fx.Node] = []  # the tensors the score functions read, in their order in `aux`
         self.memo: dict[tuple[torch.fx.Node, tuple[Idx, ...]], Code | Diff] = {}
         self.chain = set(m.chain)
+        self.bands: list[tuple[torch.fx.Node, Band]] = []  # buffers read as the bands they hold, guarded per call
 
     def lift(self) -> Lifted:
         root = self.m.softmax.args[0]
@@ -100,7 +103,8 @@ class Lifter:
                       separable=split.separable if split is not None else None,
                       features=self.features.all(split is not None and split.key_side,
                                                  lambda i: f"aux[{i}]" in keep_text),
-                      tables=self.tables.tables, linear_scale=linear_scale(score_graph, self.e.s_leaf))
+                      tables=self.tables.tables, linear_scale=linear_scale(score_graph, self.e.s_leaf),
+                      bands=self.bands)
 
     # ---------------------------------------------------------------------------------- evaluation
 
@@ -133,7 +137,7 @@ class Lifter:
             return self._pointwise(node, coords)
         if node in self.chain:
             raise Unsupported(f"the score chain has {node.target}")
-        return self._load(node, coords)
+        return self._band(node, coords) or self._load(node, coords)
 
     def _scores(self, coords: tuple[Idx, ...]) -> Diff:
         batch = tuple(val(self.m.qk).shape[:-2])
@@ -184,6 +188,38 @@ class Lifter:
         expr = self.code.let(f"tl.where({keep}, {x.expr}, {zero})")
         span = (min(x.span[0], 0), max(x.span[1], 0)) if x.span is not None else None
         return Code(expr, x.dtype, x.uses | row_uses | col_uses, compares=x.compares + 1, span=span)
+
+    def _band(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | None:
+        """A buffer read as the band it holds (`known_contents`): the positions compared, as ``tril`` is, in
+        place of a load per score; the attention's call checks on each call that it still holds it."""
+        tensor = known_tensor(node)
+        fake = val(node)
+        if tensor is None or node.meta.get("requires_grad") or tuple(tensor.shape) != tuple(fake.shape) or \
+                tensor.dtype != fake.dtype or tensor.device != fake.device or tensor.dtype not in BAND_DTYPES:
+            return None
+        with unset_fake_temporarily():
+            band = band_of(tensor)
+        if band is None:
+            return None
+        if all(n is not node for n, _ in self.bands):
+            self.bands.append((node, band))
+        coords = broadcast(coords, tuple(fake.shape), tuple(fake.shape))
+        row, row_uses = render(coords[-2], self.canon)
+        col, col_uses = render(coords[-1], self.canon)
+        uses = row_uses | col_uses
+        dtype, held = band.dtype, held_dtype(band.dtype)
+        bounds = [*([f"(({col}) - ({row}) >= {band.lo})"] if band.lo is not None else []),
+                  *([f"(({col}) - ({row}) <= {band.hi})"] if band.hi is not None else [])]
+        span = (min(band.inside, band.outside), max(band.inside, band.outside))
+        keep = converted(" & ".join(bounds), uses, torch.bool)
+        if dtype == torch.bool:
+            expr = keep if band.inside else f"(~{keep})"
+        else:
+            expr = f"tl.where({keep}, {literal(band.inside, held)}, {literal(band.outside, held)})"
+        compares = band.bounds if {"q", "k"} <= uses else 0
+        mask = (keep, band.outside) if band.inside == 0 else (f"~{keep}", band.inside) if band.outside == 0 else None
+        return Code(self.code.let(expr), dtype, uses, compares=compares, span=span,
+                    mask=mask if dtype.is_floating_point else None)
 
     def _gather(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | Diff:
         """``table[i0, i1, ...]`` (``aten.index``, ``embedding``): index tensors evaluated at the output's

@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from fusepass.attention.index import Idx
+from fusepass.attention.known_contents import Band
 from fusepass.attention.layout import Unsupported
 from fusepass.attention.spans import Span, float_rounding, narrow, result_span, truncated
 from fusepass.codegen.operands import TRITON_DTYPE
@@ -125,6 +126,8 @@ class Lifted:
     features: list[str]
     tables: list[DistanceTable]
     linear_scale: float | None  # see ScoreMod.linear_scale
+    # The buffers read as the bands they hold (`known_contents`), not loaded: the op takes them for their guards.
+    bands: list[tuple[torch.fx.Node, Band]]
 
 
 def tensor_of(node: torch.fx.Node) -> torch.Tensor:

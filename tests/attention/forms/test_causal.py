@@ -69,7 +69,7 @@ def causal_additive_mask(q, k, v):
 
 FEATURES = ("causal",)
 # A buffer's values are not known when the graph is compiled: the mask is read from it, as any mask tensor.
-BUFFER_FEATURES = ("mask",)
+BUFFER_FEATURES = ("causal",)  # the buffer read as the band it holds (known_contents)
 
 
 def causal_with_8_wide_heads(q, k, v):
@@ -79,7 +79,8 @@ def causal_with_8_wide_heads(q, k, v):
 
 DECLINED = causal_with_8_wide_heads
 DECLINED_REASON = "head dim 8 outside 16..256"
-SUMMARY = "from arange or tril, Hugging Face's additive 0/min mask; a tril buffer is read as a mask"
+SUMMARY = ("from arange or tril, Hugging Face's additive 0/min mask, or a module's tril buffer (GPT-2's, nanoGPT's: "
+           "computed from the positions, its contents checked on each call)")
 
 
 @pytest.mark.parametrize("form", [causal_from_arange, causal_from_tril, causal_additive_mask])
