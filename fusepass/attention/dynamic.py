@@ -21,7 +21,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.direct_plan import DirectPlan, direct_plan
-from fusepass.attention.known_contents import KNOWN, KnownInput, is_real, known_input
+from fusepass.attention.known_contents import KNOWN, KnownInput, known_input
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
@@ -142,8 +142,9 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
                  for t, needs in zip(tensors, spec.requires_grad)]
     placeholders = [n for n in static.graph.nodes if n.op == "placeholder"]
     for node, known, t in zip(placeholders, spec.known, tensors):
-        if known is not None:  # the tensor of this call, at run time; the compile's, when planned there
-            node.meta[KNOWN] = replace(known, tensor=weakref.ref(t)) if is_real(t) else known
+        found = known.at_call(t) if known is not None else None
+        if found is not None:
+            node.meta[KNOWN] = found
     values = _ValueRecorder(static, fake_mode)
     (out,) = values.propagate(*fakes, *sizes)
     for node in list(static.graph.nodes):  # sizes (and arithmetic on them) become constants

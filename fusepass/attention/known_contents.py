@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -35,6 +35,13 @@ class KnownInput:
     tensor: weakref.ref
     name: str
 
+    def at_call(self, x: object) -> KnownInput | None:
+        """This input as a call passes it (`x`): its tensor, where a guard can track it; as the compile saw it,
+        where `x` stands for its layout only."""
+        if not is_real(x):
+            return self
+        return replace(self, tensor=weakref.ref(x)) if trackable(x) else None
+
 
 def mark_known(graph: torch.fx.Graph, example_inputs: Sequence[object], names: Sequence[str]) -> None:
     """Mark the placeholders that stand for a module's buffer (or a parameter no gradient flows to) with the real
@@ -42,9 +49,13 @@ def mark_known(graph: torch.fx.Graph, example_inputs: Sequence[object], names: S
     names of the inputs."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node, x, name in zip(placeholders, example_inputs, names):
-        if is_real(x) and not x.requires_grad and \
-                getattr(x, "_dynamo_static_input_type", None) is not None:
+        if trackable(x) and not x.requires_grad and getattr(x, "_dynamo_static_input_type", None) is not None:
             node.meta[KNOWN] = KnownInput(weakref.ref(x), name)
+
+
+def trackable(x: object) -> bool:
+    """A real tensor whose writes its version counter counts (an inference tensor counts none)."""
+    return is_real(x) and not x.is_inference()
 
 
 def known_input(node: torch.fx.Node) -> KnownInput | None:
@@ -127,9 +138,12 @@ class ContentGuard:
         tensor = aux[self.index]
         if self._seen() is tensor and tensor._version == self._version:
             return
+        held = f"what it held when compiled ({describe(self.band)}), which the attention's kernels compute"
+        if not trackable(tensor):
+            raise ContentsChanged(f"{self.name} is now an inference tensor, whose writes no version counts: "
+                                  f"it may not hold {held}")
         if band_of(tensor) != self.band:
-            raise ContentsChanged(f"{self.name} no longer holds what it held when compiled ({describe(self.band)}), "
-                                  "which the attention's kernels compute in its place")
+            raise ContentsChanged(f"{self.name} no longer holds {held}")
         self._seen, self._version = weakref.ref(tensor), tensor._version
 
 
