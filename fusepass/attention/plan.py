@@ -119,7 +119,7 @@ def plan(m: AttentionMatch, name: str, replay: bool) -> tuple[AttentionSpec, lis
     if q.size[3] not in HEAD_DIMS:
         raise Unsupported(f"head dim {q.size[3]} outside 16..256")
     canon = Canon(batch=B, heads=H, q_len=q_len, kv_len=kv_len)
-    lifted = Lifter(m, canon, name).lift()
+    lifted = Lifter(m, canon).lift()
     if any(lifted.aux_needs_grad) and torch.are_deterministic_algorithms_enabled():
         # Dynamo recompiles where the setting changes (it guards on it).
         raise Unsupported("deterministic algorithms are requested: the kernel would sum the gradient of a score "

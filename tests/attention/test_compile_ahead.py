@@ -208,3 +208,33 @@ def test_a_compile_ahead_that_fails_at_the_rewrite_leaves_it_to_the_first_call(m
                    **SUMMED_GRADIENT_FP32)
     assert starts == ["meta", q.device.type]
     assert [r.kind for r in report.rewrites] == ["attention", "attention"] and not missed(report)
+
+
+
+class _Layers(torch.nn.Module):
+    """Three causal attentions, each building its mask, the third with another scale."""
+
+    def forward(self, q, k, v):
+        for scale in (0.25, 0.25, 0.5):
+            i = torch.arange(q.size(-2), device=q.device)
+            s = (q @ k.transpose(-2, -1) * scale).masked_fill(i[None, :] > i[:, None], float("-inf"))
+            q = torch.softmax(s, dim=-1) @ v
+        return q
+
+
+def _score_functions() -> list[tuple]:
+    return [(c.mod.score, c.mod.score_grad, c.mod.keep, c.mod.fill) for _, c in sorted(call._calls.items())]
+
+
+def test_attentions_lifted_alike_share_their_score_functions_and_so_their_kernels():
+    """The flash kernels take the score functions as constants: a model's layers compile them once where their
+    attentions are written alike, and one attention planned again at a new length does not compile them again."""
+    compiled = torch.compile(_Layers(), backend=fusepass.backend(strict=True))
+    compiled(*(random_tensor((2, 2, 37, 16), torch.float32) for _ in range(3)))
+    first, second, third = _score_functions()
+    assert first == second and not set(first) & set(third)  # another scale, another chain
+    call._calls.clear()
+    for n in (29, 23):  # symbolic lengths from the second: each planned at its call
+        compiled(*(random_tensor((2, 2, n, 16), torch.float32) for _ in range(3)))
+    planned = _score_functions()
+    assert len(planned) >= 6 and set(planned) == {first, third}

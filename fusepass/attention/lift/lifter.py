@@ -40,17 +40,20 @@ from fusepass.codegen.translate import CASTS, CONSTANTS, constant_value, is_supp
 from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten
+# The stem of the score functions' names, the same for every attention: the source is then the chain's alone, so that
+# attentions lifted alike (a model's layers, one attention planned again at a new length) load one module and
+# share its jit functions, and with them the flash kernels compiled for those (`codegen.modules.load_module`).
+FUNCTIONS = "chain"
 # Integer ops whose fp32 form (Code.as_float) is exact when every value is.
 FLOAT_FORM_OPS = {aten.add, aten.sub, aten.neg, aten.abs, *CASTS}
 
 
 class Lifter:
-    def __init__(self, m: AttentionMatch, canon: Canon, name: str) -> None:
+    def __init__(self, m: AttentionMatch, canon: Canon) -> None:
         self.m = m
         self.canon = canon
-        self.name = name
         self.code = IndexCode()
-        self.tables = DistanceTables(canon, name, self.code)
+        self.tables = DistanceTables(canon, FUNCTIONS, self.code)
         self.e = EGraph(val(m.qk).dtype, self.tables.tabulated)
         self.features = Features()
         self.aux: list[torch.fx.Node] = []  # the tensors the score functions read, in their order in `aux`
@@ -66,7 +69,7 @@ class Lifter:
         self.e.graph.output(final.node)
         split = split_masks(self.e, self.code)
         emit = ScoreFunctions(self.e, self.code, self.aux)
-        name = self.name
+        name = FUNCTIONS
         score_graph = split.score if split is not None else self.e.module()
         chunks = [emit.score(f"{name}_score", score_graph), emit.gradient(f"{name}_score_grad", score_graph)]
         functions = {"score": f"{name}_score", "score_grad": f"{name}_score_grad"}

@@ -28,7 +28,7 @@ TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # held as fp32: t
 class DistanceTables:
     def __init__(self, canon: Canon, name: str, code: IndexCode) -> None:
         self.canon = canon
-        self.name = name  # of the attention: the tables' functions are named after it
+        self.name = name  # the stem of the tables' functions' names
         self.code = code
         self.tables: list[DistanceTable] = []
         self.sources: list[str] = []  # the jit functions that fill them
