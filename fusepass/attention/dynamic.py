@@ -34,7 +34,7 @@ from fusepass.attention.direct_plan import DirectPlan, direct_plan
 from fusepass.attention.known_contents import KNOWN, KnownInput, known_input
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
-from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module
+from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module, with_built_from_sizes
 from fusepass.attention.unfused import autograd_enabled, with_strides
 from fusepass.capture import mark_requires_grad
 from fusepass.context import PassContext, mark_planned
@@ -170,7 +170,7 @@ def _external_inputs(graph: torch.fx.Graph, m: AttentionMatch
     """(the ops the attention's rewrite replaces, the tensors they read from outside, the numbers: sizes and
     other ints Dynamo made symbolic)."""
     sources = [walk_up(operand)[0] for operand in (m.scores.left, m.scores.right, m.values.right)]
-    replaced = replaced_subgraph(graph, removed_nodes(m), sources)
+    replaced = with_built_from_sizes(replaced_subgraph(graph, removed_nodes(m), sources))
     _, externals = subgraph_module(replaced, [], m.pv)
     tensors = [n for n in externals if isinstance(val(n), torch.Tensor)]
     return replaced, tensors, [n for n in externals if not isinstance(val(n), torch.Tensor)]
@@ -220,8 +220,9 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
             keep_location(out, m.softmax)
         infer_meta([call, out])
         m.pv.replace_all_uses_with(out)
-    else:
-        mark_planned(replaced, name)
+    else:  # the ops only it reads: a mask its module builds again stays the graph's for the other layers
+        members = set(replaced)
+        mark_planned([n for n in replaced if n is m.pv or all(u in members for u in n.users)], name)
     return records
 
 

@@ -33,6 +33,8 @@ def subgraph_module(replaced: list[torch.fx.Node], leading: list[torch.fx.Node],
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     members = set(replaced)
+    # The trace's constants among them (`with_built_from_sizes`) come along.
+    constants = {n.target: getattr(n.graph.owning_module, n.target) for n in replaced if n.op == "get_attr"}
     extra = [a for n in replaced for a in n.all_input_nodes if a not in members and a not in leading]
     extra = list(dict.fromkeys(extra))
     for i, node in enumerate(leading + extra):
@@ -40,7 +42,7 @@ def subgraph_module(replaced: list[torch.fx.Node], leading: list[torch.fx.Node],
     for node in replaced:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output((env[output],))
-    return torch.fx.GraphModule({}, graph), extra
+    return torch.fx.GraphModule(constants, graph), extra
 
 
 def with_recomputed(replaced: list[torch.fx.Node], leading: list[torch.fx.Node]) -> list[torch.fx.Node]:
@@ -64,6 +66,39 @@ def _recomputed(replaced: list[torch.fx.Node], leading: set[torch.fx.Node]) -> s
         found.add(node)
         pending.extend(node.all_input_nodes)
     return found
+
+
+def with_built_from_sizes(replaced: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``replaced`` and the tensors it reads that are computed from sizes and constants alone, with what computes
+    them, in graph order: a mask a model builds once from ``arange`` for all its layers. Where sizes are symbolic
+    the module computes such a tensor itself, so that each size's plan lifts it into index code (no load per tile,
+    no sizes in the score functions' source) instead of reading it as an input."""
+    memo: dict[torch.fx.Node, bool] = {}
+    members = set(replaced)
+    pending = [a for n in replaced for a in n.all_input_nodes]
+    while pending:
+        node = pending.pop()
+        if node in members or not isinstance(node.meta.get("val"), torch.Tensor) or \
+                not _built_from_sizes(node, memo):
+            continue
+        members.add(node)
+        pending.extend(node.all_input_nodes)
+    return [n for n in replaced[0].graph.nodes if n in members]
+
+
+def _built_from_sizes(node: torch.fx.Node, memo: dict[torch.fx.Node, bool]) -> bool:
+    """Whether a deterministic op computes the node's tensor from sizes and constants alone (no input tensor): a
+    constant of the trace (``torch.tensor(0.0)``) is one."""
+    if node not in memo:
+        memo[node] = node.op == "get_attr" or node.op == "call_function" and not _random(node) and \
+            not node.meta.get("requires_grad") and \
+            all(_number(a) or _built_from_sizes(a, memo) for a in node.all_input_nodes)
+    return memo[node]
+
+
+def _number(node: torch.fx.Node) -> bool:
+    """Whether the node's value is a number (a size), not a tensor or what holds tensors."""
+    return isinstance(node.meta.get("val"), (int, float, torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
 def _random(node: torch.fx.Node) -> bool:

@@ -237,3 +237,33 @@ def test_the_backward_reads_what_the_forward_kept(monkeypatch, direct):
         second = torch.autograd.grad(out, (q, k, v), grad)
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _shared_mask_layers(q, k, v):
+    """Hugging Face's eager masks: one additive causal mask, built once from arange and a traced constant, read by
+    every layer."""
+    position = torch.arange(q.size(-2), device=q.device)
+    allowed = position[None, :] <= position[:, None]
+    mask = torch.where(allowed, torch.tensor(0.0, device=q.device), torch.finfo(q.dtype).min)[None, None]
+    for _ in range(2):
+        q = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + mask, dim=-1) @ v
+    return q
+
+
+def test_a_mask_built_once_for_every_layer_is_computed_from_the_positions_at_each_length():
+    """Each layer's module builds the mask again from the sizes: each length's plan then computes it from the
+    positions (a causal mask, its map cached), where it had read it as a bias tensor, its sizes in the source."""
+    from fusepass.attention import call
+
+    compiled = torch.compile(_shared_mask_layers, backend=fusepass.backend(strict=True))
+    before = set(call._calls)
+    for n in (37, 29, 23):
+        q, k, v = (random_tensor((2, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
+        out, expected = compiled(q, k, v), _shared_mask_layers(q, k, v)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        grad = torch.randn_like(out)
+        for a, e in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    planned = [call._calls[name] for name in set(call._calls) - before]
+    assert planned and {tuple(c.spec.lifted.features) for c in planned} == {("causal",)}
+    assert len({c.mod.keep for c in planned}) == 1  # one source at every length: its kernels compiled once
