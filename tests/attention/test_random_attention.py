@@ -1,9 +1,9 @@
 """Attention written at random from the forms the rewrite accepts, combined: Q, K and V as [B, H, N, D] tensors, as
 [B, N, H, D] ones transposed, or split from one projection; the products as matmul, einsum or bmm, the scale on q,
 on the scores or divided out, applied in place or not; GQA through repeat_interleave, cross-attention lengths,
-position masks (causal, sliding window), tensor masks (padding lengths, document ids), biases (ALiBi with fixed or
-learnable slopes, a learnable bias tensor), softcap, the masks' fills, fp32 or fp16 (and bf16 on the GPU), and the
-softmax taken in fp32 or in the inputs' dtype; lengths from 1, head dims from 8 to 256. Each program computes what
+position masks (causal, sliding window; built in the graph or sliced from a module's buffer), tensor masks
+(padding lengths, document ids), biases (ALiBi with fixed or learnable slopes, a learnable bias tensor), softcap,
+the masks' fills, fp32 or fp16 (and bf16 on the GPU), and the softmax taken in fp32 or in the inputs' dtype; lengths from 1, head dims from 8 to 256. Each program computes what
 eager computes, forward and backward, at its length and again at a second one (a recompile with symbolic sizes),
 and its softmax is either rewritten or reported as a hotspot with a reason: nothing is left out silently, and no
 kernel fails. Sizes are drawn off the kernels' tile sizes.
@@ -43,6 +43,7 @@ class Program:
     scale: str  # "q", "scores", "divide"
     in_place: bool  # the scale and the mask applied in place (s *= c, s.masked_fill_(...))
     mask: str  # "none", "causal", "window", "padding", "documents", "causal documents"
+    mask_buffer: bool  # a causal or window mask sliced from a module's buffer of a longer length (GPT-2's tril)
     fill: str  # "masked_fill", "where", "finfo.min"
     bias: str  # "none", "alibi", "learnable alibi", "learnable tensor"
     bias_permuted: bool  # a learnable tensor given as a [Nq, Nk, H] tensor permuted (T5 lays its bias out so)
@@ -67,7 +68,7 @@ def programs(draw) -> Program:
                    layout=draw(st.sampled_from(["bhnd", "bnhd"] + ([] if cross else ["projection"]))),
                    product=draw(st.sampled_from(["matmul", "einsum", "bmm"])),
                    scale=draw(st.sampled_from(["q", "scores", "divide"])), in_place=draw(st.booleans()),
-                   mask=draw(st.sampled_from(masks)),
+                   mask=draw(st.sampled_from(masks)), mask_buffer=draw(st.booleans()),
                    fill=draw(st.sampled_from(["masked_fill", "where", "finfo.min"])),
                    bias=draw(st.sampled_from(biases)), bias_permuted=draw(st.booleans()),
                    softcap=draw(st.booleans()),
@@ -95,14 +96,34 @@ def _values(p: Program, weights, v):
                      v.reshape(flat, p.kv_len, p.head_dim)).view(p.batch, p.heads, p.q_len, p.head_dim)
 
 
-def _keep(p: Program, q, extra):
+def _position_keep(mask: str, q_len: int, kv_len: int, device) -> torch.Tensor | None:
+    """Where a causal or window mask keeps a score ([Nq, Nk]), or None for the other masks."""
+    rows = torch.arange(q_len, device=device)[:, None]
+    cols = torch.arange(kv_len, device=device)[None, :]
+    if mask == "causal":
+        return rows >= cols
+    if mask == "window":
+        return (rows >= cols) & (rows - cols < 7)
+    return None
+
+
+class _MaskBuffer(torch.nn.Module):
+    """The program's position mask held as a module's buffer, longer than the lengths it runs at, sliced."""
+
+    def __init__(self, mask: str, longest: int) -> None:
+        super().__init__()
+        self.register_buffer("keep", _position_keep(mask, longest, longest, DEVICE)[None, None])
+
+
+def _keep(p: Program, q, extra, buffer: _MaskBuffer | None):
     """Where the mask keeps a score ([B or 1, 1, Nq, Nk]), or None."""
-    rows = torch.arange(p.q_len, device=q.device)[:, None]
+    if buffer is not None:
+        return buffer.keep[:, :, :p.q_len, :p.kv_len]
+    keep = _position_keep(p.mask, p.q_len, p.kv_len, q.device)
+    if keep is not None:
+        return keep[None, None]
     cols = torch.arange(p.kv_len, device=q.device)[None, :]
-    if p.mask == "causal":
-        return (rows >= cols)[None, None]
-    if p.mask == "window":
-        return ((rows >= cols) & (rows - cols < 7))[None, None]
+    rows = torch.arange(p.q_len, device=q.device)[:, None]
     if p.mask == "padding":
         return (cols < extra["lengths"][:, None, None])[:, None]
     ids = extra.get("ids")
@@ -125,6 +146,8 @@ def _heads(p: Program, q, k, v):
 
 
 def attention_of(p: Program):
+    buffer = _MaskBuffer(p.mask, p.q_len + 8) if p.mask_buffer and p.mask in ("causal", "window") else None
+
     def attention(q, k, v, extra):
         q, k, v = _heads(p, q, k, v)
         if p.group > 1:
@@ -149,7 +172,7 @@ def attention_of(p: Program):
             s = s + extra["bias"]
         if p.softcap:
             s = torch.tanh(s / 5.0) * 5.0
-        keep = _keep(p, q, extra)
+        keep = _keep(p, q, extra, buffer)
         if keep is not None:
             if p.fill == "where":
                 s = torch.where(keep, s, float("-inf"))
