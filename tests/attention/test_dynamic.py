@@ -41,6 +41,17 @@ def check_sizes(compiled, sizes):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, equal_nan=True)
 
 
+def check_lengths(compiled, eager, lengths, batch: int = 2):
+    """`compiled` computes what `eager` does of q, k, v [batch, 2, n, 16] at each length n, forward and backward."""
+    for n in lengths:
+        q, k, v = (random_tensor((batch, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
+        out, expected = compiled(q, k, v), eager(q, k, v)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        grad = torch.randn_like(out)
+        for a, e in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
 def test_symbolic_sizes_are_rewritten_and_exact():
     fusepass.reset()
     check_sizes(torch.compile(padded_gqa, backend=fusepass.backend(strict=True), dynamic=True), (21, 37))
@@ -120,13 +131,7 @@ def test_unmasked_attention_reading_no_size_trains_under_symbolic_sizes():
     whose gradient torch wants as a list: the backward failed and the graph ran unfused (strict: raised)."""
     fusepass.reset()
     compiled = torch.compile(unmasked, backend=fusepass.backend(strict=True))
-    for n in (13, 21, 37):  # the second size recompiles with symbolic sizes
-        q, k, v = (random_tensor((1, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
-        out, expected = compiled(q, k, v), unmasked(q, k, v)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-        grad = torch.randn_like(out)
-        for a, e in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
-            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    check_lengths(compiled, unmasked, (13, 21, 37), batch=1)  # the second size recompiles with symbolic sizes
     assert any("symbolic" in r.detail.get("sizes", "")
                for r in rewrites(fusepass.last_report(), kind="attention", phase="forward"))
 
@@ -257,13 +262,7 @@ def test_a_mask_built_once_for_every_layer_is_computed_from_the_positions_at_eac
 
     compiled = torch.compile(_shared_mask_layers, backend=fusepass.backend(strict=True))
     before = set(call._calls)
-    for n in (37, 29, 23):
-        q, k, v = (random_tensor((2, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
-        out, expected = compiled(q, k, v), _shared_mask_layers(q, k, v)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-        grad = torch.randn_like(out)
-        for a, e in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
-            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    check_lengths(compiled, _shared_mask_layers, (37, 29, 23))
     planned = [call._calls[name] for name in set(call._calls) - before]
     assert planned and {tuple(c.spec.lifted.features) for c in planned} == {("causal",)}
     assert len({c.mod.keep for c in planned}) == 1  # one source at every length: its kernels compiled once

@@ -28,8 +28,8 @@ def _filled(band: Band) -> torch.Tensor:
         inside &= d >= band.lo
     if band.hi is not None:
         inside &= d <= band.hi
-    filled = torch.where(inside, torch.tensor(band.inside, dtype=band.dtype), torch.tensor(band.outside, dtype=band.dtype))
-    return filled.expand(band.shape)
+    inside_value, outside_value = (torch.tensor(x, dtype=band.dtype) for x in (band.inside, band.outside))
+    return torch.where(inside, inside_value, outside_value).expand(band.shape)
 
 
 @pytest.mark.parametrize("tensor, lo, hi", [
@@ -99,6 +99,16 @@ def _compiled(model: torch.nn.Module, **options) -> torch.nn.Module:
     return torch.compile(model, backend=fusepass.backend(**options))
 
 
+def _stepped_once(**options) -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """A `BufferAttention`, compiled, and its input, after one step checked against eager."""
+    torch.manual_seed(0)
+    model = BufferAttention().to(DEVICE)
+    compiled = _compiled(model, **options)
+    x = torch.randn(2, 37, 32, device=DEVICE)
+    _same_step(compiled, model, x)
+    return model, compiled, x
+
+
 def _attention_features(phase: str = "forward") -> list[tuple[str, ...]]:
     return [tuple(r.features) for report in fusepass.reports() for r in rewrites(report, "attention", phase)]
 
@@ -152,15 +162,12 @@ def test_a_mask_the_caller_passes_is_read():
         scores = (q @ k.transpose(-2, -1)).masked_fill(causal == 0, float("-inf"))
         return F.softmax(scores, dim=-1) @ v
 
-    check_fused(attention, *qkv(23), torch.tril(torch.ones(23, 23, dtype=torch.bool, device=DEVICE)), expected=("mask",))
+    causal = torch.tril(torch.ones(23, 23, dtype=torch.bool, device=DEVICE))
+    check_fused(attention, *qkv(23), causal, expected=("mask",))
 
 
 def test_a_buffer_written_in_place_is_read_again():
-    torch.manual_seed(0)
-    model = BufferAttention().to(DEVICE)
-    compiled = _compiled(model)
-    x = torch.randn(2, 37, 32, device=DEVICE)
-    _same_step(compiled, model, x)
+    model, compiled, x = _stepped_once()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same contents written again: still the band, no fallback
         with torch.no_grad():
@@ -179,11 +186,7 @@ def test_a_buffer_written_in_place_is_read_again():
 
 
 def test_a_buffer_replaced_by_another_is_read_again():
-    torch.manual_seed(0)
-    model = BufferAttention().to(DEVICE)
-    compiled = _compiled(model)
-    x = torch.randn(2, 37, 32, device=DEVICE)
-    _same_step(compiled, model, x)
+    model, compiled, x = _stepped_once()
     model.bias = torch.tril(torch.ones(48, 48, device=DEVICE), diagonal=-1).view(1, 1, 48, 48)
     model.bias[..., 0, 0] = 1.0  # the first query still sees a key
     with pytest.warns(RuntimeWarning, match="a buffer read as known contents changed"):
