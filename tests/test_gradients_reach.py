@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from support import DEVICE, rewrites
+from support import DEVICE, random_tensor, rewrites
 
 import fusepass
 from fusepass.capture import carries_gradient
@@ -80,3 +80,19 @@ def test_a_list_of_float_tensors_carries_a_gradient():
     assert not carries_gradient([torch.arange(3), torch.zeros(2, dtype=torch.bool)])
     assert not carries_gradient(torch.arange(3))
     assert carries_gradient(None)  # unknown: a gradient may flow
+
+
+def test_a_tensor_the_score_chain_only_compares_gets_no_gradient():
+    """A float mask that requires a gradient but enters the scores through a comparison: eager gives it none (None,
+    which an optimizer skips), and so does the fused attention, not a zero tensor."""
+    def attention(q, k, v, causal):
+        scores = (q @ k.transpose(-2, -1)).masked_fill(causal == 0, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+    q, k, v = (random_tensor((2, 2, 23, 16), torch.float32).requires_grad_() for _ in range(3))
+    causal = torch.tril(torch.ones(23, 23, device=DEVICE)).requires_grad_()
+    compiled = torch.compile(attention, backend=fusepass.backend(strict=True))
+    out = compiled(q, k, v, causal)
+    out.sum().backward()
+    assert causal.grad is None and all(x.grad is not None for x in (q, k, v))
+    assert any(r.kind == "attention" for r in fusepass.last_report().rewrites)

@@ -34,6 +34,9 @@ class ScoreFunctions:
         self.e = e
         self.code = code
         self.aux = aux
+        # The aux tensors a gradient reaches in the functions emitted so far: one that requires a gradient but
+        # enters only through ops none passes (a comparison) gets none, as eager gives it none.
+        self.reached: set[int] = set()
 
     def _bind_leaves(self, module: torch.fx.GraphModule, lines: list[str]) -> dict[str, Operand]:
         """Operands for E's placeholders: s, index values, and tensor elements loaded for a gradient."""
@@ -91,11 +94,20 @@ class ScoreFunctions:
                 continue
             if leaf is self.e.s_leaf:
                 result = f"({grad.expr} + {SPLAT_OF_S}).to(tl.float32)"
-            else:
+            elif not _zero(grad.expr):  # a comparison's derivative is the literal 0: no gradient reaches it
+                self.reached.add(self.e.leaves[leaf].aux)
                 # The dQ kernel passes aux_grad=None: the dK/dV kernel alone accumulates aux gradients.
                 lines.append("if aux_grad is not None:")
                 lines += ["    " + line for line in accumulate(self.e.leaves[leaf], grad.expr)]
         return self.code.function(name, "s, ds, b, h, q_idx, kv_idx, aux, aux_grad", lines, f"return {result}")
+
+
+def _zero(expr: str) -> bool:
+    """Whether an emitted value is the literal zero."""
+    try:
+        return float(expr) == 0.0
+    except ValueError:
+        return False
 
 
 def linear_scale(module: torch.fx.GraphModule, s_leaf: torch.fx.Node) -> float | None:

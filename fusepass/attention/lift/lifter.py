@@ -99,7 +99,8 @@ class Lifter:
         keep_text = "" if split is None else "\n".join([split.keep, *self.code.closure(split.keep)])
         return Lifted(source=self.tables.placed("\n\n".join(chunks + self.tables.sources), len(self.aux)),
                       functions=functions, aux=self.aux,
-                      aux_needs_grad=[bool(a.meta.get("requires_grad", False)) for a in self.aux],
+                      aux_needs_grad=[bool(a.meta.get("requires_grad", False)) and i in emit.reached
+                                      for i, a in enumerate(self.aux)],
                       fill_bound=split.fill_bound if split is not None else -math.inf,
                       keep_uses=split.uses if split is not None else frozenset(),
                       keep_reads_aux=split is not None and split.reads_aux,
