@@ -25,7 +25,7 @@ from fusepass.attention.unfused import Unfused
 from fusepass.context import PassContext, mark_planned
 from fusepass.fx_util import hold, infer_meta, val
 from fusepass.report.ledger import op_bytes
-from fusepass.report.records import Hotspot, Rewrite
+from fusepass.report.records import KNOWN_CONTENTS, Hotspot, Rewrite
 from fusepass.source import keep_location, location
 
 aten = torch.ops.aten
@@ -88,9 +88,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             ctx.fallback("attention", where, "attention rewrite failed", error, ("aten.softmax",),
                          op_bytes(softmax))
             continue
-        for node, band in spec.lifted.bands:
-            records[0].detail[f"read as known contents: {known_input(node).name}"] = \
-                f"{describe(band)}; checked on each call"
+        if spec.lifted.bands:
+            records[0].detail[KNOWN_CONTENTS] = {known_input(node).name: describe(band)
+                                                 for node, band in spec.lifted.bands}
         ctx.report.rewrites.extend(records)
         if ctx.run_kernels:
             ops, cost = records[0].ops, records[0].bytes_unfused

@@ -14,6 +14,11 @@ def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
 
 
+# A rewrite's detail: the buffers whose contents its kernels compute in place of reading them (an attention's
+# tril mask), each by the user's name, with what it holds.
+KNOWN_CONTENTS = "known contents"
+
+
 @dataclass
 class Rewrite:
     """A group of ATen ops replaced by one fused kernel, in one phase (forward or backward)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING
 
-from fusepass.report.records import Hotspot, Rewrite
+from fusepass.report.records import KNOWN_CONTENTS, Hotspot, Rewrite
 
 if TYPE_CHECKING:  # the report renders itself through this module: no import back at run time
     from fusepass.report.report import Report
@@ -67,6 +67,8 @@ def _rewrite_lines(r: Rewrite) -> list[str]:
                      f"({r.measured_speedup:.2f}x)")
     if r.features:
         about.append(", ".join(r.features))
+    for name, band in r.detail.get(KNOWN_CONTENTS, {}).items():
+        about.append(f"{name} computed from the positions ({band}; its contents checked on each call)")
     return [numbers] + _wrapped(" | ".join(about), "      ")
 
 
