@@ -128,10 +128,10 @@ class ContentsChanged(RuntimeError):
 class ContentGuard:
     """A band read from aux tensor `index` of an attention op, checked on each call (see the module's text)."""
 
-    def __init__(self, index: int, name: str, band: Band, tensor: torch.Tensor) -> None:
-        self.index, self.name, self.band = index, name, band
-        self._seen = weakref.ref(tensor)
-        self._version = tensor._version
+    def __init__(self, index: int, known: KnownInput, band: Band) -> None:
+        self.index, self.name, self.band = index, known.name, band
+        self._seen = known.tensor
+        self._version = known.tensor()._version
 
     def check(self, aux: Sequence[torch.Tensor]) -> None:
         """Raise `ContentsChanged` where the tensor no longer holds the band."""

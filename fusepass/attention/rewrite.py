@@ -16,7 +16,7 @@ import torch.fx
 from fusepass.attention.call import AttentionCall, register
 from fusepass.attention.cost import attention_records
 from fusepass.attention.dynamic import reads_symbolic_ints, rewrite_dynamic
-from fusepass.attention.known_contents import ContentGuard, ContentsChanged, describe, known_input, known_tensor
+from fusepass.attention.known_contents import ContentGuard, ContentsChanged, describe, known_input
 from fusepass.attention.layout import Unsupported
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes
 from fusepass.attention.plan import AttentionSpec, plan
@@ -102,7 +102,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
                 ctx.fallback("attention", where, reason, error, ops, cost, phase, withdrawn=records)
 
             inputs = read + extra
-            guards = [ContentGuard(len(spec.lifted.aux) + i, known_input(node).name, band, known_tensor(node))
+            guards = [ContentGuard(len(spec.lifted.aux) + i, known_input(node), band)
                       for i, (node, band) in enumerate(spec.lifted.bands)]
             call = AttentionCall(spec, Unfused(module, [bool(n.meta.get("requires_grad")) for n in inputs],
                                                tuple(val(m.pv).shape), m.values.out_perm, on_failure, records[0],

@@ -184,14 +184,19 @@ class Lifter:
         if not isinstance(x, Code):
             raise Unsupported("tril/triu of the scores")
         diagonal = node.args[1] if len(node.args) > 1 else node.kwargs.get("diagonal", 0)
-        row, row_uses = render(coords[-2], self.canon)
-        col, col_uses = render(coords[-1], self.canon)
+        distance, uses = self._diagonal(coords)
         op = "<=" if packet(node) == aten.tril else ">="
-        keep = converted(f"(({col}) - ({row}) {op} {diagonal})", row_uses | col_uses, torch.bool)
+        keep = converted(f"({distance} {op} {diagonal})", uses, torch.bool)
         zero = literal(0, held_dtype(x.dtype))
         expr = self.code.let(f"tl.where({keep}, {x.expr}, {zero})")
         span = (min(x.span[0], 0), max(x.span[1], 0)) if x.span is not None else None
-        return Code(expr, x.dtype, x.uses | row_uses | col_uses, compares=x.compares + 1, span=span)
+        return Code(expr, x.dtype, x.uses | uses, compares=x.compares + 1, span=span)
+
+    def _diagonal(self, coords: tuple[Idx, ...]) -> tuple[str, frozenset[str]]:
+        """The diagonal ``col - row`` of a tensor read at `coords` (of its last two dims), and what it uses."""
+        row, row_uses = render(coords[-2], self.canon)
+        col, col_uses = render(coords[-1], self.canon)
+        return f"(({col}) - ({row}))", row_uses | col_uses
 
     def _band(self, node: torch.fx.Node, coords: tuple[Idx, ...]) -> Code | None:
         """A buffer read as the band it holds (`known_contents`): the positions compared, as ``tril`` is, in
@@ -207,13 +212,10 @@ class Lifter:
             return None
         if all(n is not node for n, _ in self.bands):
             self.bands.append((node, band))
-        coords = broadcast(coords, tuple(fake.shape), tuple(fake.shape))
-        row, row_uses = render(coords[-2], self.canon)
-        col, col_uses = render(coords[-1], self.canon)
-        uses = row_uses | col_uses
+        distance, uses = self._diagonal(broadcast(coords, tuple(fake.shape), tuple(fake.shape)))
         dtype, held = band.dtype, held_dtype(band.dtype)
-        bounds = [*([f"(({col}) - ({row}) >= {band.lo})"] if band.lo is not None else []),
-                  *([f"(({col}) - ({row}) <= {band.hi})"] if band.hi is not None else [])]
+        bounds = [*([f"({distance} >= {band.lo})"] if band.lo is not None else []),
+                  *([f"({distance} <= {band.hi})"] if band.hi is not None else [])]
         span = (min(band.inside, band.outside), max(band.inside, band.outside))
         keep = converted(" & ".join(bounds), uses, torch.bool)
         if dtype == torch.bool:
