@@ -19,9 +19,13 @@ from fusepass.runtime.device import INTERPRETED
 def dot(a, b, acc=None):
     """acc + a @ b, accumulated in fp32 (in `acc` itself when given); fp32 operands in full precision (no TF32)
     so results match eager fp32."""
-    if INTERPRETED and a.dtype == tl.bfloat16:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
+    if INTERPRETED:
+        # Each element's products summed in one order, wherever it lies in the tile, as the GPU's MMA sums them:
+        # numpy's matmul (OpenBLAS's Haswell and Zen kernels) sums edge elements in another order than the rest,
+        # and the backward's delta, a dot beside dp's, must round as dp does (a saturated row's gradient is their
+        # difference). bf16 bit patterns are multiplied as fp32 (the interpreter multiplies the raw bits).
+        products = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+        return products if acc is None else acc + products
     return tl.dot(a, b, acc, input_precision="ieee")
 
 
