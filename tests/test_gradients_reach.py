@@ -82,17 +82,21 @@ def test_a_list_of_float_tensors_carries_a_gradient():
     assert carries_gradient(None)  # unknown: a gradient may flow
 
 
-def test_a_tensor_the_score_chain_only_compares_gets_no_gradient():
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_tensor_the_score_chain_only_compares_gets_no_gradient(dynamic):
     """A float mask that requires a gradient but enters the scores through a comparison: eager gives it none (None,
-    which an optimizer skips), and so does the fused attention, not a zero tensor."""
+    which an optimizer skips), and so does the fused attention, not a zero tensor; under symbolic sizes too, at
+    each length."""
     def attention(q, k, v, causal):
         scores = (q @ k.transpose(-2, -1)).masked_fill(causal == 0, float("-inf"))
         return torch.softmax(scores, dim=-1) @ v
 
-    q, k, v = (random_tensor((2, 2, 23, 16), torch.float32).requires_grad_() for _ in range(3))
-    causal = torch.tril(torch.ones(23, 23, device=DEVICE)).requires_grad_()
-    compiled = torch.compile(attention, backend=fusepass.backend(strict=True))
-    out = compiled(q, k, v, causal)
-    out.sum().backward()
-    assert causal.grad is None and all(x.grad is not None for x in (q, k, v))
-    assert any(r.kind == "attention" for r in fusepass.last_report().rewrites)
+    fusepass.reset()
+    compiled = torch.compile(attention, backend=fusepass.backend(strict=True), dynamic=dynamic)
+    for n in (23, 29):
+        q, k, v = (random_tensor((2, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
+        causal = torch.tril(torch.ones(n, n, device=DEVICE)).requires_grad_()
+        out = compiled(q, k, v, causal)
+        out.sum().backward()
+        assert causal.grad is None and all(x.grad is not None for x in (q, k, v)), n
+    assert all(rewrites(report, "attention", "backward") for report in fusepass.reports())

@@ -62,7 +62,7 @@ class StaticPlan:
 class DynamicSpec:
     name: str
     module: torch.fx.GraphModule  # (*tensors, *sizes) -> (the matmul with V's output,)
-    requires_grad: list[bool]  # per tensor input: whether a gradient flows to it
+    requires_grad: list[bool]  # per tensor input: whether a gradient flows to it (`gradients_reach`)
     options: Options
     static_rewrite: Callable[[torch.fx.GraphModule, PassContext], torch.fx.GraphModule]  # the attention pass
     # per tensor input: the buffer it is, where the compile could read its contents (`known_contents`)
@@ -137,9 +137,7 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
     dtype and device). Also the strides of the module's output before the rewrite."""
     static = torch.fx.GraphModule(spec.module, copy.deepcopy(spec.module.graph))
     fake_mode = FakeTensorMode()
-    with fake_mode:
-        fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(needs)
-                 for t, needs in zip(tensors, spec.requires_grad)]
+    fakes = _fakes(tensors, spec.requires_grad, fake_mode)
     placeholders = [n for n in static.graph.nodes if n.op == "placeholder"]
     for node, known, t in zip(placeholders, spec.known, tensors):
         found = known.at_call(t) if known is not None else None
@@ -160,9 +158,34 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
     report = Report(graph=spec.name)
     device = next((t.device for t in tensors), torch.device("cpu"))
     spec.static_rewrite(static, PassContext(report, spec.options, "forward", device, run_kernels=True,
-                                            failures=spec.report))
+                                            failures=spec.report, sizes_vary=True))
     with fake_mode:
         return static, report, tuple(torch.empty_like(out).stride())
+
+
+def _fakes(tensors: list[Any], requires_grad: list[bool], fake_mode: FakeTensorMode) -> list[torch.Tensor]:
+    """Fake tensors laid out as `tensors` (shape, stride(), dtype and device are all read of them)."""
+    with fake_mode:
+        return [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).requires_grad_(needs)
+                for t, needs in zip(tensors, requires_grad)]
+
+
+def gradients_reach(module: torch.fx.GraphModule, tensors: list[Any], sizes: list[int], requires_grad: list[bool]
+                    ) -> list[bool]:
+    """Which of the tensor inputs that require a gradient the replaced ops pass one to, as eager's autograd finds
+    it (on fake tensors): one read only through a comparison gets None from eager, which an optimizer skips, and
+    the op's backward, whose structure its fake fixes at the compile, must give None there too, not zeros."""
+    if not any(requires_grad):
+        return requires_grad
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # the module's constants are real
+    fakes = _fakes(tensors, requires_grad, fake_mode)
+    with autograd_enabled(), fake_mode:  # (FakeTensorProp's results are detached)
+        (out,) = module(*fakes, *sizes)
+        if not out.requires_grad:
+            return [False] * len(requires_grad)
+        wanted = [x for x in fakes if x.requires_grad]
+        reached = iter(torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True))
+    return [needs and next(reached) is not None for needs in requires_grad]
 
 
 def _external_inputs(graph: torch.fx.Graph, m: AttentionMatch
@@ -197,11 +220,11 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
         raise Unsupported("the score chain reads a float Dynamo made symbolic (a number that changed between calls, "
                           "or specialize_float=False); torch.compile(..., dynamic=False) keeps it a constant")
     module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
-    spec = DynamicSpec(name, module, [bool(n.meta.get("requires_grad")) for n in tensors], ctx.options,
-                       static_rewrite, [known_input(n) for n in tensors], location=where)
-
-    examples = [_AtHint(val(n)) for n in tensors]
-    _, report, _ = plan_static(spec, examples, [_hint(val(n)) for n in sizes])
+    examples, hints = [_AtHint(val(n)) for n in tensors], [_hint(val(n)) for n in sizes]
+    requires_grad = gradients_reach(module, examples, hints, [bool(n.meta.get("requires_grad")) for n in tensors])
+    spec = DynamicSpec(name, module, requires_grad, ctx.options, static_rewrite, [known_input(n) for n in tensors],
+                       location=where)
+    _, report, _ = plan_static(spec, examples, hints)
     records = [r for r in report.rewrites if r.kind == "attention"]
     if not records:
         reasons = [h.reason for h in report.hotspots if h.kind in ("attention", "fallback")]
