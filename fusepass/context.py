@@ -28,6 +28,7 @@ class PassContext:
     # Where failures are recorded, if not in `report`: an attention planned at run time at a new size records its
     # rewrite in a report of its own, and its kernels' failures in the compile's (attention/dynamic.py).
     failures: Report | None = None
+    sizes_vary: bool = False  # the graph is one size's plan of a graph of symbolic sizes
 
     def fallback(self, kind: str, location: str, reason: str, error: Exception,
                  ops: tuple[str, ...] = (), bytes: int = 0, phase: str | None = None,

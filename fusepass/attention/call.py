@@ -135,8 +135,9 @@ class AttentionCall:
                 self.compiled_ahead = True
                 _compile_ahead(self, (q, k, v), (q4, k4, v4), aux, q.device)
             map_into = self.block_map(packed_map[0], q) if packed_map else None
-            return flash_attention_forward(q4, k4, v4, self.mod, read, dropout_p=s.dropout_p, seed=seed_value,
-                                           out_dtype=s.out_dtype, outputs=outputs, map_into=map_into)
+            return flash_attention_forward(q4, k4, v4, self.mod, s.kernel_aux(read), dropout_p=s.dropout_p,
+                                           seed=seed_value, out_dtype=s.out_dtype, outputs=outputs,
+                                           map_into=map_into)
 
         try:
             # Everything the call returns is allocated here, outside the launches a replay repeats (the map's
@@ -189,8 +190,8 @@ class AttentionCall:
             # The forward's map, where the op returned one, viewed here: a replayed call needs only its buffer.
             extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None,
                                       self.block_map(block_map[0], q) if block_map else None)
-            flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, read, aux_grad,
-                                     dropout_p=s.dropout_p, seed=seed_value,
+            flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, s.kernel_aux(read),
+                                     s.kernel_aux_grad(aux_grad), dropout_p=s.dropout_p, seed=seed_value,
                                      grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
 
         aux_grad = new_aux_grad()
@@ -273,9 +274,9 @@ def _compile_ahead(call: AttentionCall, sources: tuple[torch.Tensor, ...], qkv: 
         aux_grad = tuple(  # as `backward` lays them out
             _accumulator(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")) if n
             else torch.empty(0, dtype=a.dtype, device="meta") for a, n in zip(read, s.aux_needs_grad(len(read))))
-    compile_attention_ahead(*qkv, call.mod, read, dropout_p=s.dropout_p, out_dtype=s.out_dtype,
+    compile_attention_ahead(*qkv, call.mod, s.kernel_aux(read), dropout_p=s.dropout_p, out_dtype=s.out_dtype,
                             forward_tiles=s.forward_tiles if device.type == "cuda" else None, grads=grads,
-                            aux_grad=aux_grad, device=device)
+                            aux_grad=None if aux_grad is None else s.kernel_aux_grad(aux_grad), device=device)
 
 
 def _seed(seed: torch.Tensor) -> int:

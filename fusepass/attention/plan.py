@@ -51,6 +51,15 @@ class AttentionSpec:
         so that the backward need not map it again at the forward's tiles (other maps are cached)."""
         return bool(self.lifted.functions.get("keep")) and self.lifted.keep_reads_aux
 
+    def kernel_aux(self, read: tuple[torch.Tensor, ...]) -> tuple:
+        """The kernels' aux tuple: the tensors the score functions read (`read`), then the sizes they take at run
+        time (`lift.sizes`); the kernels add the distance tables."""
+        return read + self.lifted.sizes
+
+    def kernel_aux_grad(self, aux_grad: tuple[torch.Tensor, ...]) -> tuple:
+        """The aux gradients laid out as `kernel_aux`: a 0 in each size's place, which nothing accumulates into."""
+        return aux_grad + (0,) * len(self.lifted.sizes)
+
     def aux_needs_grad(self, count: int) -> list[bool]:
         """Which of `count` aux inputs get a gradient: those the score functions read and a gradient flows to (the
         other graph values the replaced ops read, passed for them, get none)."""
@@ -80,8 +89,10 @@ def _pv_batch(m: AttentionMatch) -> tuple[int, ...]:
     return tuple(canonical_out[:-2])
 
 
-def plan(m: AttentionMatch, name: str, replay: bool) -> tuple[AttentionSpec, list[torch.fx.Node], list[str]]:
-    """The spec of the rewrite (`replay`: the option), the graph values the op reads and the rewrite's features;
+def plan(m: AttentionMatch, name: str, replay: bool, sizes_vary: bool = False
+         ) -> tuple[AttentionSpec, list[torch.fx.Node], list[str]]:
+    """The spec of the rewrite (`replay`: the option; `sizes_vary`: the attention is planned again at each new
+    size, its score functions take sizes at run time), the graph values the op reads and the rewrite's features;
     raises ``Unsupported``."""
     shape = tuple(val(m.qk).shape)
     if not all(isinstance(s, int) for s in shape):
@@ -119,7 +130,7 @@ def plan(m: AttentionMatch, name: str, replay: bool) -> tuple[AttentionSpec, lis
     if q.size[3] not in HEAD_DIMS:
         raise Unsupported(f"head dim {q.size[3]} outside 16..256")
     canon = Canon(batch=B, heads=H, q_len=q_len, kv_len=kv_len)
-    lifted = Lifter(m, canon).lift()
+    lifted = Lifter(m, canon, sizes_vary).lift()
     if any(lifted.aux_needs_grad) and torch.are_deterministic_algorithms_enabled():
         # Dynamo recompiles where the setting changes (it guards on it).
         raise Unsupported("deterministic algorithms are requested: the kernel would sum the gradient of a score "

@@ -266,3 +266,37 @@ def test_a_mask_built_once_for_every_layer_is_computed_from_the_positions_at_eac
     planned = [call._calls[name] for name in set(call._calls) - before]
     assert planned and {tuple(c.spec.lifted.features) for c in planned} == {("causal",)}
     assert len({c.mod.keep for c in planned}) == 1  # one source at every length: its kernels compiled once
+
+
+def _t5_like(q, k, v, table):
+    """T5's relative position bias, learned: a term of the distance alone read through a distance table."""
+    from attention.forms.test_t5_relative_bias import t5_attention
+    return t5_attention(q, k, v, table)
+
+
+@pytest.mark.parametrize("form", ["padding", "distance_table"])
+def test_the_sizes_a_plan_reads_are_run_time_values_one_source_at_every_length(form):
+    """A score input's strides and bounds, a distance table's offsets: each length's plan passes them at run time, so
+    every plan has one source (the flash kernels compile once) and computes eager's values at its own length."""
+    from fusepass.attention import call
+
+    before = set(call._calls)
+    if form == "padding":
+        compiled = torch.compile(padded_gqa, backend=fusepass.backend(strict=True), dynamic=True)
+        check_sizes(compiled, (21, 37, 29))
+    else:
+        compiled = torch.compile(_t5_like, backend=fusepass.backend(strict=True), dynamic=True)
+        for n in (21, 37, 29):
+            q, k, v = (random_tensor((2, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
+            table = random_tensor((16, 2), torch.float32).requires_grad_()
+            out, expected = compiled(q, k, v, table), _t5_like(q, k, v, table)
+            torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+            grad = torch.randn_like(out)
+            actual = torch.autograd.grad(out, (q, k, v, table), grad)
+            wanted = torch.autograd.grad(expected, (q, k, v, table), grad)
+            for a, e in zip(actual, wanted):
+                torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+    planned = [call._calls[name] for name in set(call._calls) - before]
+    assert len(planned) >= 3 and all(c.spec.lifted.sizes for c in planned)
+    assert len({c.spec.lifted.source for c in planned}) == 1
+    assert len({c.spec.lifted.sizes for c in planned}) >= 3  # each length its own

@@ -28,6 +28,7 @@ from fusepass.attention.lift.emit import ScoreFunctions, linear_scale
 from fusepass.attention.lift.features import Features
 from fusepass.attention.lift.index_code import IndexCode, load_text
 from fusepass.attention.lift.masks import split_masks
+from fusepass.attention.lift.sizes import Sizes
 from fusepass.attention.lift.tables import DistanceTables
 from fusepass.attention.lift.values import (Canon, Code, Diff, GradLeaf, Lifted, Separable, affine_of, affine_result,
                                             converted, is_literal, mask_of, of_distance, op_span, span_of, tensor_of)
@@ -49,11 +50,12 @@ FLOAT_FORM_OPS = {aten.add, aten.sub, aten.neg, aten.abs, *CASTS}
 
 
 class Lifter:
-    def __init__(self, m: AttentionMatch, canon: Canon) -> None:
+    def __init__(self, m: AttentionMatch, canon: Canon, sizes_vary: bool = False) -> None:
         self.m = m
         self.canon = canon
+        self.sizes = Sizes(sizes_vary)  # run-time values where the sizes vary
         self.code = IndexCode()
-        self.tables = DistanceTables(canon, FUNCTIONS, self.code)
+        self.tables = DistanceTables(canon, FUNCTIONS, self.code, self.sizes)
         self.e = EGraph(val(m.qk).dtype, self.tables.tabulated)
         self.features = Features()
         self.aux: list[torch.fx.Node] = []  # the tensors the score functions read, in their order in `aux`
@@ -97,8 +99,10 @@ class Lifter:
         if self.tables.tables:
             self.features.names.add("distance_table")
         keep_text = "" if split is None else "\n".join([split.keep, *self.code.closure(split.keep)])
-        return Lifted(source=self.tables.placed("\n\n".join(chunks + self.tables.sources), len(self.aux)),
-                      functions=functions, aux=self.aux,
+        # The aux tuple: the tensors read, the sizes, the distance tables.
+        source = self.sizes.placed("\n\n".join(chunks + self.tables.sources), len(self.aux))
+        return Lifted(source=self.tables.placed(source, len(self.aux) + len(self.sizes.values)),
+                      functions=functions, aux=self.aux, sizes=tuple(self.sizes.values),
                       aux_needs_grad=[bool(a.meta.get("requires_grad", False)) and i in emit.reached
                                       for i, a in enumerate(self.aux)],
                       fill_bound=split.fill_bound if split is not None else -math.inf,
@@ -249,13 +253,13 @@ class Lifter:
                 i = self.value(indices[d], broadcast(index_coords, index_shape, tuple(val(indices[d]).shape)))
                 if not isinstance(i, Code):
                     raise Unsupported("a gather whose indices depend on the scores")
-                wrapped = self.code.let(f"tl.where({i.expr} < 0, {i.expr} + {size}, {i.expr})")
-                parts.append(offset_term(wrapped, stride, wide))
+                wrapped = self.code.let(f"tl.where({i.expr} < 0, {i.expr} + {self.sizes.text(size)}, {i.expr})")
+                parts.append(offset_term(wrapped, stride, wide, self.sizes))
                 uses |= i.uses
                 relative &= of_distance(i)
             else:
                 text, u = render(next(plain), self.canon)
-                parts.append(offset_term(text, stride, wide))
+                parts.append(offset_term(text, stride, wide, self.sizes))
                 uses |= u
                 relative &= not {"q", "k"} & u
         if table.meta.get("requires_grad", False) or "q" in uses and "k" in uses:
@@ -273,7 +277,7 @@ class Lifter:
             if size == 1:
                 continue
             text, u = render(c, self.canon)
-            parts.append(offset_term(text, stride, wide))
+            parts.append(offset_term(text, stride, wide, self.sizes))
             uses |= u
         return self._read(node, " + ".join(parts) if parts else "0", frozenset(uses))
 
@@ -283,7 +287,7 @@ class Lifter:
         if t.device != val(self.m.qk).device:
             raise Unsupported(f"a score input on {t.device}, the scores on {val(self.m.qk).device}")
         index = self._aux_index(tensor)
-        mask = bounds(uses, self.canon)
+        mask = bounds(uses, self.canon, self.sizes)
         if not gathered:
             self.features.note_read(t, uses, index)
         if tensor.meta.get("requires_grad", False):

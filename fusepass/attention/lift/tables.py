@@ -13,6 +13,7 @@ from dataclasses import replace
 import torch
 
 from fusepass.attention.lift.index_code import IndexCode, jit_function, load_text
+from fusepass.attention.lift.sizes import Sizes
 from fusepass.attention.lift.values import Canon, Code, GradLeaf
 from fusepass.flash.score_mod import DistanceTable
 
@@ -20,14 +21,15 @@ from fusepass.flash.score_mod import DistanceTable
 # its values per distance instead (one statement: the distance, an offset and a load, a coalesced read of a
 # few hundred bytes per tile). T5's log-bucketed bias takes ~20 statements per score, ALiBi's slope × distance 4.
 TABULATE_ABOVE = 8
-# Where a distance table's slot in the aux tuple goes: known once every tensor the chain reads is.
+# Where a distance table's slot in the aux tuple goes: known once every tensor and size the chain reads is.
 TABLE_SLOT = "@table{}@"
 TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # held as fp32: the table stores them exactly
 
 
 class DistanceTables:
-    def __init__(self, canon: Canon, name: str, code: IndexCode) -> None:
+    def __init__(self, canon: Canon, name: str, code: IndexCode, sizes: Sizes) -> None:
         self.canon = canon
+        self.sizes = sizes
         self.name = name  # the stem of the tables' functions' names
         self.code = code
         self.tables: list[DistanceTable] = []
@@ -84,11 +86,13 @@ class DistanceTables:
                                              at_distance + self.code.closure(grad_of[1]), f"return {grad_of[1]}"))
         self.tables.append(table)
         # The terms along the key axis first: they add per position vector, then one subtraction per score.
-        start = [f"{c.q_len - 1}"] + [f"h * {distances}"] * (heads > 1) + [f"b * {heads * distances}"] * (batch > 1)
+        start = [self.sizes.text(c.q_len - 1)] + [f"h * {self.sizes.text(distances)}"] * (heads > 1) + \
+            [f"b * {self.sizes.text(heads * distances)}"] * (batch > 1)
         return TABLE_SLOT.format(t), f"((kv_idx + ({' + '.join(start)})) - q_idx)"
 
     def placed(self, source: str, aux_count: int) -> str:
-        """`source` with each table's slot in the aux tuple: after the `aux_count` tensors the chain reads."""
+        """`source` with each table's slot in the aux tuple: after its first `aux_count` entries (the tensors the
+        chain reads and the sizes)."""
         for t in range(len(self.tables)):
             source = source.replace(TABLE_SLOT.format(t), str(aux_count + t))
         return source

@@ -116,6 +116,7 @@ class Lifted:
     source: str  # the jit functions, named in ``functions`` and ``tables``
     functions: dict[str, str]  # score, score_grad, keep, fill, fill_grad → function name
     aux: list[torch.fx.Node]
+    sizes: tuple[int, ...]  # run-time sizes, after the aux tensors in the kernels' aux tuple (`sizes.Sizes`)
     aux_needs_grad: list[bool]
     fill_bound: float
     keep_uses: frozenset[str]

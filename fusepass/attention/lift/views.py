@@ -7,6 +7,7 @@ import torch.fx
 
 from fusepass.attention.index import Idx, merge
 from fusepass.attention.layout import Unsupported
+from fusepass.attention.lift.sizes import Sizes
 from fusepass.attention.lift.values import Canon
 from fusepass.fx_util import packet, val
 
@@ -46,12 +47,12 @@ def root_coords(node: torch.fx.Node) -> tuple[Idx, ...]:
     shape = tuple(val(node).shape)
     return Idx.var("f").split(shape[:-2]) + (Idx.var("q"), Idx.var("k"))
 
-def bounds(uses: frozenset[str], canon: Canon) -> str | None:
+def bounds(uses: frozenset[str], canon: Canon, sizes: Sizes) -> str | None:
     terms = []
     if "q" in uses:
-        terms.append(f"(q_idx < {canon.q_len})")
+        terms.append(f"(q_idx < {sizes.text(canon.q_len)})")
     if "k" in uses:
-        terms.append(f"(kv_idx < {canon.kv_len})")
+        terms.append(f"(kv_idx < {sizes.text(canon.kv_len)})")
     return " & ".join(terms) if terms else None
 
 def broadcast(coords: tuple[Idx, ...], shape: tuple, arg_shape: tuple) -> tuple[Idx, ...]:
@@ -133,9 +134,9 @@ def needs_int64_offsets(tensor: torch.Tensor) -> bool:
     return sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride())) >= 2 ** 31
 
 
-def offset_term(index: str, stride: int, wide: bool) -> str:
+def offset_term(index: str, stride: int, wide: bool, sizes: Sizes) -> str:
     index = f"({index}).to(tl.int64)" if wide else index
-    return index if stride == 1 else f"{index} * {stride}"
+    return index if stride == 1 else f"{index} * {sizes.text(stride)}"
 
 
 def coef(name: str, factor: int) -> str:
