@@ -1,7 +1,9 @@
 """What a new sequence length costs a training step once the compile has gone dynamic: a GPT-2 block (nanoGPT's
-attention, its `tril` buffer) trained at lengths one after another, fusepass beside Inductor, in one process.
+attention, its `tril` buffer) or a BERT layer (a padding mask the kernels load, its strides and bounds run-time
+values under symbolic sizes) trained at lengths one after another, fusepass beside Inductor, in one process.
 
-    PYTHONPATH=. python bench/new_lengths.py [--lengths 1024,1536,2048,3000,4096,1536] [--batch 4]
+    PYTHONPATH=. python bench/new_lengths.py [--model gpt2|bert] [--lengths 1024,1536,2048,3000,4096,1536]
+        [--batch 4]
 
 Per backend and length: the first step's seconds, the step's median after it (ms), the first step's seconds
 beyond that median (what the new length cost), the Triton kernels compiled or loaded during that first step
@@ -21,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
+import bert  # noqa: E402
 import gpt2  # noqa: E402
 from harness import keep  # noqa: E402
 
@@ -65,40 +68,57 @@ class _Planning:
         return seconds
 
 
-def _step(model: torch.nn.Module, x: torch.Tensor) -> None:
-    model(x).float().square().mean().backward()
-    if x.is_cuda:
+def _step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    model(*inputs).float().square().mean().backward()
+    if inputs[0].is_cuda:
         torch.cuda.synchronize()
+
+
+def _model(name: str, width: int, lengths: list[int], device: str) -> torch.nn.Module:
+    if name == "gpt2":
+        # A context longer than every length: slicing the mask buffer to its full length would recompile (both
+        # backends).
+        return gpt2.Block(gpt2.Config(1, 12, width, context=2 * max(lengths))).to(device, torch.bfloat16)
+    return bert.BertLayer(bert.Config(1, width, 12, 4 * width)).to(device, torch.bfloat16)
+
+
+def _inputs(name: str, batch: int, n: int, width: int, device: str) -> tuple[torch.Tensor, ...]:
+    """The hidden states, and for BERT its additive mask of the padding (the last quarter of every other row)."""
+    x = torch.randn(batch, n, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+    if name == "gpt2":
+        return (x,)
+    keep = torch.ones(batch, n, device=device)
+    keep[1::2, n - n // 4:] = 0
+    return x, ((1.0 - keep[:, None, None, :]) * torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
     parser.add_argument("--lengths", default="1024,1536,2048,3000,4096,1536")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--width", type=int, default=768, help="12 heads of width/12 (a smaller one to try it on the CPU)")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
-    # A context longer than every length: slicing the mask buffer to its full length would recompile (both backends)
-    config = gpt2.Config(1, 12, args.width, context=2 * max(lengths))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kernels, planning = _Kernels(), _Planning()
     rows = []
     for backend in ("inductor", "fusepass"):
         torch.manual_seed(0)
-        block = gpt2.Block(config).to(device, torch.bfloat16)
+        block = _model(args.model, args.width, lengths, device)
         torch._dynamo.reset()
         compiled = torch.compile(block, backend=backend)
         kernels.take(), planning.take()
         for n in lengths:
-            x = torch.randn(args.batch, n, config.width, device=device, dtype=torch.bfloat16, requires_grad=True)
+            inputs = _inputs(args.model, args.batch, n, args.width, device)
             start = time.perf_counter()
-            _step(compiled, x)
+            _step(compiled, inputs)
             first = time.perf_counter() - start
             compiled_now, planned = kernels.take(), planning.take()
             times = []
             for _ in range(5):
                 start = time.perf_counter()
-                _step(compiled, x)
+                _step(compiled, inputs)
                 times.append(time.perf_counter() - start)
             step = sorted(times)[len(times) // 2]
             rows.append({"backend": backend, "length": n, "first s": round(first, 3), "step ms": round(step * 1e3, 2),
@@ -106,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
                          "planning s": round(planned, 3) if backend == "fusepass" else None,
                          "kernels compiled or loaded": compiled_now})
     print(keep("new-lengths", list(rows[0]), rows,
-               notes=f"GPT-2 block (d {args.width}, 12 heads, bf16), batch {args.batch}, a training step per length"))
+               notes=f"{'GPT-2 block' if args.model == 'gpt2' else 'BERT layer, padded'} (d {args.width}, 12 heads, "
+                     f"bf16), batch {args.batch}, a training step per length"))
 
 
 if __name__ == "__main__":
