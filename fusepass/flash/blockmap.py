@@ -22,7 +22,8 @@ of BLOCK_N: the kernels' PARTIAL path is the one that masks out-of-range keys.
 
 The batch and head axes of the map have size 1 when KEEP does not read `b` / `h`; kernels index them with
 `map_bh = b * map_batch_stride + h * map_head_stride`, strides 0 along a broadcast axis. Maps that depend
-only on indices are cached per (mod.name, shape, block sizes); a KEEP that reads aux tensors (padding masks,
+only on indices are cached per (mask functions, shape, block sizes), shared by the attentions that lift to the
+same functions; a KEEP that reads aux tensors (padding masks,
 segment ids) is re-evaluated on every call. A cached map is derived from the cached map at base tiles (of at
 most MAP_BASE_TILE each way, `_coarser_kinds`), so the kernels of one mask, each at its own tiles, share one
 tile-kind kernel (one compile on a first call).
@@ -453,6 +454,22 @@ def _coarser_kinds(kind: torch.Tensor, q_factor: int, kv_factor: int, n_q_blocks
     return coarse
 
 
+class _Identity:
+    """A value keyed by identity, and held, so that its id is not reused while a key names it (hashing a jit
+    function reads its cache key, which Triton computes once dependencies' keys are settled: not here)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.value is self.value
+
+
 def _capturing(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -469,8 +486,8 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
     replays, and not at all if the capture fails."""
     if mod.keep_reads_aux:
         return build_block_map(mod, aux, batch, heads, q_len, kv_len, block_m, block_n, device, into, kind_block_m)
-    key = (mod.name, *_batch_head_extent(mod, batch, heads), q_len, kv_len, block_m, block_n, kind_block_m,
-           torch.device(device))
+    key = (*map(_Identity, mod.mask_functions), *_batch_head_extent(mod, batch, heads), q_len, kv_len, block_m,
+           block_n, kind_block_m, torch.device(device))
     if key in _cache:
         _cache.move_to_end(key)
         return _cache[key]

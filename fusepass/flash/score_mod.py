@@ -73,3 +73,14 @@ class ScoreMod:
     @property
     def has_mask(self) -> bool:
         return self.keep is not None
+
+    @property
+    def mask_functions(self) -> tuple:
+        """The functions that decide the mask: keep, and a separable keep's sides and other masks. Mods with the
+        same ones have one block map at a shape, whichever attention they are (a model's layers lifted alike, an
+        attention planned again at a new length: `blockmap.block_map_for`)."""
+        separable = self.separable_keep
+        if separable is None:
+            return (self.keep,)
+        others = () if separable.others is None else separable.others.mask_functions
+        return (self.keep, separable.equal, separable.rows, separable.cols, *others)

@@ -241,3 +241,34 @@ def test_attentions_lifted_alike_share_their_score_functions_and_so_their_kernel
         compiled(*(random_tensor((2, 2, n, 16), torch.float32) for _ in range(3)))
     planned = _score_functions(before)
     assert len(planned) >= 6 and set(planned) == {first, third}
+
+
+def _causal_layers(count: int):
+    def layers(q, k, v):
+        for _ in range(count):
+            i = torch.arange(q.size(-2), device=q.device)
+            s = (q @ k.transpose(-2, -1) * 0.25).masked_fill(i[None, :] > i[:, None], float("-inf"))
+            q = torch.softmax(s, dim=-1) @ v
+        return q
+    return layers
+
+
+def test_attentions_lifted_alike_share_their_cached_block_maps(monkeypatch):
+    """A map cached per shape is one per mask's functions, not per attention: three layers lifted alike build the
+    maps one layer builds (each layer had built its own), and compute what eager does."""
+    monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
+    built = record_block_map_builds(monkeypatch)
+    q, k, v = (random_tensor((2, 2, 37, 16), torch.float32).requires_grad_() for _ in range(3))
+    by_count = {}
+    for count in (1, 3):
+        blockmap._cache.clear()
+        built.clear()
+        layers = _causal_layers(count)
+        out = torch.compile(layers, backend=fusepass.backend(strict=True))(q, k, v)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+        expected = layers(q, k, v)
+        assert_close(out, expected)
+        for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
+            assert_close(g, e)
+        by_count[count] = list(built)
+    assert by_count[1] and by_count[3] == by_count[1]
