@@ -268,13 +268,25 @@ def test_a_mask_built_once_for_every_layer_is_computed_from_the_positions_at_eac
     assert len({c.mod.keep for c in planned}) == 1  # one source at every length: its kernels compiled once
 
 
-def _t5_like(q, k, v, table):
-    """T5's relative position bias, learned: a term of the distance alone read through a distance table."""
+def _sized_forms(form: str, n: int):
+    """(the attention, its inputs at length n, those a gradient flows to) of forms whose score chain reads tensors
+    at strides and bounds that follow the length."""
+    from attention.forms.test_additive_bias import learned_bias
+    from attention.forms.test_documents import packed_documents
     from attention.forms.test_t5_relative_bias import t5_attention
-    return t5_attention(q, k, v, table)
+
+    q, k, v = (random_tensor((2, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
+    if form == "distance_table":  # T5's learned relative position bias, read through a distance table
+        table = random_tensor((16, 2), torch.float32).requires_grad_()
+        return t5_attention, (q, k, v, table), (q, k, v, table)
+    if form == "documents":  # ids compared at query and key (a separable keep), with causal
+        ids = (torch.arange(n, device=DEVICE) // 5).expand(2, n).contiguous()
+        return packed_documents, (q, k, v, ids), (q, k, v)
+    bias = random_tensor((1, 2, 48, 48), torch.float32).requires_grad_()  # a learned bias sliced to the length
+    return learned_bias, (q, k, v, bias), (q, k, v, bias)
 
 
-@pytest.mark.parametrize("form", ["padding", "distance_table"])
+@pytest.mark.parametrize("form", ["padding", "distance_table", "documents", "learned_bias"])
 def test_the_sizes_a_plan_reads_are_run_time_values_one_source_at_every_length(form):
     """A score input's strides and bounds, a distance table's offsets: each length's plan passes them at run time, so
     every plan has one source (the flash kernels compile once) and computes eager's values at its own length."""
@@ -282,19 +294,15 @@ def test_the_sizes_a_plan_reads_are_run_time_values_one_source_at_every_length(f
 
     before = set(call._calls)
     if form == "padding":
-        compiled = torch.compile(padded_gqa, backend=fusepass.backend(strict=True), dynamic=True)
-        check_sizes(compiled, (21, 37, 29))
+        check_sizes(torch.compile(padded_gqa, backend=fusepass.backend(strict=True), dynamic=True), (21, 37, 29))
     else:
-        compiled = torch.compile(_t5_like, backend=fusepass.backend(strict=True), dynamic=True)
+        compiled = torch.compile(_sized_forms(form, 8)[0], backend=fusepass.backend(strict=True), dynamic=True)
         for n in (21, 37, 29):
-            q, k, v = (random_tensor((2, 2, n, 16), torch.float32).requires_grad_() for _ in range(3))
-            table = random_tensor((16, 2), torch.float32).requires_grad_()
-            out, expected = compiled(q, k, v, table), _t5_like(q, k, v, table)
+            fn, inputs, learning = _sized_forms(form, n)
+            out, expected = compiled(*inputs), fn(*inputs)
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
             grad = torch.randn_like(out)
-            actual = torch.autograd.grad(out, (q, k, v, table), grad)
-            wanted = torch.autograd.grad(expected, (q, k, v, table), grad)
-            for a, e in zip(actual, wanted):
+            for a, e in zip(torch.autograd.grad(out, learning, grad), torch.autograd.grad(expected, learning, grad)):
                 torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
     planned = [call._calls[name] for name in set(call._calls) - before]
     assert len(planned) >= 3 and all(c.spec.lifted.sizes for c in planned)
