@@ -15,6 +15,7 @@
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     ~250 s (gpt2 alone)
 #   lengths      bench/new_lengths.py: a GPT-2 block trained at new lengths beside Inductor      ~66 s (2026-12-04)
+#   lengths-bert the same for a padded BERT layer (a mask the kernels load)       (not run yet)
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
 #   compile-documents  the same for packed causal documents (a map built per call)  ~150 s (2026-12-01)
@@ -66,6 +67,9 @@ for part in $parts; do
             --budget-s "${MODELS_BUDGET_S:-400}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;
     lengths)
         timeout 200 python bench/new_lengths.py 2>&1 | grep "^|" | cut -c1-300 ;;
+    lengths-bert)
+        timeout 200 python bench/new_lengths.py --model bert --lengths 256,384,512,320,448 --batch 8 2>&1 \
+            | grep "^|" | cut -c1-300 ;;
     overhead)
         (cd bench && timeout 80 python overhead.py 2>&1 | tail -10) ;;
     compile)
