@@ -211,8 +211,6 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     """Cut the attention out as a module called through ``attention_dynamic``; its records at the sizes
     Dynamo saw. Raises ``Unsupported`` (the graph untouched) where that plan does not rewrite it.
     `static_rewrite` is the attention pass, which plans the module at each concrete size."""
-    if m.dropout_p > 0:
-        raise Unsupported("symbolic shapes with dropout (the backward could not replay the forward's mask)")
     replaced, tensors, sizes = _external_inputs(graph, m)
     # A number read out of a tensor (a float argument Dynamo made symbolic arrives as a tensor and its item()) is
     # known only at run time, where sizes and what they compute are known at each plan.
@@ -270,9 +268,10 @@ class _AtHint:
 # What the backward of each call whose gradients flow reads of its forward (its plan, and the direct plan's seed
 # and outputs or the forward's autograd graph: the inputs it differentiates and the output), by the storage of
 # the token the call returns: AOTAutograd saves the token for the backward, which takes what its forward kept
-# rather than running the forward again. A saved output comes back as another tensor of the token's storage, so
-# the key is the storage's address; an entry leaves with the backward, or with the token's storage where no
-# backward comes (a forward never differentiated).
+# rather than running the forward again (whose dropout would draw another mask). A saved output comes back as
+# another tensor of the token's storage, so the key is the storage's address; an entry leaves with the token's
+# storage: after the backward (autograd lets its saved tensors go), after a second one where the graph was
+# retained, or where no backward comes (a forward never differentiated).
 _forwards: dict[int, tuple] = {}
 
 
@@ -325,22 +324,21 @@ def _attention_dynamic_fake(tensors, sizes, spec):
     return torch.empty_like(_specs[spec].module(*tensors, *sizes)[0]), _token()
 
 
-def run_attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], sizes: list[int],
-                                   token: torch.Tensor, spec: str) -> list[torch.Tensor]:
+def run_attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tensor], token: torch.Tensor, spec: str
+                                   ) -> list[torch.Tensor]:
     """Gradients of every tensor input (empty where none flows): the forward's kept outputs through the static
-    op's backward (a direct plan), or its kept autograd graph differentiated, its attention's backward the
-    fused one. Where the token names none (a second backward through one forward), the forward runs again."""
+    op's backward (a direct plan), or its kept autograd graph differentiated (retained, for a second backward
+    through one forward), its attention's backward the fused one."""
     s = _specs[spec]
-    # The forward's own plan (one dropped since is held by what it kept), or this size's.
-    kept = _forwards.pop(token.untyped_storage().data_ptr(), None)
-    plan, state = kept if kept is not None else (s.static(tensors, sizes), None)
+    # The forward's own plan (one dropped since is held by what it kept).
+    plan, state = _forwards[token.untyped_storage().data_ptr()]
     if plan.direct is not None:
-        grads = plan.direct.backward(grad, tensors, *(state or plan.direct.forward(tensors)))
+        grads = plan.direct.backward(grad, tensors, *state)
     else:
-        xs, out = state or _differentiated(s, plan, tensors, sizes)
+        xs, out = state
         with autograd_enabled():
             wanted = [x for x in xs if x.requires_grad]
-            flowing = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+            flowing = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True, retain_graph=True))
         grads = [next(flowing) if x.requires_grad else None for x in xs]
     result = []
     for x, g, needs in zip(tensors, grads, s.requires_grad):
@@ -358,7 +356,7 @@ attention_dynamic_backward = torch.library.custom_op("fusepass::attention_dynami
 
 
 @attention_dynamic_backward.register_fake
-def _attention_dynamic_backward_fake(grad, tensors, sizes, token, spec):
+def _attention_dynamic_backward_fake(grad, tensors, token, spec):
     needs = _specs[spec].requires_grad
     return [torch.empty_like(t) if n else t.new_empty(0) for t, n in zip(tensors, needs)]
 
@@ -372,7 +370,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, grad: torch.Tensor, _token_grad: Any):
     *tensors, token = ctx.saved_tensors
-    grads = attention_dynamic_backward(grad.contiguous(), tensors, ctx.sizes, token, ctx.spec)
+    grads = attention_dynamic_backward(grad.contiguous(), tensors, token, ctx.spec)
     # torch checks the gradients' structure against the inputs': a list of ints is one leaf, whose gradient is
     # None, but an empty list (no size read, as in unmasked attention) is a list, whose gradient is one too.
     return [g if needs else None for g, needs in zip(grads, _specs[ctx.spec].requires_grad)], \

@@ -68,16 +68,42 @@ def test_a_recompile_for_a_new_size_keeps_the_rewrite():
         assert not [h for h in report.hotspots if h.kind == "attention"]
 
 
-def dropout_attention(q, k, v):
-    return F.dropout(torch.softmax(q @ k.transpose(-1, -2), dim=-1), p=0.1, training=True) @ v
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "through autograd"])
+def test_dropout_under_symbolic_sizes_drops_a_fraction_p_and_its_backward_the_same(monkeypatch, direct):
+    """Each length's plan draws its seed in the forward, and the backward reads the mask the forward drew (what the
+    forward kept), a second backward through one forward too: with V = I the output is the dropped probabilities,
+    whose gradients follow from that same mask (as tests/attention/forms/test_dropout.py checks the static op)."""
+    from fusepass.attention import dynamic
 
-
-def test_symbolic_sizes_with_dropout_are_declined_with_the_reason():
+    if not direct:
+        monkeypatch.setattr(dynamic, "direct_plan", lambda module: None)
     fusepass.reset()
-    q = random_tensor((1, 2, 19, 16), torch.float32)
-    torch.compile(dropout_attention, backend="fusepass", dynamic=True)(q, q, q)
-    (hotspot,) = [h for h in fusepass.last_report().hotspots if h.kind == "attention"]
-    assert "dropout" in hotspot.reason
+    p = 0.25
+    with torch._functorch.config.patch(donated_buffer=False):  # else AOTAutograd refuses a second backward
+        compiled = torch.compile(lambda q, k, v: F.dropout(torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1), p=p,
+                                                           training=True) @ v,
+                                 backend=fusepass.backend(strict=True), dynamic=True)
+        for n in (24, 31):
+            q, k = (random_tensor((2, 2, n, n), torch.float32).requires_grad_() for _ in range(2))
+            eye = torch.eye(n, device=DEVICE).expand(2, 2, n, n).contiguous().requires_grad_()
+            out = compiled(q, k, eye)
+            grad = torch.randn_like(out)
+            dq, dk, dv = torch.autograd.grad(out, (q, k, eye), grad, retain_graph=True)
+            for first, second in zip((dq, dk, dv), torch.autograd.grad(out, (q, k, eye), grad)):
+                torch.testing.assert_close(first, second, rtol=0, atol=0)
+            probs = torch.softmax(q @ k.transpose(-1, -2) * 0.25, dim=-1).detach()
+            dropped = out == 0
+            assert abs(dropped.float().mean().item() - p) < 0.06, n
+            torch.testing.assert_close(out[~dropped], (probs / (1 - p))[~dropped], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(dv, out.transpose(-1, -2) @ grad, rtol=1e-5, atol=1e-5)
+            d_probs = grad * out / probs  # the gradient reaching P through the kept, rescaled entries
+            d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True)) * 0.25
+            torch.testing.assert_close(dq, d_scores @ k.detach(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(dk, d_scores.transpose(-1, -2) @ q.detach(), rtol=1e-4, atol=1e-5)
+    assert not dynamic._forwards  # what the forwards kept left with their graphs
+    (report,) = fusepass.reports()
+    (rewrite,) = rewrites(report, kind="attention", phase="forward")
+    assert "dropout" in rewrite.features and "symbolic" in rewrite.detail["sizes"]
 
 
 def windowed(window: int):
@@ -201,7 +227,8 @@ def test_the_backward_reads_what_the_forward_kept(monkeypatch, direct):
     """One fused forward per training step: the backward takes what the forward kept (named by the token the op
     returns: the static op's outputs where the plan is that op alone, else the plan's autograd graph) rather
     than running it again, and nothing stays kept after it, or after a forward whose output is dropped
-    undifferentiated. A second backward through one forward runs it again, as exact."""
+    undifferentiated. A second backward through one forward reads it again (a forward run again would draw another
+    dropout mask)."""
     import gc
 
     from fusepass.attention import call, dynamic
@@ -238,8 +265,10 @@ def test_the_backward_reads_what_the_forward_kept(monkeypatch, direct):
         retaining = torch.compile(lambda *args: padded_gqa(*args), backend=fusepass.backend(strict=True),
                                   dynamic=True)
         out = retaining(q, k, v, keep)
+        forwards.clear()
         first = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
         second = torch.autograd.grad(out, (q, k, v), grad)
+        assert not forwards
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
