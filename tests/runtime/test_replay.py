@@ -119,7 +119,7 @@ def test_a_map_built_while_capturing_is_not_cached(monkeypatch):
 
     monkeypatch.setattr(blockmap, "_cache", blockmap.OrderedDict())
     monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: object())
-    mod = SimpleNamespace(name="m", keep_reads_aux=False, keep_uses_batch=False, keep_uses_head=True)
+    mod = SimpleNamespace(mask_functions=(object(),), keep_reads_aux=False, keep_uses_batch=False, keep_uses_head=True)
     shape = ((), 2, 3, 40, 40, 16, 16, "cpu")
     monkeypatch.setattr(blockmap, "_capturing", lambda device: True)
     during = blockmap.block_map_for(mod, *shape)
