@@ -8,8 +8,9 @@ the call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -165,7 +166,8 @@ class AttentionCall:
                  out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor, fallback: torch.Tensor,
                  block_map: list[torch.Tensor], aux: list[torch.Tensor], seed: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """Gradients of the sources of q, k, v and of every aux tensor (zeros where none flows)."""
+        """Gradients of the sources of q, k, v (empty for one that another's buffer holds: `gradient_owners`) and of
+        every aux tensor (zeros where none flows, empty where the spec says none does)."""
         s, unfused = self.spec, self.unfused
         inputs = (q, k, v, *aux)
         seed_value = _seed(seed)
@@ -175,11 +177,7 @@ class AttentionCall:
         read = tuple(aux[:len(s.aux_strides)])
         needs = s.aux_needs_grad(len(aux))
 
-        # The gradients take their sources' strides, and the kernels write them through the views the op read.
-        grads = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v)]
-        for grad, layout in zip(grads, (s.q, s.k, s.v)):
-            if not layout.covers(grad.numel()):
-                grad.zero_()
+        grads = gradient_buffers(s, (q, k, v), torch.empty_strided)
 
         def new_aux_grad() -> tuple[torch.Tensor, ...]:
             """fp32 accumulators for the aux tensors a gradient flows to, laid out as they are (the score
@@ -218,7 +216,8 @@ class AttentionCall:
                                      unfused.forward_record.measured_unfused_ms or 0.0)
         aux_grads = [_aux_gradient(g, a) if g.numel() else g for g, a in zip(aux_grad, read)] + \
             [a.new_empty(0) for a in aux[len(read):]]
-        return grads[0], grads[1], grads[2], aux_grads
+        dq, dk, dv = (g if owner == i else g.new_empty(0) for i, (g, owner) in enumerate(zip(grads, s.gradient_owners)))
+        return dq, dk, dv, aux_grads
 
     # ------------------------------------------------------------------------------- the replaced ops
 
@@ -237,6 +236,10 @@ class AttentionCall:
         found = self.unfused.gradients(inputs, grad_out, seed)
         q_k_v = [with_strides(g if g is not None else torch.zeros_like(x), x.stride())
                  for g, x in zip(found[:3], inputs[:3])]
+        for i, owner in enumerate(self.spec.gradient_owners):  # one buffer holds the gradients of one source
+            if owner != i:
+                q_k_v[owner] = q_k_v[owner] + q_k_v[i]
+                q_k_v[i] = q_k_v[i].new_empty(0)
         needs = self.spec.aux_needs_grad(len(inputs) - 3)
         aux = [with_strides(g if g is not None else torch.zeros_like(x), contiguous_strides(x)) if n
                else x.new_empty(0) for g, x, n in zip(found[3:], inputs[3:], needs)]
@@ -269,14 +272,30 @@ def _compile_ahead(call: AttentionCall, sources: tuple[torch.Tensor, ...], qkv: 
     read = tuple(aux[:len(s.aux_strides)])
     grads = aux_grad = None
     if any(call.unfused.requires_grad):
-        grads = tuple(layout.view(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"))
-                      for layout, x in zip((s.q, s.k, s.v), sources))
+        meta = functools.partial(torch.empty_strided, device="meta")
+        grads = tuple(layout.view(g) for layout, g in zip((s.q, s.k, s.v), gradient_buffers(s, sources, meta)))
         aux_grad = tuple(  # as `backward` lays them out
             _accumulator(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")) if n
             else torch.empty(0, dtype=a.dtype, device="meta") for a, n in zip(read, s.aux_needs_grad(len(read))))
     compile_attention_ahead(*qkv, call.mod, s.kernel_aux(read), dropout_p=s.dropout_p, out_dtype=s.out_dtype,
                             forward_tiles=s.forward_tiles if device.type == "cuda" else None, grads=grads,
                             aux_grad=None if aux_grad is None else s.kernel_aux_grad(aux_grad), device=device)
+
+
+def gradient_buffers(s: AttentionSpec, sources: Sequence[torch.Tensor], empty_strided: Callable[..., torch.Tensor]
+                     ) -> list[torch.Tensor]:
+    """The buffers Q's, K's and V's gradients are written into, through the views the op reads, laid out as their
+    sources: one per owner (`AttentionSpec.gradient_owners`), zeroed where its views leave elements unwritten."""
+    buffers: list[torch.Tensor] = []
+    for i, (x, layout, owner) in enumerate(zip(sources, (s.q, s.k, s.v), s.gradient_owners)):
+        if owner != i:  # its views and the owner's tile the source
+            buffers.append(buffers[owner])
+            continue
+        buffer = empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        if not layout.covers(buffer.numel()) and s.gradient_owners.count(i) == 1:
+            buffer.zero_()
+        buffers.append(buffer)
+    return buffers
 
 
 def _seed(seed: torch.Tensor) -> int:

@@ -43,8 +43,8 @@ class DirectPlan:
         dq, dk, dv, daux = run_attention_backward(grad, tensors[self.q], tensors[self.k], tensors[self.v], out, lse,
                                                   log_sum, fallback, list(block_map), aux, seed, self.spec)
         grads: list[torch.Tensor | None] = [None] * len(tensors)
-        flowing = [(self.q, dq), (self.k, dk), (self.v, dv)] + [(i, g) for i, g in zip(self.aux, daux) if g.numel()]
-        for i, g in flowing:  # an aux gradient none needs is empty
+        flowing = [(i, g) for i, g in zip((self.q, self.k, self.v, *self.aux), (dq, dk, dv, *daux)) if g.numel()]
+        for i, g in flowing:  # empty: an aux gradient none needs, or a gradient another's buffer holds
             grads[i] = g if grads[i] is None else grads[i] + g
         return grads
 

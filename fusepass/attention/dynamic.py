@@ -146,7 +146,7 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
     values = _ValueRecorder(static, fake_mode)
     (out,) = values.propagate(*fakes, *sizes)
     for node in list(static.graph.nodes):  # sizes (and arithmetic on them) become constants
-        if node.op != "output" and not isinstance(values.results[node], torch.Tensor):
+        if node.op != "output" and not _holds_tensors(values.results[node]):
             value = values.results[node]
             for user in list(node.users):
                 user.args = torch.fx.node.map_arg(user.args, lambda a: value if a is node else a)
@@ -161,6 +161,11 @@ def plan_static(spec: DynamicSpec, tensors: list[Any], sizes: list[int]
                                             failures=spec.report, sizes_vary=True))
     with fake_mode:
         return static, report, tuple(torch.empty_like(out).stride())
+
+
+def _holds_tensors(value: Any) -> bool:
+    """A tensor, or a list of them (a split's parts): a value of the graph, not a size."""
+    return isinstance(value, torch.Tensor) or isinstance(value, (list, tuple)) and any(map(_holds_tensors, value))
 
 
 def _fakes(tensors: list[Any], requires_grad: list[bool], fake_mode: FakeTensorMode) -> list[torch.Tensor]:
@@ -192,7 +197,8 @@ def _external_inputs(graph: torch.fx.Graph, m: AttentionMatch
                      ) -> tuple[list[torch.fx.Node], list[torch.fx.Node], list[torch.fx.Node]]:
     """(the ops the attention's rewrite replaces, the tensors they read from outside, the numbers: sizes and
     other ints Dynamo made symbolic)."""
-    sources = [walk_up(operand)[0] for operand in (m.scores.left, m.scores.right, m.values.right)]
+    sources = [walk_up(m.scores.left, through_scales=True)[0], walk_up(m.scores.right, through_scales=True)[0],
+               walk_up(m.values.right)[0]]
     replaced = with_built_from_sizes(replaced_subgraph(graph, removed_nodes(m), sources))
     _, externals = subgraph_module(replaced, [], m.pv)
     tensors = [n for n in externals if isinstance(val(n), torch.Tensor)]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
@@ -57,6 +58,43 @@ class OperandLayout:
         return True
 
 
+def _runs(size: tuple[int, ...], stride: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The (size, stride) dims of a strided view, innermost first, size-1 dims dropped and each dim merged into
+    the one inside it where together they are one run (its stride the inner one's times its size)."""
+    dims: list[tuple[int, int]] = []
+    for n, s in sorted(((n, s) for n, s in zip(size, stride) if n != 1), key=lambda d: d[1]):
+        if dims and s == dims[-1][1] * dims[-1][0]:
+            dims[-1] = (dims[-1][0] * n, dims[-1][1])
+        else:
+            dims.append((n, s))
+    return dims
+
+
+def tile_one_source(layouts: list[OperandLayout], source: torch.Tensor) -> bool:
+    """Whether `layouts`, views of one source without gaps, read each of its elements exactly once between them:
+    their gradients are then one buffer laid out as the source, each written through its view, with nothing to
+    zero and nothing to add. Decided where the views differ in their offsets alone, as the parts of a split (Q, K
+    and V of one projection) do: each view a run of elements repeated at one period (nested, gapless dims), the
+    views' runs side by side filling the period."""
+    if _runs(tuple(source.shape), tuple(source.stride())) != [(source.numel(), 1)]:
+        return False
+    shapes = {tuple(_runs(layout.size, layout.stride)) for layout in layouts}
+    if len(shapes) != 1:
+        return False
+    (dims,) = shapes
+    if not dims or dims[0][1] != 1:
+        return False
+    run = dims[0][0]
+    period = run * len(layouts)
+    outer = period
+    for n, s in dims[1:]:  # the repeats: nested, gapless dims above the period
+        if s != outer:
+            return False
+        outer *= n
+    return outer == source.numel() and sorted(layout.offset for layout in layouts) == \
+        [run * i for i in range(len(layouts))]
+
+
 def _static(shape) -> bool:
     return all(isinstance(s, int) for s in shape)
 
@@ -83,6 +121,38 @@ def _head_repeat(node: torch.fx.Node) -> tuple[torch.fx.Node, int, int] | None:
     return None
 
 
+# Ops whose outputs are views of parts of their input (Q, K and V split from one projection): an element of their
+# output is read through as a view of the input.
+SPLITTING_OPS = {aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.tensor_split}
+
+
+def _part_of_split(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is one output of a split, chunk or unbind (`SPLITTING_OPS`)."""
+    return node.op == "call_function" and node.target is operator.getitem and \
+        isinstance(node.args[0], torch.fx.Node) and packet(node.args[0]) in SPLITTING_OPS
+
+
+@dataclass(frozen=True)
+class Scale:
+    """An operand of the scores multiplied (``aten.mul``) or divided (``aten.div``) by a number: the score
+    functions apply it to the scores instead, so the kernel reads the tensor before it (no pass of its own)."""
+
+    op: object  # the op's packet
+    by: float
+
+
+def _scale(node: torch.fx.Node) -> Scale | None:
+    """The scale ``node`` applies to its tensor: ``x * c`` or ``x / c`` for a finite, nonzero number ``c``, in x's
+    floating dtype."""
+    if packet(node) not in (aten.mul, aten.div) or len(node.args) != 2 or node.kwargs:
+        return None
+    x, c = node.args
+    if not isinstance(x, torch.fx.Node) or isinstance(c, bool) or not isinstance(c, (int, float)) or \
+            not math.isfinite(c) or c == 0 or not val(x).dtype.is_floating_point or val(x).dtype != val(node).dtype:
+        return None
+    return Scale(packet(node), float(c))
+
+
 # Casts whose result holds exactly the values of their input, in a wider float (bf16 or fp16 read as fp32).
 EXACT_WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
 
@@ -98,14 +168,27 @@ def _exact_widening(node: torch.fx.Node, source_dtype: torch.dtype | None) -> bo
         (val(node.args[0]).dtype, val(node).dtype) in EXACT_WIDENING and val(node.args[0]).dtype == source_dtype
 
 
-def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
-             ) -> tuple[torch.fx.Node, list[torch.fx.Node], tuple[int, int] | None]:
-    """The source tensor, the view ops from it to ``node`` (in order), and the head repeat among them
-    (``(index of the first op after it, group)``) if any. With `widen_from`, exact widening casts of tensors of
-    that dtype are walked through as views are (the kernel reads the narrower tensor)."""
+def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None, through_splits: bool = True,
+            through_scales: bool = False
+            ) -> tuple[torch.fx.Node, list[torch.fx.Node], tuple[int, int] | None, tuple[Scale, ...]]:
+    """The source tensor, the view ops from it to ``node`` (in order), the head repeat among them
+    (``(index of the first op after it, group)``) if any, and the scales between them (`Scale`). With
+    `widen_from`, exact widening casts of tensors of that dtype are walked through as views are (the kernel reads
+    the narrower tensor); with `through_splits`, an output of a split is (the split's input is the source); with
+    `through_scales`, a product or quotient by a number (Q or K scaled before the product: the scores take it)."""
     ops: list[torch.fx.Node] = []
+    scales: list[Scale] = []
     repeat = None
     while True:
+        scale = _scale(node) if through_scales else None
+        if scale is not None:
+            scales.append(scale)
+            node = node.args[0]
+            continue
+        if through_splits and _part_of_split(node):
+            ops.append(node)
+            node = node.args[0].args[0]
+            continue
         if _exact_widening(node, widen_from):
             ops.append(node)
             node = node.args[0]
@@ -128,9 +211,10 @@ def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None
             continue
         break
     ops.reverse()
+    scales.reverse()
     if repeat is None:
-        return node, ops, None
-    return node, ops, (ops.index(repeat[0]), repeat[1], repeat[2])
+        return node, ops, None, tuple(scales)
+    return node, ops, (ops.index(repeat[0]), repeat[1], repeat[2]), tuple(scales)
 
 
 def _replay(node: torch.fx.Node, meta: torch.Tensor) -> torch.Tensor | None:
@@ -138,6 +222,10 @@ def _replay(node: torch.fx.Node, meta: torch.Tensor) -> torch.Tensor | None:
     if packet(node) in (aten.clone, aten.contiguous, aten.lift_fresh_copy, aten.detach, aten.alias, aten.to,
                          aten._to_copy):
         return meta  # the same values (a cast only if an exact widening: `walk_up`): read the original
+    if _part_of_split(node):
+        split, part = node.args
+        out = split.target(meta, *split.args[1:], **split.kwargs)[part]
+        return out if out._base is not None else None
     out = node.target(meta, *node.args[1:], **node.kwargs)
     return out if out._base is not None else None
 
@@ -154,27 +242,31 @@ class OperandView:
     batch: tuple[int, ...]  # the operand's own batch dims (the matmul sees these)
     group: int = 1  # a head repeat (repeat_interleave or expand + reshape) of ``group`` ...
     group_dim: int | None = None  # ... at this leading dim of ``meta``
+    scales: tuple[Scale, ...] = ()  # products and quotients by numbers between the source and the operand
 
     @property
     def merged(self) -> bool:
         return tuple(self.meta.shape[:-2]) != self.batch
 
     def swap_last(self) -> "OperandView":
-        return OperandView(self.source, self.meta.transpose(-1, -2), self.batch, self.group, self.group_dim)
+        return replace(self, meta=self.meta.transpose(-1, -2))
 
     def permute(self, perm: tuple[int, ...]) -> "OperandView":
         rank = len(perm)
         if tuple(perm[:rank - 2]) != tuple(range(rank - 2)):
             if self.merged or self.group_dim is not None:
                 raise Unsupported("an einsum that reorders the batch of a reshaped operand")
-            return OperandView(self.source, self.meta.permute(perm), tuple(self.meta.permute(perm).shape[:-2]))
+            return OperandView(self.source, self.meta.permute(perm), tuple(self.meta.permute(perm).shape[:-2]),
+                               scales=self.scales)
         return self.swap_last() if tuple(perm[rank - 2:]) == (rank - 1, rank - 2) else self
 
 
-def operand_view(operand: torch.fx.Node, widen_from: torch.dtype | None = None) -> OperandView:
+def operand_view(operand: torch.fx.Node, widen_from: torch.dtype | None = None, through_splits: bool = True,
+                 through_scales: bool = False) -> OperandView:
     """Walk up from a matmul operand to its source, replaying the views on a meta tensor (and exact widening
-    casts of `widen_from` tensors: see `walk_up`)."""
-    source, ops, repeat = walk_up(operand, widen_from)
+    casts of `widen_from` tensors, splits where `through_splits`, products by numbers where `through_scales`: see
+    `walk_up`)."""
+    source, ops, repeat, scales = walk_up(operand, widen_from, through_splits, through_scales)
     value = val(source)
     if not _static(value.shape):
         raise Unsupported("symbolic shapes")
@@ -205,7 +297,7 @@ def operand_view(operand: torch.fx.Node, widen_from: torch.dtype | None = None) 
                 continue
         meta = _replay_on_finer(op, meta, shape, out_shape)
         shape = out_shape
-    return OperandView(source, meta, shape[:-2], group, group_dim)
+    return OperandView(source, meta, shape[:-2], group, group_dim, scales)
 
 
 def _batch_reshape(op: torch.fx.Node, shape: tuple[int, ...], out_shape: tuple[int, ...],
@@ -273,7 +365,7 @@ def broadcast_to(view: OperandView, batch: tuple[int, ...]) -> OperandView:
     target = list(batch)
     if group_dim is not None:
         target[group_dim] //= view.group  # the unrepeated dim stays its size
-    return OperandView(view.source, meta.expand(*target, *meta.shape[-2:]), tuple(batch), view.group, group_dim)
+    return replace(view, meta=meta.expand(*target, *meta.shape[-2:]), batch=tuple(batch), group_dim=group_dim)
 
 
 def canonical(view: OperandView, batch: int, heads: int) -> OperandLayout:

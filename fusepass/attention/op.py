@@ -47,10 +47,13 @@ def _attention_fake(q, k, v, aux, seed, spec):
 
 @attention_backward.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, block_map, aux, seed, spec):
-    needs = call_named(spec).spec.aux_needs_grad(len(aux))
+    s = call_named(spec).spec
+    needs = s.aux_needs_grad(len(aux))
     # As `AttentionCall.backward` lays them out: the sources' strides (the kernels write through the op's views of
-    # them), the aux gradients contiguous.
-    return (*(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v)),
+    # them; one source's gradient in its first reader's place where they share a buffer), the aux gradients
+    # contiguous.
+    return (*(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if owner == i
+              else x.new_empty(0) for i, (x, owner) in enumerate(zip((q, k, v), s.gradient_owners))),
             [a.new_empty(a.shape) if n else a.new_empty(0) for a, n in zip(aux, needs)])
 
 
@@ -65,8 +68,11 @@ def _backward(ctx: Any, grad_out: torch.Tensor, *unused: Any):
     q, k, v, out, lse, log_sum, fallback, seed, *rest = ctx.saved_tensors
     n_map = 1 if call_named(ctx.spec).spec.passes_map else 0
     block_map, aux = rest[:n_map], rest[n_map:]
+    s = call_named(ctx.spec).spec
     dq, dk, dv, daux = attention_backward(grad_out.contiguous(), q, k, v, out, lse, log_sum, fallback,
                                           list(block_map), list(aux), seed, ctx.spec)
+    # A source read by several of Q, K and V whose views tile it has its gradient in its first reader's place.
+    dq, dk, dv = (g if owner == i else None for i, (g, owner) in enumerate(zip((dq, dk, dv), s.gradient_owners)))
     return dq, dk, dv, [g if g.numel() else None for g in daux], None, None
 
 

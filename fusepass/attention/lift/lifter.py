@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusepass.attention.index import Idx, merge
 from fusepass.attention.known_contents import BAND_DTYPES, Band, band_of, known_tensor
-from fusepass.attention.layout import REARRANGING_OPS, Unsupported
+from fusepass.attention.layout import REARRANGING_OPS, Scale, Unsupported
 from fusepass.attention.lift.egraph import EGraph
 from fusepass.attention.lift.emit import ScoreFunctions, linear_scale
 from fusepass.attention.lift.features import Features
@@ -50,9 +50,11 @@ FLOAT_FORM_OPS = {aten.add, aten.sub, aten.neg, aten.abs, *CASTS}
 
 
 class Lifter:
-    def __init__(self, m: AttentionMatch, canon: Canon, sizes_vary: bool = False) -> None:
+    def __init__(self, m: AttentionMatch, canon: Canon, sizes_vary: bool = False, scales: tuple[Scale, ...] = ()
+                 ) -> None:
         self.m = m
         self.canon = canon
+        self.scales = scales  # Q's and K's, applied to the scores (the kernel reads the tensors before them)
         self.sizes = Sizes(sizes_vary)  # run-time values where the sizes vary
         self.code = IndexCode()
         self.tables = DistanceTables(canon, FUNCTIONS, self.code, self.sizes)
@@ -154,6 +156,8 @@ class Lifter:
                 and coords[-1].is_var("k", c.kv_len)):
             raise Unsupported("the scores are read at other coordinates than they are computed at")
         s = Diff(self.e.s_leaf, frozenset(("b", "h", "q", "k")))
+        for scale in self.scales:
+            s = self.e.node(aten.mul.Tensor if scale.op == aten.mul else aten.div.Tensor, (s, scale.by), {})
         ops = self.m.scores
         if ops.bias is None:
             return s

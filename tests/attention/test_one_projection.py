@@ -1,0 +1,117 @@
+"""Q, K and V split from one projection, and Q or K scaled by a number before their product: the op reads the
+projection itself and writes the three gradients into one buffer laid out as it (the split's backward would
+concatenate three), and the score functions apply the scale (no pass of its own, forward or backward). Where the
+views do not tile the projection, or overlap, each gradient has a buffer of its own, as before."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from support import DEVICE, check, random_tensor, rewrites
+
+import fusepass
+
+B, T, H, D = 2, 21, 2, 16
+C = H * D
+
+
+def heads(t: torch.Tensor) -> torch.Tensor:
+    return t.view(t.shape[0], t.shape[1], H, D).transpose(1, 2)
+
+
+def attention(q, k, v, causal: bool = True):
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+    if causal:
+        n = q.size(-2)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).tril().logical_not(),
+                                    float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def split_qkv(x, w):  # nanoGPT
+    q, k, v = (x @ w).split(C, dim=2)
+    return attention(heads(q), heads(k), heads(v))
+
+
+def chunk_qkv(x, w):
+    q, k, v = (x @ w).chunk(3, dim=-1)
+    return attention(heads(q), heads(k), heads(v))
+
+
+def unbind_qkv(x, w):  # timm's ViT, its q scaled before the product
+    qkv = (x @ w).reshape(x.shape[0], x.shape[1], 3, H, D).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q = q * D ** -0.5
+    return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def split_kv(x, w):  # Q of its own, K and V from one projection (cross-attention's memory, MQA's kv)
+    k, v = (x @ w[:, C:]).split(C, dim=2)
+    return attention(heads(x @ w[:, :C]), heads(k), heads(v))
+
+
+def ops_of(report: fusepass.Report, phase: str) -> set[str]:
+    return {str(n.target) for n in report.graphs[phase].graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("fn", [split_qkv, chunk_qkv, unbind_qkv, split_kv], ids=lambda f: f.__name__)
+def test_one_projection_is_read_whole_and_its_gradient_written_once(fn):
+    x = random_tensor((B, T, C), torch.float32)
+    w = random_tensor((C, 3 * C), torch.float32) / math.sqrt(C)
+    report = check(fn, x, w, backward=True)
+    assert rewrites(report, "attention", "forward") and rewrites(report, "attention", "backward")
+    (op,) = [n for n in report.graphs["forward"].graph.nodes if "fusepass.attention" in str(n.target)]
+    q, k, v = op.args[:3]
+    assert k is v and (q is k) == (fn is not split_kv), op.args[:3]
+    backward = ops_of(report, "backward")
+    assert not {"aten.cat.default", "aten.stack.default"} & backward, backward
+    if fn is unbind_qkv:  # the scale is the scores'
+        assert not {"aten.mul.Tensor", "aten.mul.Scalar"} & ops_of(report, "forward")
+
+
+def gated(x, w):
+    """A fourth part of the projection gates the output: the attention's views do not tile the projection."""
+    q, k, v, gate = (x @ w).split(C, dim=2)
+    return attention(heads(q), heads(k), heads(v)) * torch.sigmoid(heads(gate))
+
+
+def one_tensor_three_times(x):
+    """Q, K and V the same view: their gradients overlap, one buffer each, added."""
+    return attention(heads(x), heads(x), heads(x), causal=False)
+
+
+def learnable_temperature(x, w, temperature):
+    """Q scaled by a tensor that learns: not a number the scores can take; the product stays."""
+    q, k, v = (x @ w).split(C, dim=2)
+    return attention(heads(q) * temperature, heads(k), heads(v))
+
+
+@pytest.mark.parametrize("case", ["gated", "one tensor three times", "learnable temperature"])
+def test_views_that_do_not_tile_one_source_keep_a_gradient_each(case):
+    x = random_tensor((B, T, C), torch.float32)
+    w = random_tensor((C, 3 * C), torch.float32) / math.sqrt(C)
+    if case == "gated":
+        report = check(gated, x, random_tensor((C, 4 * C), torch.float32) / math.sqrt(C), backward=True)
+    elif case == "one tensor three times":
+        report = check(one_tensor_three_times, x, backward=True)
+    else:
+        report = check(learnable_temperature, x, w, torch.tensor(0.7, device=DEVICE), backward=True)
+    assert rewrites(report, "attention", "backward")
+    (op,) = [n for n in report.graphs["forward"].graph.nodes if "fusepass.attention" in str(n.target)]
+    if case == "gated":  # read from the split's parts
+        assert len({id(a) for a in op.args[:3]}) == 3
+
+
+def test_a_failing_backward_kernel_gives_one_projection_its_whole_gradient(monkeypatch):
+    """The replaced ops' gradients, where the kernel fails: the three parts added into the one buffer."""
+    from fusepass.flash import backward as flash_backward
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("backward kernel failed")
+
+    monkeypatch.setattr(flash_backward, "backward_launches", failing)
+    x = random_tensor((B, T, C), torch.float32)
+    w = random_tensor((C, 3 * C), torch.float32) / math.sqrt(C)
+    with pytest.warns(RuntimeWarning, match="backward kernel failed"):
+        check(split_qkv, x, w, backward=True)
