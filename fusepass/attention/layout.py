@@ -73,26 +73,25 @@ def _runs(size: tuple[int, ...], stride: tuple[int, ...]) -> list[tuple[int, int
 def tile_one_source(layouts: list[OperandLayout], source: torch.Tensor) -> bool:
     """Whether `layouts`, views of one source without gaps, read each of its elements exactly once between them:
     their gradients are then one buffer laid out as the source, each written through its view, with nothing to
-    zero and nothing to add. Decided where the views differ in their offsets alone, as the parts of a split (Q, K
-    and V of one projection) do: each view a run of elements repeated at one period (nested, gapless dims), the
-    views' runs side by side filling the period."""
+    zero and nothing to add. Decided for views as the parts of a split (Q, K and V of one projection, K and V of
+    fewer heads) are: each a run of elements repeated at one period (the same nested, gapless dims above it),
+    the views' runs side by side filling the period."""
     if _runs(tuple(source.shape), tuple(source.stride())) != [(source.numel(), 1)]:
         return False
-    shapes = {tuple(_runs(layout.size, layout.stride)) for layout in layouts}
-    if len(shapes) != 1:
+    runs = [_runs(layout.size, layout.stride) for layout in layouts]
+    if any(not dims or dims[0][1] != 1 for dims in runs) or len({tuple(dims[1:]) for dims in runs}) != 1:
         return False
-    (dims,) = shapes
-    if not dims or dims[0][1] != 1:
-        return False
-    run = dims[0][0]
-    period = run * len(layouts)
+    period = 0
+    for offset, run in sorted((layout.offset, dims[0][0]) for layout, dims in zip(layouts, runs)):
+        if offset != period:
+            return False
+        period += run
     outer = period
-    for n, s in dims[1:]:  # the repeats: nested, gapless dims above the period
+    for n, s in runs[0][1:]:  # the repeats: nested, gapless dims above the period
         if s != outer:
             return False
         outer *= n
-    return outer == source.numel() and sorted(layout.offset for layout in layouts) == \
-        [run * i for i in range(len(layouts))]
+    return outer == source.numel()
 
 
 def _static(shape) -> bool:

@@ -81,13 +81,14 @@ def one_tensor_three_times(x):
     return attention(heads(x), heads(x), heads(x), causal=False)
 
 
-def learnable_temperature(x, w, temperature):
-    """Q scaled by a tensor that learns: not a number the scores can take; the product stays."""
+def tensor_scale(x, w, scale):
+    """Q scaled by a tensor: not a number the score functions can take; the product stays (the scale is an integer
+    tensor: a float one would learn, and its gradient, one sum of all of Q's, cancels to a few ulps, eager's too)."""
     q, k, v = (x @ w).split(C, dim=2)
-    return attention(heads(q) * temperature, heads(k), heads(v))
+    return attention(heads(q) * scale, heads(k), heads(v))
 
 
-@pytest.mark.parametrize("case", ["gated", "one tensor three times", "learnable temperature"])
+@pytest.mark.parametrize("case", ["gated", "one tensor three times", "tensor scale"])
 def test_views_that_do_not_tile_one_source_keep_a_gradient_each(case):
     x = random_tensor((B, T, C), torch.float32)
     w = random_tensor((C, 3 * C), torch.float32) / math.sqrt(C)
@@ -96,11 +97,13 @@ def test_views_that_do_not_tile_one_source_keep_a_gradient_each(case):
     elif case == "one tensor three times":
         report = check(one_tensor_three_times, x, backward=True)
     else:
-        report = check(learnable_temperature, x, w, torch.tensor(0.7, device=DEVICE), backward=True)
+        report = check(tensor_scale, x, w, torch.tensor(2, device=DEVICE), backward=True)
     assert rewrites(report, "attention", "backward")
     (op,) = [n for n in report.graphs["forward"].graph.nodes if "fusepass.attention" in str(n.target)]
     if case == "gated":  # read from the split's parts
         assert len({id(a) for a in op.args[:3]}) == 3
+    if case == "tensor scale":
+        assert "aten.mul.Tensor" in ops_of(report, "forward")
 
 
 def test_a_failing_backward_kernel_gives_one_projection_its_whole_gradient(monkeypatch):
@@ -115,3 +118,19 @@ def test_a_failing_backward_kernel_gives_one_projection_its_whole_gradient(monke
     w = random_tensor((C, 3 * C), torch.float32) / math.sqrt(C)
     with pytest.warns(RuntimeWarning, match="backward kernel failed"):
         check(split_qkv, x, w, backward=True)
+
+
+def grouped_projection(x, w):
+    """K and V of fewer heads than Q, all three of one projection (GQA as packed-QKV models write it)."""
+    q, k, v = (x @ w).split([C, C // 2, C // 2], dim=2)
+    k, v = (t.view(t.shape[0], t.shape[1], H // 2, D).transpose(1, 2).repeat_interleave(2, dim=1) for t in (k, v))
+    return attention(heads(q), k, v)
+
+
+def test_grouped_heads_of_one_projection_write_one_gradient():
+    x = random_tensor((B, T, C), torch.float32)
+    report = check(grouped_projection, x, random_tensor((C, 2 * C), torch.float32) / math.sqrt(C), backward=True)
+    (op,) = [n for n in report.graphs["forward"].graph.nodes if "fusepass.attention" in str(n.target)]
+    assert op.args[0] is op.args[1] is op.args[2]
+    assert "aten.cat.default" not in ops_of(report, "backward")
+    assert "gqa" in rewrites(report, "attention", "forward")[0].features
