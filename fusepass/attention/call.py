@@ -143,7 +143,7 @@ class AttentionCall:
         try:
             # Everything the call returns is allocated here, outside the launches a replay repeats (the map's
             # views are made inside: a replayed call needs only its buffer).
-            outputs = forward_outputs(q4, self.mod, s.out_dtype, q.device)
+            outputs = forward_outputs(q4, self.mod, s.out_dtype, q.device, s.out_by_position)
             packed_map = [torch.empty(shape, dtype=torch.int32, device=q.device) for shape in self.map_shapes(q)]
             if s.replay and attention_replays.can_replay(q):
                 # The outputs' layouts follow from the spec (named by the values) and q, k, v: keyed by pointer.
@@ -225,6 +225,8 @@ class AttentionCall:
         """The op's outputs from the replaced ops: their result, and row statistics the backward then ignores."""
         s = self.spec
         out = self.unfused.to_canonical(self.unfused.forward(inputs, seed), s.out_shape)
+        if s.out_by_position:  # as the fake lays it out
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
         rows = s.out_shape[:3]
         fallback = out.new_zeros(s.fallback_shape, dtype=torch.int8)
         block_map = [out.new_zeros(shape, dtype=torch.int32) for shape in self.map_shapes(inputs[0])]

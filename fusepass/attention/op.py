@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from fusepass.attention.call import Outputs, call_named
+from fusepass.attention.unfused import with_strides
 
 
 def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[torch.Tensor], seed: torch.Tensor,
@@ -38,7 +39,9 @@ def _attention_fake(q, k, v, aux, seed, spec):
     call = call_named(spec)
     s = call.spec
     shape = s.out_shape
-    out = q.new_empty(shape, dtype=s.out_dtype)
+    b, h, n, d = shape
+    out = q.new_empty((b, n, h, d), dtype=s.out_dtype).transpose(1, 2) if s.out_by_position else \
+        q.new_empty(shape, dtype=s.out_dtype)
     lse = q.new_empty(shape[:3], dtype=torch.float32)
     fallback = q.new_empty(s.fallback_shape, dtype=torch.int8)
     block_map = [q.new_empty(shape, dtype=torch.int32) for shape in call.map_shapes(q)]
@@ -69,7 +72,8 @@ def _backward(ctx: Any, grad_out: torch.Tensor, *unused: Any):
     n_map = 1 if call_named(ctx.spec).spec.passes_map else 0
     block_map, aux = rest[:n_map], rest[n_map:]
     s = call_named(ctx.spec).spec
-    dq, dk, dv, daux = attention_backward(grad_out.contiguous(), q, k, v, out, lse, log_sum, fallback,
+    # The output's gradient laid out as the output (the kernels read both alike): no copy where it arrives so.
+    dq, dk, dv, daux = attention_backward(with_strides(grad_out, out.stride()), q, k, v, out, lse, log_sum, fallback,
                                           list(block_map), list(aux), seed, ctx.spec)
     # A source read by several of Q, K and V whose views tile it has its gradient in its first reader's place.
     dq, dk, dv = (g if owner == i else None for i, (g, owner) in enumerate(zip((dq, dk, dv), s.gradient_owners)))

@@ -36,6 +36,9 @@ class AttentionSpec:
     # For Q, K and V, which of them writes its gradient (`gradient_owners`): its own buffer, or one it shares with
     # the others reading the same source, whose views tile it; the op returns the others' gradients empty.
     gradient_owners: tuple[int, int, int] = (0, 1, 2)
+    # The output [B, H, N, D] laid out [B, N, H, D], each position's heads side by side: its one reader swaps heads
+    # and positions (`.transpose(1, 2).contiguous()` before the output projection), and reads it contiguous.
+    out_by_position: bool = False
     forward_tiles: FlashConfig | None = None  # the forward's, where the density model knows the mask's rows
     replay: bool = True  # replay launches as CUDA graphs where arguments repeat (`fusepass.runtime.replay`)
 

@@ -23,7 +23,7 @@ from fusepass.attention.plan import AttentionSpec, plan
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module, with_recomputed
 from fusepass.attention.unfused import Unfused
 from fusepass.context import PassContext, mark_planned
-from fusepass.fx_util import hold, infer_meta, val
+from fusepass.fx_util import hold, infer_meta, packet, val
 from fusepass.report.ledger import op_bytes
 from fusepass.report.records import KNOWN_CONTENTS, Hotspot, Rewrite
 from fusepass.source import keep_location, location
@@ -75,7 +75,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             replaced = replaced_subgraph(graph, removed_nodes(m), read)
             records, forward_tiles = attention_records(replaced, spec, sources, features, where,
                                                        ctx.report.ceilings.sms)
-            spec = replace(spec, forward_tiles=forward_tiles)
+            spec = replace(spec, forward_tiles=forward_tiles, out_by_position=_read_by_position(m, spec))
             module, extra = subgraph_module(with_recomputed(replaced, read), read, m.pv)
             lost = [n.name for n in extra if n.meta.get("requires_grad")]
             if lost:
@@ -117,6 +117,18 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
         graph.eliminate_dead_code()
         gm.recompile()
     return gm
+
+
+def _read_by_position(m: AttentionMatch, spec: AttentionSpec) -> bool:
+    """Whether the attention's output, [B, H, N, D] as the op returns it, is read only with its heads and positions
+    swapped (``.transpose(1, 2)``, ``.permute(0, 2, 1, 3)``): laid out [B, N, H, D], what the reader makes of it is
+    then contiguous, and its ``.contiguous()`` or ``.reshape(B, N, H·D)`` copies nothing, forward or backward."""
+    if m.values.out_perm is not None or tuple(val(m.pv).shape) != spec.out_shape or len(m.pv.users) != 1:
+        return False
+    (user,) = m.pv.users
+    if packet(user) == aten.transpose:
+        return {user.args[1] % 4, user.args[2] % 4} == {1, 2}
+    return packet(user) == aten.permute and [d % 4 for d in user.args[1]] == [0, 2, 1, 3]
 
 
 def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[torch.fx.Node],

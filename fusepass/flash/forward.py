@@ -250,10 +250,14 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
     return _flash_forward_kernel, grid, args, keywords
 
 
-def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | None, device: torch.device | str
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The forward kernel's outputs for `q`, on `device`: out, lse, log_sum and the fallback rows (masks only)."""
-    out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=device)
+def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | None, device: torch.device | str,
+                    by_position: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The forward kernel's outputs for `q`, on `device`: out, lse, log_sum and the fallback rows (masks only).
+    `out` is [B, H, N, D], laid out [B, N, H, D] where `by_position` (the kernel writes through its strides)."""
+    b, h, n, d = q.shape
+    out = torch.empty((b, n, h, d) if by_position else (b, h, n, d), dtype=out_dtype or q.dtype, device=device)
+    if by_position:
+        out = out.transpose(1, 2)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
     log_sum = torch.empty_like(lse)
     fallback_rows = torch.empty(q.shape[:3], dtype=torch.int8, device=device) if mod.has_mask else None
