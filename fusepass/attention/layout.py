@@ -141,15 +141,17 @@ class Scale:
 
 
 def _scale(node: torch.fx.Node) -> Scale | None:
-    """The scale ``node`` applies to its tensor: ``x * c`` or ``x / c`` for a finite, nonzero number ``c``, in x's
-    floating dtype."""
+    """The scale ``node`` applies to its tensor: ``x * c`` or ``x / c`` for a number ``c`` that does not make it
+    larger (1/√d, a temperature: eager's scaled tensor then overflows nowhere that the unscaled one does not), in
+    x's floating dtype."""
     if packet(node) not in (aten.mul, aten.div) or len(node.args) != 2 or node.kwargs:
         return None
     x, c = node.args
     if not isinstance(x, torch.fx.Node) or isinstance(c, bool) or not isinstance(c, (int, float)) or \
-            not math.isfinite(c) or c == 0 or not val(x).dtype.is_floating_point or val(x).dtype != val(node).dtype:
+            not val(x).dtype.is_floating_point or val(x).dtype != val(node).dtype:
         return None
-    return Scale(packet(node), float(c))
+    shrinks = 0 < abs(c) <= 1 if packet(node) == aten.mul else 1 <= abs(c) < math.inf
+    return Scale(packet(node), float(c)) if shrinks else None
 
 
 # Casts whose result holds exactly the values of their input, in a wider float (bf16 or fp16 read as fp32).

@@ -134,3 +134,16 @@ def test_grouped_heads_of_one_projection_write_one_gradient():
     assert op.args[0] is op.args[1] is op.args[2]
     assert "aten.cat.default" not in ops_of(report, "backward")
     assert "gqa" in rewrites(report, "attention", "forward")[0].features
+
+
+def scaled_up(x, w):
+    """Q multiplied by a number above 1 before the product: in half precision eager's product may overflow where
+    the unscaled one does not, so the scale is not the scores' (the product stays)."""
+    q, k, v = (x @ w).split(C, dim=2)
+    return attention(heads(q) * 4.0, heads(k), heads(v))
+
+
+def test_a_scale_that_grows_q_stays_a_product():
+    x = random_tensor((B, T, C), torch.float32)
+    report = check(scaled_up, x, random_tensor((C, 3 * C), torch.float32) / math.sqrt(C), backward=True)
+    assert rewrites(report, "attention", "forward") and "aten.mul.Tensor" in ops_of(report, "forward")
