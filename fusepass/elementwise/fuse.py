@@ -17,6 +17,7 @@ from fusepass.context import PassContext
 from fusepass.elementwise import layer_norm
 from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.lower import Lowered, NotLowerable, lower
+from fusepass.elementwise.pieces import is_piecewise
 from fusepass.elementwise.reduction import is_reduction
 from fusepass.elementwise.partition import Group, is_constant, partition, root_shape
 from fusepass.elementwise.row_kernel import RowLauncher, walked_bytes
@@ -40,19 +41,20 @@ def kernel_name(group: Group) -> str:
 
 def lowerable_partition(graph: torch.fx.Graph, device: torch.device, reductions: bool = True
                         ) -> tuple[list[Group], list]:
-    """`partition`, with the row reductions and column sums of a group that cannot be lowered (one read in another
-    row than it reduces) left as ATen ops, and the rest grouped again; without `reductions`, every one."""
+    """`partition`, with the row reductions, column sums, cats and slice_backwards of a group that cannot be lowered
+    (one read in another row than it reduces, a cat read along another dim than one of the group's) left as ATen
+    ops, and the rest grouped again; without `reductions`, every reduction."""
     apart = frozenset() if reductions else frozenset(n for n in graph.nodes if is_reduction(n))
     while True:
         groups, declined = partition(graph, device, apart)
         unlowerable = set()
         for group in groups:
-            if root_shape(group.nodes) is None:
+            if root_shape(group.nodes) is None and not any(map(is_piecewise, group.nodes)):
                 continue
             try:
                 lower(group, device)
             except NotLowerable:
-                unlowerable |= {n for n in group.nodes if is_reduction(n)}
+                unlowerable |= {n for n in group.nodes if is_reduction(n) or is_piecewise(n)}
         if not unlowerable:
             return groups, declined
         apart |= unlowerable

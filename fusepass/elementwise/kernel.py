@@ -84,6 +84,7 @@ class Variant:
     # pays for). Row blocks first moved x*row+col slower than one axis did.
     grid_2d: bool
     even: bool  # the blocks divide the sizes: no masks
+    guard_dims: tuple[int, ...] = ()  # per guard of the program, the coalesced dim it is on (never merged)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -98,16 +99,21 @@ def offset(prefix: str, dims: tuple[bool, ...], base: bool) -> str:
     return " + ".join(terms) if terms else "0"
 
 
-def _load_mask(dims: tuple[bool, ...]) -> str:
-    """The mask of a load moving along `dims`: only the bounds of the tile axes it moves along. A load broadcast
-    along the tile's rows (or columns) is then a row (column) of the tile, broadcast in registers, not a tile
-    of repeated addresses: fewer load instructions, and vectorized along the columns."""
+def _load_mask(dims: tuple[bool, ...], even: bool, guards: tuple[int, ...] = ()) -> str:
+    """The mask of a load moving along `dims`: only the bounds of the tile axes it moves along (none where the blocks
+    divide the sizes), and the guards it is read under (0 where one fails: a piece read past its place). A load
+    broadcast along the tile's rows (or columns) is then a row (column) of the tile, broadcast in registers, not a
+    tile of repeated addresses: fewer load instructions, and vectorized along the columns."""
     along_columns, along_rows = dims[-1], any(dims[:-1])
-    if not (along_columns or along_rows):
+    terms = [f"g{i}" for i in guards]
+    if not even and (along_columns or along_rows):
+        if along_columns and along_rows or len(dims) == 1:
+            terms.insert(0, "mask")
+        else:
+            terms.insert(0, "col_mask" if along_columns else "row_mask")
+    if not terms:
         return ""
-    if along_columns and along_rows or len(dims) == 1:
-        return ", mask=mask"
-    return ", mask=col_mask" if along_columns else ", mask=row_mask"
+    return f", mask={' & '.join(terms)}" + (", other=0" if guards else "")
 
 
 def kernel_params(program: Program, rank: int, load_dims: tuple[tuple[bool, ...], ...], load_base: tuple[bool, ...],
@@ -160,12 +166,15 @@ def kernel_source(name: str, program: Program, variant: Variant) -> str:
     # the tile's shape where it is read; compiled, it is broadcast where it meets a tile, as Triton does.
     tile = ("[YBLOCK]" if q == 1 else "[XBLOCK, YBLOCK]") if interpreting() else None
     operands: dict[Ref, Operand] = {}
+    for i, (guard, d) in enumerate(zip(program.guards, variant.guard_dims)):
+        body.append(f"g{i} = (c{d} >= {guard.lo}) & (c{d} < {guard.hi})")
+        operands[Ref("guard", i)] = Operand(f"g{i}", torch.bool, False)
     for k, load in enumerate(program.loads):
         if load.by_value:
             value = f"l{k}_value"
         else:
             where = offset(f"l{k}", variant.load_dims[k], variant.load_base[k])
-            mask = "" if variant.even else _load_mask(variant.load_dims[k])
+            mask = _load_mask(variant.load_dims[k], variant.even, load.guards)
             value = f"tl.load(l{k}_ptr + {where}{mask})"
             if held_dtype(load.dtype) != load.dtype:
                 value += f".to({TRITON_DTYPE[held_dtype(load.dtype)]})"
@@ -259,25 +268,32 @@ def contiguous_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int,
     return tuple(strides)
 
 
-def _coalesce(root: Sequence[int], order: Sequence[int], operands: list[tuple[int, ...]]
-              ) -> tuple[list[int], list[list[int]]]:
-    """Drop size-1 dims, then merge neighbours (in memory order) that are contiguous for every operand."""
+def _coalesce(root: Sequence[int], order: Sequence[int], operands: list[tuple[int, ...]],
+              separate: Sequence[int] = ()) -> tuple[list[int], list[list[int]], dict[int, int]]:
+    """Drop size-1 dims, then merge neighbours (in memory order) that are contiguous for every operand; the dims in
+    `separate` (guarded: the kernel reads their coordinate) are kept, each a dim of its own. Also, for each of
+    those, its coalesced dim."""
     sizes: list[int] = []
     strides: list[list[int]] = [[] for _ in operands]
+    position: dict[int, int] = {}
+    previous = None
     for d in order:
-        if root[d] == 1:
+        if root[d] == 1 and d not in separate:
             continue
-        if sizes and all(st[-1] == op[d] * root[d] for st, op in zip(strides, operands)):
+        if sizes and d not in separate and previous not in separate and \
+                all(st[-1] == op[d] * root[d] for st, op in zip(strides, operands)):
             sizes[-1] *= root[d]
             for st, op in zip(strides, operands):
                 st[-1] = op[d]
             continue
+        position[d] = len(sizes)
+        previous = d
         sizes.append(root[d])
         for st, op in zip(strides, operands):
             st.append(op[d])
     if not sizes:  # a single element: one dimension of size 1 keeps every offset a block
-        return [1], [[1] for _ in operands]
-    return sizes, strides
+        return [1], [[1] for _ in operands], position
+    return sizes, strides, position
 
 
 class PointwiseLauncher:
@@ -363,7 +379,8 @@ class PointwiseLauncher:
         load_strides = {k: strides_at(accesses[k].map, inputs[accesses[k].input].stride(), lowered.rank)
                         for k in tensor_loads}
         operands = [load_strides[k][0] for k in tensor_loads] + list(out_strides)
-        sizes, strides = _coalesce(root, lowered.outputs[0].stride_order, operands)
+        guarded = [guard.dim for guard in lowered.program.guards]
+        sizes, strides, position = _coalesce(root, lowered.outputs[0].stride_order, operands, guarded)
 
         load_dims, load_base, int_args = [], [], list(sizes)
         for k in range(len(accesses)):
@@ -392,7 +409,8 @@ class PointwiseLauncher:
         grid_2d = len(sizes) > 1 and x_blocks <= MAX_GRID_Y
         grid = (y_blocks, x_blocks) if grid_2d else (x_blocks * y_blocks,)
         even = numel > 0 and sizes[-1] % yblock == 0 and (numel // sizes[-1]) % xblock == 0
-        variant = Variant(len(sizes), tuple(load_dims), tuple(load_base), tuple(output_dims), wide, grid_2d, even)
+        variant = Variant(len(sizes), tuple(load_dims), tuple(load_base), tuple(output_dims), wide, grid_2d, even,
+                          tuple(position[d] for d in guarded))
         kernel = compiled_kernel(self.__name__, lowered.program, variant,
                                  lambda: kernel_source(self.__name__, lowered.program, variant))
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,

@@ -10,7 +10,8 @@ read once. Both while three rules hold:
   iterates over their input's shape, one shape for all of them, and writes values of that shape or of its
   rows', and its column sums, read outside it only;
 - views inside a group are affine in the group's coordinates (see ``coords``); views at its edges stay in
-  the graph, where they cost nothing.
+  the graph, where they cost nothing;
+- a cat or slice_backward (``pieces``) joins groups without row reductions or column sums.
 Nodes a pointwise chain would need but the translator cannot emit are reported, not merged.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fusepass.codegen.operands import SUPPORTED_DTYPES
 from fusepass.codegen.translate import CONSTANTS, constant_value, packet_of, translation_gap
 from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
+from fusepass.elementwise.pieces import is_piecewise, piece_gap
 from fusepass.elementwise.reduction import column_sum_of, is_column_sum, is_reduction, reduced_input
 
 
@@ -84,7 +86,10 @@ def decline_reason(node: torch.fx.Node, device: torch.device) -> str | None:
     if is_mapped_view(node):
         rank = val.dim()
         return None if through_view(node, identity(rank), rank) is not None else "view is not affine"
-    gap = None if is_reduction(node) else translation_gap(node.target, node.args, node.kwargs)
+    if is_piecewise(node):
+        gap = piece_gap(node)
+    else:
+        gap = None if is_reduction(node) else translation_gap(node.target, node.args, node.kwargs)
     if gap is not None:
         return gap
     if is_constant(node):
@@ -178,6 +183,8 @@ def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
     root = root_shape(members)
     if root is None:
         return len({_shape_key(_val(_storage(n, members)).shape) for n in _escaping(members)}) <= 1
+    if any(is_piecewise(n) for n in members):  # the row kernels read no guards
+        return False
     if any(_shape_key(_val(reduced_input(n)).shape) != _shape_key(root) for n in members if is_reduction(n)):
         return False
     # A column sum is whole only once every program has added its rows: read outside the group alone (but for
@@ -198,7 +205,7 @@ def partition(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torc
     reasons = {n: decline_reason(n, device) for n in nodes if n.op == "call_function"}
     fusable = {n for n, reason in reasons.items() if reason is None and n not in apart}
     declined = [Declined(n, reasons[n]) for n in nodes
-                if is_pointwise(n) and reasons.get(n) is not None and not is_constant(n)
+                if (is_pointwise(n) or is_piecewise(n)) and reasons.get(n) is not None and not is_constant(n)
                 and not planned_attention(n) and not _host_scalar(n, device)]
 
     groups = _Groups(graph)

@@ -13,8 +13,18 @@ import torch
 
 @dataclass(frozen=True)
 class Ref:
-    kind: str  # "load" | "step"
+    kind: str  # "load" | "step" | "guard"
     index: int
+
+
+@dataclass(frozen=True)
+class Guard:
+    """``lo <= c < hi`` for the root coordinate ``c`` along ``dim``: where a piece of a cat or slice_backward is
+    (`pieces`). A bool value of the kernel."""
+
+    dim: int
+    lo: int
+    hi: int
 
 
 @dataclass(frozen=True)
@@ -22,6 +32,7 @@ class Load:
     dtype: torch.dtype
     zero_dim: bool
     by_value: bool  # a 0-d tensor on the host while the kernel runs on a device: passed as a scalar
+    guards: tuple[int, ...] = ()  # the program's guards it is read under: masked where any fails
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,7 @@ class Program:
     loads: tuple[Load, ...]
     steps: tuple[Step, ...]
     outputs: tuple[tuple[Ref, torch.dtype], ...]
+    guards: tuple[Guard, ...] = ()
 
     def op_names(self) -> list[str]:
         return [step.target.overloadpacket.__name__ for step in self.steps]

@@ -11,6 +11,7 @@ import torch
 import torch.fx
 
 from fusepass.elementwise.partition import decline_reason, is_pointwise
+from fusepass.elementwise.pieces import is_piecewise
 from fusepass.elementwise.reduction import is_row_reduction
 from fusepass.fx_util import op_name
 from fusepass.report import attribution
@@ -53,6 +54,8 @@ def _reason(node: torch.fx.Node) -> str:
         return f"{op_name(node)} {_unfused_reduction(node)}: an ATen reduction"
     if is_pointwise(node):
         return "a pointwise op with no fusable neighbour: one ATen kernel"
+    if is_piecewise(node):
+        return f"{op_name(node)} with no fusable neighbour (or none of its shape): one ATen kernel"
     return f"no fusion rule for {op_name(node)}: an ATen kernel"
 
 
@@ -77,7 +80,8 @@ def aten_ops(graph: torch.fx.Graph, phase: str, device: torch.device, pointwise_
         val = node.meta.get("val")
         if moves_no_bytes(node) or (isinstance(val, torch.Tensor) and val.device != device) or _views(node, val):
             continue
-        if pointwise_reported and is_pointwise(node) and decline_reason(node, device) is not None:
+        if pointwise_reported and (is_pointwise(node) or is_piecewise(node)) and \
+                decline_reason(node, device) is not None:
             continue
         moved = op_bytes(node)
         if isinstance(val, (tuple, list)):  # each element is written by this op

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from support import DEVICE, assert_close, pointwise_program
 
 UNARY = [torch.tanh, torch.sigmoid, torch.relu, torch.neg, torch.abs, torch.sin, F.gelu,
-         lambda x: x * 0.5, lambda x: x + 1.0, lambda x: torch.exp(torch.clamp(x, max=4.0))]
+         lambda x: x * 0.5, lambda x: x + 1.0, lambda x: torch.exp(torch.clamp(x, max=4.0)),
+         lambda x: torch.cat((x[..., 2:], -x[..., :2]), dim=-1)]
 BINARY = [torch.add, torch.mul, torch.sub, torch.maximum, lambda a, b: torch.where(a > b, a, b * 0.25),
           # the matmul is the one op no group may swallow
           lambda a, b: torch.broadcast_to(a, (2, 6, 6)) @ torch.broadcast_to(b, (2, 6, 6))]

@@ -37,6 +37,8 @@ UNARY = [
     lambda x: x - x.amax(-1, keepdim=True), lambda x: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1.0),
     lambda x: x.sum(-1, keepdim=True) * 0.125 - x, lambda x: F.layer_norm(x, x.shape[-1:]) + x,
     lambda x: torch.softmax(x, -1) * 4.0 - x, lambda x: torch.log_softmax(x.float(), -1).to(x.dtype) * 0.5,
+    # Pieces placed along a dim (rotary embeddings' rotate_half; their backward's slice_backward).
+    lambda x: torch.cat((-x[..., 4:], x[..., :4]), dim=-1), lambda x: torch.cat((x[:, 3:], x[:, :3] * 0.5), dim=1),
 ]
 BINARY = [
     torch.add, torch.sub, torch.mul, torch.maximum, torch.minimum,
