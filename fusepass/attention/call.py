@@ -8,9 +8,8 @@ the call.
 from __future__ import annotations
 
 import contextlib
-import functools
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
@@ -177,7 +176,7 @@ class AttentionCall:
         read = tuple(aux[:len(s.aux_strides)])
         needs = s.aux_needs_grad(len(aux))
 
-        grads = gradient_buffers(s, (q, k, v), torch.empty_strided)
+        grads = gradient_buffers(s, (q, k, v))
 
         def new_aux_grad() -> tuple[torch.Tensor, ...]:
             """fp32 accumulators for the aux tensors a gradient flows to, laid out as they are (the score
@@ -274,8 +273,7 @@ def _compile_ahead(call: AttentionCall, sources: tuple[torch.Tensor, ...], qkv: 
     read = tuple(aux[:len(s.aux_strides)])
     grads = aux_grad = None
     if any(call.unfused.requires_grad):
-        meta = functools.partial(torch.empty_strided, device="meta")
-        grads = tuple(layout.view(g) for layout, g in zip((s.q, s.k, s.v), gradient_buffers(s, sources, meta)))
+        grads = tuple(layout.view(g) for layout, g in zip((s.q, s.k, s.v), gradient_buffers(s, sources, "meta")))
         aux_grad = tuple(  # as `backward` lays them out
             _accumulator(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")) if n
             else torch.empty(0, dtype=a.dtype, device="meta") for a, n in zip(read, s.aux_needs_grad(len(read))))
@@ -284,16 +282,17 @@ def _compile_ahead(call: AttentionCall, sources: tuple[torch.Tensor, ...], qkv: 
                             aux_grad=None if aux_grad is None else s.kernel_aux_grad(aux_grad), device=device)
 
 
-def gradient_buffers(s: AttentionSpec, sources: Sequence[torch.Tensor], empty_strided: Callable[..., torch.Tensor]
+def gradient_buffers(s: AttentionSpec, sources: Sequence[torch.Tensor], device: str | None = None
                      ) -> list[torch.Tensor]:
     """The buffers Q's, K's and V's gradients are written into, through the views the op reads, laid out as their
-    sources: one per owner (`AttentionSpec.gradient_owners`), zeroed where its views leave elements unwritten."""
+    sources (on `device` where given: "meta" stand-ins): one per owner (`AttentionSpec.gradient_owners`), zeroed
+    where its views leave elements unwritten."""
     buffers: list[torch.Tensor] = []
     for i, (x, layout, owner) in enumerate(zip(sources, (s.q, s.k, s.v), s.gradient_owners)):
         if owner != i:  # its views and the owner's tile the source
             buffers.append(buffers[owner])
             continue
-        buffer = empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+        buffer = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device or x.device)
         if not layout.covers(buffer.numel()) and s.gradient_owners.count(i) == 1:
             buffer.zero_()
         buffers.append(buffer)

@@ -272,3 +272,19 @@ def test_attentions_lifted_alike_share_their_cached_block_maps(monkeypatch):
             assert_close(g, e)
         by_count[count] = list(built)
     assert by_count[1] and by_count[3] == by_count[1]
+
+
+def test_compiles_ahead_allocate_nothing_on_the_device(monkeypatch):
+    """The gradients a compile ahead lays out (for the backward's signatures) are meta stand-ins, at the rewrite and
+    at the first call, Q, K and V of one projection sharing one."""
+    seen = []
+    monkeypatch.setattr(call, "compile_attention_ahead",
+                        lambda *args, grads=None, aux_grad=None, **keywords: seen.append(grads))
+    x = random_tensor((2, 19, 96), torch.float32).requires_grad_()
+
+    def split_attention(x):
+        q, k, v = (t.view(2, 19, 2, 16).transpose(1, 2) for t in (x * 1.5).split(32, dim=2))
+        return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+    torch.compile(split_attention, backend=fusepass.backend(strict=True))(x).sum().backward()
+    assert seen and all(g is not None and all(t.is_meta for t in g) for g in seen), seen
