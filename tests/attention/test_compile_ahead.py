@@ -267,9 +267,9 @@ def test_attentions_lifted_alike_share_their_cached_block_maps(monkeypatch):
         out = torch.compile(layers, backend=fusepass.backend(strict=True))(q, k, v)
         grads = torch.autograd.grad(out.sum(), (q, k, v))
         expected = layers(q, k, v)
-        assert_close(out, expected)
+        assert_close(out, expected, rtol=1e-4, atol=1e-4)  # three layers deep: fp32 roundings compound
         for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
-            assert_close(g, e)
+            assert_close(g, e, rtol=1e-4, atol=1e-4)
         by_count[count] = list(built)
     assert by_count[1] and by_count[3] == by_count[1]
 
