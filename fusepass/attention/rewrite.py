@@ -121,14 +121,25 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
 
 def _read_by_position(m: AttentionMatch, spec: AttentionSpec) -> bool:
     """Whether the attention's output, [B, H, N, D] as the op returns it, is read only with its heads and positions
-    swapped (``.transpose(1, 2)``, ``.permute(0, 2, 1, 3)``): laid out [B, N, H, D], what the reader makes of it is
-    then contiguous, and its ``.contiguous()`` or ``.reshape(B, N, H·D)`` copies nothing, forward or backward."""
-    if m.values.out_perm is not None or tuple(val(m.pv).shape) != spec.out_shape or len(m.pv.users) != 1:
+    swapped (``.transpose(1, 2)``, ``.permute(0, 2, 1, 3)``; after a view of bmm's [B·H, N, D] as [B, H, N, D], as
+    BLOOM merges heads): laid out [B, N, H, D], what the reader makes of it is then contiguous, and its
+    ``.contiguous()`` or ``.reshape(B, N, H·D)`` copies nothing, forward or backward."""
+    if m.values.out_perm is not None or len(m.pv.users) != 1:
         return False
     (user,) = m.pv.users
+    if tuple(val(m.pv).shape) != spec.out_shape:
+        if _as_out_shape(user, spec) is None:
+            return False
+        (user,) = user.users
     if packet(user) == aten.transpose:
         return {user.args[1] % 4, user.args[2] % 4} == {1, 2}
     return packet(user) == aten.permute and [d % 4 for d in user.args[1]] == [0, 2, 1, 3]
+
+
+def _as_out_shape(node: torch.fx.Node, spec: AttentionSpec) -> torch.fx.Node | None:
+    """`node` where it is a view of the attention's output as the op's [B, H, N, D], read by one op alone."""
+    return node if packet(node) in (aten.view, aten.reshape, aten._unsafe_view) and len(node.users) == 1 and \
+        tuple(val(node).shape) == spec.out_shape else None
 
 
 def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[torch.fx.Node],
@@ -145,9 +156,12 @@ def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[
                                  (*sources, list(spec.lifted.aux) + extra, seed, name))
         keep_location(op, m.softmax)
         out = graph.call_function(operator.getitem, (op, 0))
-        result = _to_output_layout(graph, out, m.values, tuple(val(m.pv).shape), spec.out_shape)
+        # bmm's [B·H, N, D] viewed back to [B, H, N, D]: that view is the op's output itself (laid out by position,
+        # the output has no [B·H, N, D] view)
+        merged = tuple(val(m.pv).shape) != spec.out_shape and spec.out_by_position
+        result = out if merged else _to_output_layout(graph, out, m.values, tuple(val(m.pv).shape), spec.out_shape)
     infer_meta(n for n in graph.nodes if n not in existing)
-    m.pv.replace_all_uses_with(result)
+    (_as_out_shape(next(iter(m.pv.users)), spec) if merged else m.pv).replace_all_uses_with(result)
 
 
 def _to_output_layout(graph: torch.fx.Graph, out: torch.fx.Node, values: Operands, shape: tuple[int, ...],

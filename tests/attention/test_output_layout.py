@@ -55,3 +55,16 @@ def test_an_output_read_otherwise_keeps_the_matmuls_layout(fn):
     report = check(fn, *(random_tensor((B, H, T, D), torch.float32) for _ in range(3)), backward=True)
     (op,) = [n for n in report.graphs["forward"].graph.nodes if "fusepass.attention" in str(n.target)]
     assert op.meta["val"][0].is_contiguous()
+
+
+def bmm_merged(q, k, v):  # BLOOM: heads folded into the batch for bmm, merged back through a view
+    q, k, v = (t.transpose(1, 2).reshape(B * H, T, D) for t in (q, k, v))  # q, k, v: [B, T, H, D]
+    y = torch.bmm(torch.softmax(torch.bmm(q, k.transpose(1, 2)) / math.sqrt(D), dim=-1), v)
+    return y.view(B, H, T, D).permute(0, 2, 1, 3).reshape(B, T, H * D)
+
+
+def test_bmms_output_viewed_back_to_heads_is_written_by_position_too():
+    report = check(bmm_merged, *(random_tensor((B, T, H, D), torch.float32) for _ in range(3)), backward=True)
+    assert rewrites(report, "attention", "backward")
+    for phase in ("forward", "backward"):
+        assert not copies(report, phase) and not fused_kernel_count(report, phase), phase
