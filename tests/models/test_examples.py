@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+from support import DEVICE
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
 MODELS = ["gpt2", "bert", "bloom", "llama", "t5", "gemma2", "vit"]
@@ -55,7 +56,7 @@ def test_example_model_trains_at_new_lengths(name):
     example = _example(name)
     model_class, loss_name = BUILT[name]
     torch.manual_seed(0)
-    model = getattr(example, model_class)(example.SIZES["tiny"])
+    model = getattr(example, model_class)(example.SIZES["tiny"]).to(DEVICE)  # where the example's inputs are
     loss = getattr(example, loss_name)
     fusepass.reset()
     compiled = torch.compile(model, backend=fusepass.backend(strict=True))
