@@ -7,6 +7,8 @@
 #   attention    large and small                                                    ~260 s
 #   large        every case but the learnable T5 table, B2 H16 N8192 D128          ~140 s (past 150 once; +1 case since)
 #   small        the same at B8 H16 N2048 D64 (cut at 110 s once: now 170)         ~120 s
+#   floor        causal, plain and the tril buffer at both shapes, fusepass's kernels (not run yet)
+#                beside fusepass with SDPA where it times faster ("floor") and SDPA
 #   flexmask     document, packed causal documents and padding beside            (~150 s; run once
 #                FlexAttention with its block mask built in each call, as a step   by hand at -1925,
 #                with new inputs builds it                                         without packed)
@@ -47,6 +49,9 @@ for part in $parts; do
     small)
         timeout 170 python bench/attention.py --shapes small --cases causal,causal_buffer,plain,alibi,document,window,padding,softcap,t5 \
             2>&1 | grep "^|" | cut -d"|" -f2-13 ;;
+    floor)
+        timeout 200 python bench/attention.py --shapes large,small --cases causal,plain,causal_buffer \
+            --peers sdpa,floor 2>&1 | grep "^|" | cut -d"|" -f2-4,8,11,13-16 ;;
     flexmask)
         timeout 260 python bench/attention.py --shapes large,small --cases document,packed,padding \
             --peers sdpa,flex,flex-mask \

@@ -14,6 +14,9 @@ class Options:
     # replay an attention call's or a fused elementwise group's kernel launches as a CUDA graph where its tensors
     # and values repeat an earlier call's (fusepass/runtime/replay.py): the host time of the launches
     replay: bool = True
+    # where torch's scaled_dot_product_attention computes an attention exactly (unmasked or causal, scaled, no
+    # tensor read) and the running GPU times it faster than the fused kernels, run it (attention/sdpa_floor.py)
+    sdpa: bool = True
     # run each op of the compiled graphs inside a torch.profiler range naming its report record, for
     # fusepass.profile to attribute kernel time: host time on every call
     annotate: bool = False

@@ -16,6 +16,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
+from fusepass.attention import sdpa_floor
+from fusepass.attention.sdpa_floor import Decision, SdpaRun, decision, sdpa_causal, sdpa_form
 from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
 from fusepass.flash.ahead import compile_attention_ahead
@@ -25,7 +27,9 @@ from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, nar
 from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs
 from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 from fusepass.report import profile
+from fusepass.report.records import SDPA
 from fusepass.runtime.replay import attention_replays
+from fusepass.runtime.timing import random_like
 
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]
 
@@ -36,6 +40,8 @@ class AttentionCall:
         self.unfused = unfused  # the replaced ops, over the op's inputs (q, k, v sources, aux, what else they read)
         self.guards = tuple(guards)  # of the buffers the score functions compute in place of reading them
         self.compiled_ahead = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
+        self.sdpa = sdpa_form(spec)  # the SDPA call that may compute the attention (`sdpa_floor`)
+        self._sdpa_runs: dict[tuple, SdpaRun | None] = {}  # per layout and dtype of q, k, v
         self._mod: ScoreMod | None = None
         self._passed_maps: dict[tuple[torch.dtype, torch.device], tuple] = {}
 
@@ -129,6 +135,9 @@ class AttentionCall:
             return self._unfused_forward((q, k, v, *aux), seed_value)
         q4, k4, v4 = self.views(q, k, v, aux)
         read = tuple(aux[:len(s.aux_strides)])
+        sdpa = None if self.sdpa is None else self._sdpa_run(q4, k4, v4)
+        if sdpa is not None:
+            return self._sdpa_forward(sdpa, q4, k4, v4)
 
         def forward(outputs: tuple | None = None, packed_map: Sequence[torch.Tensor] = ()):
             if not self.compiled_ahead:
@@ -177,6 +186,9 @@ class AttentionCall:
         needs = s.aux_needs_grad(len(aux))
 
         grads = gradient_buffers(s, (q, k, v))
+        if self.sdpa is not None and SdpaRun.ran(lse):
+            SdpaRun.backward(grad_out, lse, (s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
+            return self._owned(grads) + ([],)
 
         def new_aux_grad() -> tuple[torch.Tensor, ...]:
             """fp32 accumulators for the aux tensors a gradient flows to, laid out as they are (the score
@@ -215,8 +227,73 @@ class AttentionCall:
                                      unfused.forward_record.measured_unfused_ms or 0.0)
         aux_grads = [_aux_gradient(g, a) if g.numel() else g for g, a in zip(aux_grad, read)] + \
             [a.new_empty(0) for a in aux[len(read):]]
-        dq, dk, dv = (g if owner == i else g.new_empty(0) for i, (g, owner) in enumerate(zip(grads, s.gradient_owners)))
-        return dq, dk, dv, aux_grads
+        return self._owned(grads) + (aux_grads,)
+
+    def _owned(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Q's, K's and V's gradients as the op returns them: empty for one that another's buffer holds."""
+        return tuple(g if owner == i else g.new_empty(0) for i, (g, owner) in enumerate(zip(grads, self.spec.gradient_owners)))
+
+    # ------------------------------------------------------------------------------- SDPA, where faster
+
+    def _sdpa_run(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> SdpaRun | None:
+        """SDPA in place of the fused kernels, where it computes the attention and was measured faster
+        (`sdpa_floor`), for these layouts; asked on every call, decided once per layout."""
+        layouts = (q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), q4.dtype, q4.device)
+        if layouts not in self._sdpa_runs:
+            run = None
+            if sdpa_floor.can_time(q4.device) and q4.dtype == self.spec.out_dtype:
+                gradients = any(self.unfused.requires_grad)
+                key = (self.sdpa, self.mod.mask_functions, self.spec.out_by_position, gradients, *layouts)
+                found = decision(key, lambda: self._sdpa_decision(q4, k4, v4, gradients))
+                if found is not None:
+                    where = f"[{', '.join(map(str, q4.shape))}] {str(q4.dtype).removeprefix('torch.')}"
+                    self.unfused.forward_record.detail.setdefault(SDPA, {})[where] = found.describe(gradients)
+                    run = SdpaRun(self.sdpa, found.causal) if found.runs_sdpa else None
+            self._sdpa_runs[layouts] = run
+        return self._sdpa_runs[layouts]
+
+    def _sdpa_decision(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, gradients: bool
+                       ) -> Decision | None:
+        """SDPA's and the fused kernels' times at these layouts, where SDPA computes the attention (the mask
+        checked to be its causal one, or none), on random tensors laid out as these."""
+        s, form = self.spec, self.sdpa
+        aux = s.kernel_aux(())
+        causal = form.masked and sdpa_causal(self.mod.keep, aux, q4.shape[2], k4.shape[2], q4.device)
+        if causal is None:
+            return None
+        run = SdpaRun(form, causal)
+        q, k, v = (random_like(x) for x in (q4, k4, v4))
+        out_strides = self._out_strides()
+        grad_out = torch.empty_strided(s.out_shape, out_strides, dtype=q.dtype, device=q.device).normal_()
+        grads = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+        def sdpa_step() -> None:
+            lse = q.new_empty(s.out_shape[:3], dtype=torch.float32)
+            run.forward(q, k, v, out_strides, lse, gradients)
+            if gradients:
+                run.backward(grad_out, lse, grads)
+
+        def fused_step() -> None:
+            out, lse, extra = flash_attention_forward(
+                q, k, v, self.mod, aux, out_dtype=s.out_dtype,
+                outputs=forward_outputs(q, self.mod, s.out_dtype, q.device, s.out_by_position))
+            if gradients:
+                flash_attention_backward(grad_out, q, k, v, out, lse, extra, self.mod, aux, s.kernel_aux_grad(()),
+                                         grads=grads)
+
+        return Decision(causal, *sdpa_floor.timed(sdpa_step, fused_step))
+
+    def _sdpa_forward(self, run: SdpaRun, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> Outputs:
+        """The op's outputs with SDPA's result; the lse a stand-in that names the kept forward (`SdpaRun.ran`)."""
+        s = self.spec
+        lse = q4.new_empty(s.out_shape[:3], dtype=torch.float32)
+        out = run.forward(q4, k4, v4, self._out_strides(), lse, any(self.unfused.requires_grad))
+        return out, lse, torch.empty_like(lse), lse.new_empty(s.fallback_shape, dtype=torch.int8), []
+
+    def _out_strides(self) -> tuple[int, ...]:
+        """Of the op's output, as `forward_outputs` lays it out."""
+        b, h, n, d = self.spec.out_shape
+        return (n * h * d, d, h * d, 1) if self.spec.out_by_position else (h * n * d, n * d, d, 1)
 
     # ------------------------------------------------------------------------------- the replaced ops
 

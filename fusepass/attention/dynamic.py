@@ -31,6 +31,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.direct_plan import DirectPlan, direct_plan
+from fusepass.attention.kept_forwards import keep_forward, kept_forward
 from fusepass.attention.known_contents import KNOWN, KnownInput, known_input
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
@@ -271,24 +272,8 @@ class _AtHint:
         return self._stride
 
 
-# What the backward of each call whose gradients flow reads of its forward (its plan, and the direct plan's seed
-# and outputs or the forward's autograd graph: the inputs it differentiates and the output), by the storage of
-# the token the call returns: AOTAutograd saves the token for the backward, which takes what its forward kept
-# rather than running the forward again (whose dropout would draw another mask). A saved output comes back as
-# another tensor of the token's storage, so the key is the storage's address; an entry leaves with the token's
-# storage: after the backward (autograd lets its saved tensors go), after a second one where the graph was
-# retained, or where no backward comes (a forward never differentiated).
-_forwards: dict[int, tuple] = {}
-
-
 def _token() -> torch.Tensor:
     return torch.empty(1, dtype=torch.int8)  # on the host: its address names the call, its value nothing
-
-
-def _keep_forward(token: torch.Tensor, kept: tuple) -> None:
-    key = token.untyped_storage().data_ptr()
-    _forwards[key] = kept
-    weakref.finalize(token.untyped_storage(), _forwards.pop, key, None)
 
 
 def _differentiated(s: DynamicSpec, plan: StaticPlan, tensors: list[torch.Tensor], sizes: list[int]
@@ -308,10 +293,10 @@ def run_attention_dynamic(tensors: list[torch.Tensor], sizes: list[int], spec: s
         seed, outputs = plan.direct.forward(tensors)
         out = outputs[0]
         if any(s.requires_grad):
-            _keep_forward(token, (plan, (seed, outputs)))
+            keep_forward(token, (plan, (seed, outputs)))
     elif any(s.requires_grad):
         xs, out = _differentiated(s, plan, tensors, sizes)
-        _keep_forward(token, (plan, (xs, out)))
+        keep_forward(token, (plan, (xs, out)))
         out = out.detach()
     else:
         out = plan.module(*tensors, *sizes)[0]
@@ -337,7 +322,7 @@ def run_attention_dynamic_backward(grad: torch.Tensor, tensors: list[torch.Tenso
     through one forward), its attention's backward the fused one."""
     s = _specs[spec]
     # The forward's own plan (one dropped since is held by what it kept).
-    plan, state = _forwards[token.untyped_storage().data_ptr()]
+    plan, state = kept_forward(token)
     if plan.direct is not None:
         grads = plan.direct.backward(grad, tensors, *state)
     else:

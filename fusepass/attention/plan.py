@@ -41,6 +41,7 @@ class AttentionSpec:
     out_by_position: bool = False
     forward_tiles: FlashConfig | None = None  # the forward's, where the density model knows the mask's rows
     replay: bool = True  # replay launches as CUDA graphs where arguments repeat (`fusepass.runtime.replay`)
+    sdpa: bool = True  # SDPA may run in its place where it computes the attention and is faster (`sdpa_floor`)
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
@@ -149,9 +150,9 @@ def gradient_owners(layouts: list[OperandLayout], sources: list[torch.fx.Node]) 
     return tuple(owners)
 
 
-def plan(m: AttentionMatch, name: str, replay: bool, sizes_vary: bool = False
+def plan(m: AttentionMatch, name: str, replay: bool, sizes_vary: bool = False, sdpa: bool = True
          ) -> tuple[AttentionSpec, list[torch.fx.Node], list[str]]:
-    """The spec of the rewrite (`replay`: the option; `sizes_vary`: the attention is planned again at each new
+    """The spec of the rewrite (`replay`, `sdpa`: the options; `sizes_vary`: the attention is planned again at each new
     size, its score functions take sizes at run time), the graph values the op reads and the rewrite's features;
     raises ``Unsupported``."""
     shape = tuple(val(m.qk).shape)
@@ -185,7 +186,7 @@ def plan(m: AttentionMatch, name: str, replay: bool, sizes_vary: bool = False
                           "input (a learnable bias) with atomic adds, in no fixed order")
     spec = AttentionSpec(name=name, q=q, k=k, v=v, lifted=lifted, out_dtype=val(m.pv).dtype,
                          dropout_p=m.dropout_p, aux_strides=[tuple(val(a).stride()) for a in lifted.aux],
-                         gradient_owners=owners, replay=replay)
+                         gradient_owners=owners, replay=replay, sdpa=sdpa)
     features = list(lifted.features)
     if k.group > 1:
         features.append("gqa")

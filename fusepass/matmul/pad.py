@@ -18,6 +18,7 @@ from fusepass.fx_util import packet, val
 from fusepass.report import attribution
 from fusepass.report.ledger import op_bytes, op_flops
 from fusepass.report.records import Rewrite
+from fusepass.runtime.timing import median_ms, random_like
 from fusepass.source import keep_location, location
 
 aten = torch.ops.aten
@@ -87,12 +88,6 @@ def padded_matmul(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, p
     return out[..., :m, :n]
 
 
-def random_like(t: torch.Tensor) -> torch.Tensor:
-    """Random values in `t`'s shape, strides, dtype and device (a transposed or broadcast operand stays one)."""
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return torch.randn(extent, dtype=t.dtype, device=t.device).as_strided(t.shape, t.stride())
-
-
 def _measured(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, pads: tuple[int, int, int]
               ) -> tuple[float, float]:
     """(ms as it is, ms padded, pads included) on random operands of these shapes and strides, once per layout and
@@ -100,15 +95,12 @@ def _measured(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, pads:
     head's weight gradient, is slow where the same operand contiguous is not)."""
     key = tuple(None if t is None else (tuple(t.shape), t.stride()) for t in (bias, a, b)) + (a.dtype, a.device, pads)
     if key not in _decisions:
-        import triton.testing
-
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
             rb, ra, rbb = (None if t is None else random_like(t) for t in (bias, a, b))
             plain = (lambda: torch.addmm(rb, ra, rbb)) if rb is not None else (
                 lambda: torch.bmm(ra, rbb) if ra.dim() == 3 else torch.mm(ra, rbb))
-            as_is = triton.testing.do_bench(plain, warmup=5, rep=20, return_mode="median")
-            padded = triton.testing.do_bench(lambda: padded_matmul(rb, ra, rbb, pads), warmup=5, rep=20,
-                                             return_mode="median")
+            as_is = median_ms(plain)
+            padded = median_ms(lambda: padded_matmul(rb, ra, rbb, pads))
         _decisions[key] = as_is, padded
     return _decisions[key]
 

@@ -17,6 +17,9 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 # A rewrite's detail: the buffers whose contents its kernels compute in place of reading them (an attention's
 # tril mask), each by the user's name, with what it holds.
 KNOWN_CONTENTS = "known contents"
+# An attention's: per shape it ran at on the GPU, whether SDPA or the fused kernels ran, with both measured times
+# (`attention.sdpa_floor`).
+SDPA = "sdpa"
 
 
 @dataclass

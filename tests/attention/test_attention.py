@@ -198,6 +198,18 @@ def softcap_causal(q, k, v):
     return torch.softmax(s, dim=-1) @ v
 
 
+def subsequent_mask_added(q, k, v):  # nn.Transformer.generate_square_subsequent_mask, added to the scores
+    n = q.shape[-2]
+    mask = torch.triu(torch.full((n, n), float("-inf"), device=q.device), diagonal=1)
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + mask, dim=-1) @ v
+
+
+def test_an_added_triangle_of_minus_infinity_is_a_mask_whose_empty_tiles_are_skipped():
+    report = check(subsequent_mask_added, *qkv(nk=NQ), backward=True)
+    assert "causal" in attention_rewrite(report).features
+    assert "keep" in last_attention().spec.lifted.functions
+
+
 def test_softcap_with_an_additive_triangle():
     report = check(softcap_causal, *qkv(nk=NQ), backward=True)
     assert "softcap" in attention_rewrite(report).features

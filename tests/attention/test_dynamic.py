@@ -73,7 +73,7 @@ def test_dropout_under_symbolic_sizes_drops_a_fraction_p_and_its_backward_the_sa
     """Each length's plan draws its seed in the forward, and the backward reads the mask the forward drew (what the
     forward kept), a second backward through one forward too: with V = I the output is the dropped probabilities,
     whose gradients follow from that same mask (as tests/attention/forms/test_dropout.py checks the static op)."""
-    from fusepass.attention import dynamic
+    from fusepass.attention import dynamic, kept_forwards
 
     if not direct:
         monkeypatch.setattr(dynamic, "direct_plan", lambda module: None)
@@ -100,7 +100,7 @@ def test_dropout_under_symbolic_sizes_drops_a_fraction_p_and_its_backward_the_sa
             d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True)) * 0.25
             torch.testing.assert_close(dq, d_scores @ k.detach(), rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(dk, d_scores.transpose(-1, -2) @ q.detach(), rtol=1e-4, atol=1e-5)
-    assert not dynamic._forwards  # what the forwards kept left with their graphs
+    assert not kept_forwards._forwards  # what the forwards kept left with their graphs
     (report,) = fusepass.reports()
     (rewrite,) = rewrites(report, kind="attention", phase="forward")
     assert "dropout" in rewrite.features and "symbolic" in rewrite.detail["sizes"]
@@ -184,7 +184,7 @@ def test_a_viewed_projection_is_fused_at_every_length_planned_at_run_time():
     """The op plans each new length below autograd's dispatch, where views were not tracked: the layout
     analysis took the heads' view for a copy at the length Dynamo first saw symbolic, and that length ran
     unfused (eager's result, so only the count of fused calls saw it)."""
-    from fusepass.attention import dynamic
+    from fusepass.attention import dynamic, kept_forwards
 
     fusepass.reset()
     block = CausalBlock().to(DEVICE)
@@ -205,7 +205,7 @@ def test_a_viewed_projection_is_fused_at_every_length_planned_at_run_time():
 
 
 def test_a_length_whose_plan_does_not_fuse_is_reported():
-    from fusepass.attention import dynamic
+    from fusepass.attention import dynamic, kept_forwards
 
     fusepass.reset()
     earlier = set(dynamic._specs.keys())
@@ -231,7 +231,7 @@ def test_the_backward_reads_what_the_forward_kept(monkeypatch, direct):
     dropout mask)."""
     import gc
 
-    from fusepass.attention import call, dynamic
+    from fusepass.attention import call, dynamic, kept_forwards
 
     if not direct:
         monkeypatch.setattr(dynamic, "direct_plan", lambda module: None)
@@ -248,7 +248,7 @@ def test_the_backward_reads_what_the_forward_kept(monkeypatch, direct):
         out = compiled(q, k, v, keep)
         grad = torch.randn_like(out)
         actual = torch.autograd.grad(out, (q, k, v), grad)
-        assert len(forwards) == 1 and not dynamic._forwards
+        assert len(forwards) == 1 and not kept_forwards._forwards
     (spec,) = [spec for name, spec in dynamic._specs.items() if name not in earlier]
     assert all((plan.direct is not None) == direct for plan in spec.plans.values())
     wanted = torch.autograd.grad(padded_gqa(q, k, v, keep), (q, k, v), grad)
@@ -256,10 +256,10 @@ def test_the_backward_reads_what_the_forward_kept(monkeypatch, direct):
         torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, equal_nan=True)
 
     out = compiled(q, k, v, keep)
-    assert len(dynamic._forwards) == 1
+    assert len(kept_forwards._forwards) == 1
     del out
     gc.collect()
-    assert not dynamic._forwards
+    assert not kept_forwards._forwards
 
     with torch._functorch.config.patch(donated_buffer=False):  # else AOTAutograd refuses a second backward
         retaining = torch.compile(lambda *args: padded_gqa(*args), backend=fusepass.backend(strict=True),

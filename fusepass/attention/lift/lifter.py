@@ -31,7 +31,7 @@ from fusepass.attention.lift.masks import split_masks
 from fusepass.attention.lift.sizes import Sizes
 from fusepass.attention.lift.tables import DistanceTables
 from fusepass.attention.lift.values import (Canon, Code, Diff, GradLeaf, Lifted, Separable, affine_of, affine_result,
-                                            converted, is_literal, mask_of, of_distance, op_span, span_of, tensor_of)
+                                            converted, is_literal, literal_value, mask_of, of_distance, op_span, span_of, tensor_of)
 from fusepass.attention.lift.views import (bounds, broadcast, needs_int64_offsets, offset_term, render, root_coords,
                                            view_coords)
 from fusepass.attention.match import AttentionMatch
@@ -198,7 +198,11 @@ class Lifter:
         zero = literal(0, held_dtype(x.dtype))
         expr = self.code.let(f"tl.where({keep}, {x.expr}, {zero})")
         span = (min(x.span[0], 0), max(x.span[1], 0)) if x.span is not None else None
-        return Code(expr, x.dtype, x.uses | uses, compares=x.compares + 1, span=span)
+        # A triangle of a constant (``torch.full((n, n), -inf).triu(1)``, nn.Transformer's causal mask) is that
+        # constant inside it and 0 outside: a mask meant to be added to the scores (`mask_of`).
+        fill = literal_value(x.expr)
+        return Code(expr, x.dtype, x.uses | uses, compares=x.compares + 1, span=span,
+                    mask=(f"~{keep}", fill) if fill else None)
 
     def _diagonal(self, coords: tuple[Idx, ...]) -> tuple[str, frozenset[str]]:
         """The diagonal ``col - row`` of a tensor read at `coords` (of its last two dims), and what it uses."""

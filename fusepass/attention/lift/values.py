@@ -243,6 +243,14 @@ def is_literal(expr: str) -> bool:
     return re.fullmatch(r'True|False|-?\d+|-?[\d.]+(e[-+]?\d+)?|float\("-?(inf|nan)"\)', expr) is not None
 
 
+def literal_value(expr: str) -> float | None:
+    """The number a numeric literal (as `literal` writes it) stands for; None for another expression or a bool."""
+    if not is_literal(expr) or expr in ("True", "False"):
+        return None
+    inner = re.fullmatch(r'float\("(.*)"\)', expr)
+    return float(inner.group(1) if inner else expr)
+
+
 def is_zero(a: Any) -> bool:
     if isinstance(a, (int, float)):
         return a == 0
