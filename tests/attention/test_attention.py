@@ -210,6 +210,29 @@ def test_an_added_triangle_of_minus_infinity_is_a_mask_whose_empty_tiles_are_ski
     assert "keep" in last_attention().spec.lifted.functions
 
 
+def repeated_positions_mask(q, k, v):  # T5's decoder mask: positions repeated over the batch and rows, compared
+    b, _, n, _ = q.shape
+    ids = torch.arange(n, device=q.device)
+    causal = ids[None, None, :].repeat(b, n, 1) <= ids[None, :, None]
+    bias = (1.0 - causal[:, None].to(q.dtype)) * torch.finfo(q.dtype).min
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias, dim=-1) @ v
+
+
+def test_positions_repeated_along_their_size_one_dims_are_computed_not_loaded():
+    check(repeated_positions_mask, *qkv(nk=NQ), backward=True)
+    assert not last_attention().spec.lifted.aux
+
+
+def tiled_bias(q, k, v, bias):  # a bias repeated along a longer dim: read from the repeat's result
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias.repeat(1, 1, 1, 3), dim=-1) @ v
+
+
+def test_a_repeat_that_tiles_a_dim_is_loaded_as_it_is_written():
+    check(tiled_bias, *qkv(), random_tensor((B, H, NQ, NK // 3), torch.float32), backward=True)
+    (aux,) = last_attention().spec.lifted.aux
+    assert "repeat" in str(aux.target)
+
+
 def test_softcap_with_an_additive_triangle():
     report = check(softcap_causal, *qkv(nk=NQ), backward=True)
     assert "softcap" in attention_rewrite(report).features

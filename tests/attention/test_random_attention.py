@@ -45,7 +45,7 @@ class Program:
     in_place: bool  # the scale and the mask applied in place (s *= c, s.masked_fill_(...))
     mask: str  # "none", "causal", "window", "padding", "documents", "causal documents"
     mask_buffer: bool  # a causal or window mask sliced from a module's buffer of a longer length (GPT-2's tril)
-    fill: str  # "masked_fill", "where", "finfo.min"
+    fill: str  # "masked_fill", "where", "finfo.min", "triangles" (causal and window masks added as triu/tril of -inf)
     bias: str  # "none", "alibi", "learnable alibi", "learnable tensor"
     bias_permuted: bool  # a learnable tensor given as a [Nq, Nk, H] tensor permuted (T5 lays its bias out so)
     softcap: bool
@@ -70,7 +70,7 @@ def programs(draw) -> Program:
                    product=draw(st.sampled_from(["matmul", "einsum", "bmm"])),
                    scale=draw(st.sampled_from(["q", "scores", "divide"])), in_place=draw(st.booleans()),
                    mask=draw(st.sampled_from(masks)), mask_buffer=draw(st.booleans()),
-                   fill=draw(st.sampled_from(["masked_fill", "where", "finfo.min"])),
+                   fill=draw(st.sampled_from(["masked_fill", "where", "finfo.min", "triangles"])),
                    bias=draw(st.sampled_from(biases)), bias_permuted=draw(st.booleans()),
                    softcap=draw(st.booleans()),
                    dtype=draw(st.sampled_from(DTYPES)),
@@ -174,7 +174,13 @@ def attention_of(p: Program):
         if p.softcap:
             s = torch.tanh(s / 5.0) * 5.0
         keep = _keep(p, q, extra, buffer)
-        if keep is not None:
+        if p.fill == "triangles" and p.mask in ("causal", "window") and buffer is None:
+            # nn.Transformer's causal mask (and a window's far side) added: -inf in a triangle, 0 elsewhere
+            infinite = torch.full((p.q_len, p.kv_len), float("-inf"), device=q.device, dtype=s.dtype)
+            s = s + torch.triu(infinite, 1)
+            if p.mask == "window":
+                s = s + torch.tril(infinite, -7)
+        elif keep is not None:
             if p.fill == "where":
                 s = torch.where(keep, s, float("-inf"))
             else:

@@ -32,8 +32,8 @@ from fusepass.attention.lift.sizes import Sizes
 from fusepass.attention.lift.tables import DistanceTables
 from fusepass.attention.lift.values import (Canon, Code, Diff, GradLeaf, Lifted, Separable, affine_of, affine_result,
                                             converted, is_literal, literal_value, mask_of, of_distance, op_span, span_of, tensor_of)
-from fusepass.attention.lift.views import (bounds, broadcast, needs_int64_offsets, offset_term, render, root_coords,
-                                           view_coords)
+from fusepass.attention.lift.views import (bounds, broadcast, needs_int64_offsets, offset_term, render, repeat_coords,
+                                           root_coords, view_coords)
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.spans import Span, float_exact, narrow
 from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, literal
@@ -132,6 +132,8 @@ class Lifter:
             return self._scores(coords)
         if kind in REARRANGING_OPS:
             return self.value(node.args[0], view_coords(node, coords))
+        if kind == aten.repeat and (source_coords := repeat_coords(node, coords)) is not None:
+            return self.value(node.args[0], source_coords)
         if node.op == "call_function" and kind in CONSTANTS or _scalar_constant(node) is not None:
             value = constant_value(kind, node.args, node.kwargs) if node.op == "call_function" else \
                 _scalar_constant(node)

@@ -101,6 +101,17 @@ def view_coords(node: torch.fx.Node, coords: tuple[Idx, ...]) -> tuple[Idx, ...]
     return reshape_coords(coords, out_shape, in_shape)
 
 
+def repeat_coords(node: torch.fx.Node, coords: tuple[Idx, ...]) -> tuple[Idx, ...] | None:
+    """The coordinates of a ``repeat``'s input where each dim it repeats has size 1 there (a broadcast written as a
+    copy: ``ids[None, None, :].repeat(batch, n, 1)``), the dims it adds in front dropped; None for a repeat that
+    tiles a longer dim."""
+    in_shape, repeats = tuple(val(node.args[0]).shape), tuple(node.args[1])
+    lead = len(repeats) - len(in_shape)
+    if any(r != 1 and size != 1 for r, size in zip(repeats[lead:], in_shape)):
+        return None
+    return tuple(Idx.constant(0) if size == 1 else coords[lead + i] for i, size in enumerate(in_shape))
+
+
 def reshape_coords(coords: tuple[Idx, ...], out_shape: tuple[int, ...], in_shape: tuple[int, ...]
                     ) -> tuple[Idx, ...]:
     """view, reshape, unsqueeze, squeeze, flatten, unflatten keep row-major order: match the input and
