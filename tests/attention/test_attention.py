@@ -220,7 +220,36 @@ def repeated_positions_mask(q, k, v):  # T5's decoder mask: positions repeated o
 
 def test_positions_repeated_along_their_size_one_dims_are_computed_not_loaded():
     check(repeated_positions_mask, *qkv(nk=NQ), backward=True)
-    assert not last_attention().spec.lifted.aux
+    lifted = last_attention().spec.lifted
+    assert not lifted.aux
+    assert "keep" in lifted.functions  # (1 - bool) · min: a mask, its empty tiles skipped
+
+
+def bias_with_the_mask_folded_in(q, k, v, bias):  # T5's decoder: the mask added to the bias, then to the scores
+    n = q.shape[-2]
+    keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    position_bias = bias + (1.0 - keep.to(q.dtype)) * torch.finfo(q.dtype).min
+    return torch.softmax(q @ k.transpose(-1, -2) + position_bias, dim=-1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_a_mask_added_to_a_bias_before_the_scores_is_split_off(dtype):
+    report = check(bias_with_the_mask_folded_in, *qkv(dtype, nk=NQ), random_tensor((H, NQ, NQ), dtype),
+                   backward=True)
+    assert "causal" in attention_rewrite(report).features
+    # fp16's minimum (-65504) is within reach of the scores: its tiles are computed, not skipped
+    assert ("keep" in last_attention().spec.lifted.functions) == (dtype == torch.float32)
+
+
+def integer_padding_added(q, k, v, attention_mask):  # BERT: the mask an int tensor, which may hold other values
+    extended = (1.0 - attention_mask[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + extended, dim=-1) @ v
+
+
+def test_a_loaded_integer_times_a_fill_is_not_taken_for_a_mask():
+    attention_mask = (torch.arange(NK, device=DEVICE) < torch.tensor([[NK - 5], [NK]], device=DEVICE)).long()
+    check(integer_padding_added, *qkv(), attention_mask, backward=True)
+    assert "keep" not in last_attention().spec.lifted.functions
 
 
 def tiled_bias(q, k, v, bias):  # a bias repeated along a longer dim: read from the repeat's result

@@ -45,7 +45,9 @@ class Program:
     in_place: bool  # the scale and the mask applied in place (s *= c, s.masked_fill_(...))
     mask: str  # "none", "causal", "window", "padding", "documents", "causal documents"
     mask_buffer: bool  # a causal or window mask sliced from a module's buffer of a longer length (GPT-2's tril)
-    fill: str  # "masked_fill", "where", "finfo.min", "triangles" (causal and window masks added as triu/tril of -inf)
+    # "masked_fill", "where", "finfo.min", "triangles" (causal and window masks added as triu/tril of -inf),
+    # "additive" (Hugging Face's (1 - keep) · finfo.min added; T5's: with a learnable bias folded in before)
+    fill: str
     bias: str  # "none", "alibi", "learnable alibi", "learnable tensor"
     bias_permuted: bool  # a learnable tensor given as a [Nq, Nk, H] tensor permuted (T5 lays its bias out so)
     softcap: bool
@@ -70,7 +72,7 @@ def programs(draw) -> Program:
                    product=draw(st.sampled_from(["matmul", "einsum", "bmm"])),
                    scale=draw(st.sampled_from(["q", "scores", "divide"])), in_place=draw(st.booleans()),
                    mask=draw(st.sampled_from(masks)), mask_buffer=draw(st.booleans()),
-                   fill=draw(st.sampled_from(["masked_fill", "where", "finfo.min", "triangles"])),
+                   fill=draw(st.sampled_from(["masked_fill", "where", "finfo.min", "triangles", "additive"])),
                    bias=draw(st.sampled_from(biases)), bias_permuted=draw(st.booleans()),
                    softcap=draw(st.booleans()),
                    dtype=draw(st.sampled_from(DTYPES)),
@@ -169,12 +171,16 @@ def attention_of(p: Program):
             positions = torch.arange(p.q_len, device=q.device)
             distance = positions[None, :] - positions[:, None]
             s = s + slopes[:, None, None] * distance
-        elif p.bias == "learnable tensor":
+        keep = _keep(p, q, extra, buffer)
+        folded = p.fill == "additive" and keep is not None and p.bias == "learnable tensor" and not p.softcap
+        if p.bias == "learnable tensor" and not folded:
             s = s + extra["bias"]
         if p.softcap:
             s = torch.tanh(s / 5.0) * 5.0
-        keep = _keep(p, q, extra, buffer)
-        if p.fill == "triangles" and p.mask in ("causal", "window") and buffer is None:
+        if p.fill == "additive" and keep is not None:
+            additive = (1.0 - keep.to(s.dtype)) * torch.finfo(s.dtype).min
+            s = s + (extra["bias"] + additive if folded else additive)
+        elif p.fill == "triangles" and p.mask in ("causal", "window") and buffer is None:
             # nn.Transformer's causal mask (and a window's far side) added: -inf in a triangle, 0 elsewhere
             infinite = torch.full((p.q_len, p.kv_len), float("-inf"), device=q.device, dtype=s.dtype)
             s = s + torch.triu(infinite, 1)

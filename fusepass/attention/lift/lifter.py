@@ -31,7 +31,7 @@ from fusepass.attention.lift.masks import split_masks
 from fusepass.attention.lift.sizes import Sizes
 from fusepass.attention.lift.tables import DistanceTables
 from fusepass.attention.lift.values import (Canon, Code, Diff, GradLeaf, Lifted, Separable, affine_of, affine_result,
-                                            converted, is_literal, literal_value, mask_of, of_distance, op_span, span_of, tensor_of)
+                                            converted, indicator_of, is_literal, literal_value, mask_of, of_distance, op_span, span_of, tensor_of)
 from fusepass.attention.lift.views import (bounds, broadcast, needs_int64_offsets, offset_term, render, repeat_coords,
                                            root_coords, view_coords)
 from fusepass.attention.match import AttentionMatch
@@ -327,8 +327,12 @@ class Lifter:
         args = tuple(arg_value(a) for a in node.args)
         kwargs = {k: arg_value(v) for k, v in node.kwargs.items()}
         result = self._pointwise_value(node.target, args, kwargs, val(node).dtype, val(node).dim() == 0)
-        if isinstance(result, Code) and packet(node) in (aten.where, aten.masked_fill):
-            result = replace(result, mask=mask_of(node, args), as_float=None, affine=None)
+        if isinstance(result, Code) and packet(node) in (aten.where, aten.masked_fill, aten.mul):
+            mask = mask_of(node, args)
+            if mask is not None or packet(node) != aten.mul:
+                result = replace(result, mask=mask, as_float=None, affine=None)
+        if isinstance(result, Code):
+            result = replace(result, indicator=indicator_of(node, args))
         return result
 
     def _pointwise_value(self, target: Any, args: tuple, kwargs: dict, dtype: torch.dtype,

@@ -92,8 +92,10 @@ def split_masks(e: EGraph, code: IndexCode) -> KeepSplit | None:
         if len(inner.users) != 1 or inner.op != "call_function":
             break
         node = inner
+    if not masks:
+        return _split_added_leaf(e, code, node)
     fills = {repr(m.fill) for m in masks}
-    if not masks or len(fills) != 1:
+    if len(fills) != 1:
         return None
     fill = masks[0].fill
     additive = any(m.additive for m in masks)
@@ -119,3 +121,34 @@ def split_masks(e: EGraph, code: IndexCode) -> KeepSplit | None:
                      key_side=any("k" in m.uses and "q" not in m.uses for m in masks), reads_aux=code.reads_aux(keep),
                      separable=separable, fill_bound=bound, score=e.module(replace={top: inner}),
                      fill=e.module(replace={top: ("add", inner, fill) if additive else ("constant", fill)}))
+
+
+def _added_mask_leaf(node: torch.fx.Node, leaves: dict) -> tuple[torch.fx.Node, Code] | None:
+    """A leaf of E holding an additive mask (`Code.mask`) that reaches `node` through additions alone, or None."""
+    if node.op != "call_function" or packet(node) != aten.add or node.kwargs.get("alpha", 1) != 1:
+        return None
+    for arg in node.args:
+        if not isinstance(arg, torch.fx.Node):
+            continue
+        mask = leaves.get(arg)
+        if isinstance(mask, Code) and mask.mask is not None:
+            return arg, mask
+        if len(arg.users) == 1 and (found := _added_mask_leaf(arg, leaves)) is not None:
+            return found
+    return None
+
+
+def _split_added_leaf(e: EGraph, code: IndexCode, top: torch.fx.Node) -> KeepSplit | None:
+    """A mask added to another term before the scores (T5's position bias with the decoder's mask folded in):
+    the scores are E with the mask's leaf 0, the fill E with it the fill, each computed as eager adds them."""
+    found = _added_mask_leaf(top, e.leaves)
+    if found is None:
+        return None
+    leaf, mask = found
+    keep, fill = mask.mask
+    if not (fill == -math.inf or fill <= -1e30):
+        return None
+    return KeepSplit(keep=keep, uses=mask.uses, key_side="k" in mask.uses and "q" not in mask.uses,
+                     reads_aux=code.reads_aux(keep), separable=None,
+                     fill_bound=fill if fill == -math.inf else fill / 2,
+                     score=e.module(replace={leaf: ("constant", 0.0)}), fill=e.module(replace={leaf: ("constant", fill)}))

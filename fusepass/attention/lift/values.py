@@ -81,6 +81,9 @@ class Code:
     relative: bool = False
     # A bool comparing an integer of the query position alone with one of the key position alone: see Separable.
     separable: Separable | None = None
+    # A float that is 1 where a bool expression holds and 0 elsewhere ((expr, True)), or 0 there and 1 elsewhere
+    # ((expr, False)): a bool converted, and 1 minus that (`indicator_of`).
+    indicator: tuple[str, bool] | None = None
 
     @property
     def narrow(self) -> bool:
@@ -215,10 +218,33 @@ def op_span(target: Any, args: tuple, kwargs: dict, dtype: torch.dtype) -> Span 
     return float_rounding(span) if dtype.is_floating_point else span
 
 
-def mask_of(node: torch.fx.Node, args: tuple) -> tuple[str, Any] | None:
-    """``(keep, fill)`` when ``node`` is ``where(keep, 0, fill)`` or ``masked_fill(zeros, ~keep, fill)``:
-    a mask meant to be added to the scores."""
+def indicator_of(node: torch.fx.Node, args: tuple) -> tuple[str, bool] | None:
+    """`Code.indicator` of ``node``'s value: a bool converted to a float, or 1 minus an indicator."""
     kind = packet(node)
+    if kind in CASTS and isinstance(args[0], Code) and val(node).dtype.is_floating_point:
+        x = args[0]
+        return (x.expr, True) if x.dtype == torch.bool else x.indicator
+    if kind == aten.rsub and len(args) == 2 and isinstance(args[0], Code) and args[0].indicator and args[1] == 1:
+        expr, holds = args[0].indicator
+        return expr, not holds
+    if kind == aten.sub and len(args) == 2 and isinstance(args[1], Code) and args[1].indicator and is_one(args[0]):
+        expr, holds = args[1].indicator
+        return expr, not holds
+    return None
+
+
+def mask_of(node: torch.fx.Node, args: tuple) -> tuple[str, Any] | None:
+    """``(keep, fill)`` when ``node`` is ``where(keep, 0, fill)``, ``masked_fill(zeros, ~keep, fill)`` or a
+    constant times an indicator (Hugging Face's ``(1.0 - keep.to(dtype)) * torch.finfo(dtype).min``): a mask meant
+    to be added to the scores."""
+    kind = packet(node)
+    if kind == aten.mul and len(args) == 2:
+        for x, c in (args, args[::-1]):
+            if isinstance(x, Code) and x.indicator and isinstance(c, (int, float)) and not isinstance(c, bool):
+                expr, holds = x.indicator
+                fill = torch.tensor(c, dtype=val(node).dtype).item()  # as eager stores it
+                return (f"~({expr})", fill) if holds else (expr, fill)
+        return None
     if kind == aten.where and isinstance(args[0], Code):
         a, b = args[1], args[2]
         if is_zero(a) and isinstance(b, (int, float)):
@@ -249,6 +275,10 @@ def literal_value(expr: str) -> float | None:
         return None
     inner = re.fullmatch(r'float\("(.*)"\)', expr)
     return float(inner.group(1) if inner else expr)
+
+
+def is_one(a: Any) -> bool:
+    return isinstance(a, (int, float)) and not isinstance(a, bool) and a == 1
 
 
 def is_zero(a: Any) -> bool:
