@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from fusepass.attention import sdpa_floor
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
-from fusepass.attention import sdpa_floor
 from fusepass.attention.sdpa_floor import Decision, SdpaRun, decision, sdpa_causal, sdpa_form
 from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
@@ -231,7 +231,8 @@ class AttentionCall:
 
     def _owned(self, grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Q's, K's and V's gradients as the op returns them: empty for one that another's buffer holds."""
-        return tuple(g if owner == i else g.new_empty(0) for i, (g, owner) in enumerate(zip(grads, self.spec.gradient_owners)))
+        owners = self.spec.gradient_owners
+        return tuple(g if owner == i else g.new_empty(0) for i, (g, owner) in enumerate(zip(grads, owners)))
 
     # ------------------------------------------------------------------------------- SDPA, where faster
 

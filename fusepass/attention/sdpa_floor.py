@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.attention.kept_forwards import kept_forward, keep_forward
+from fusepass.attention.kept_forwards import keep_forward, kept_forward
 from fusepass.attention.plan import AttentionSpec
 from fusepass.attention.unfused import autograd_enabled, with_strides
 from fusepass.runtime.launch import launch
@@ -91,8 +91,9 @@ class Decision:
 
     def describe(self, gradients: bool) -> str:
         ran = "SDPA ran" if self.runs_sdpa else "the fused kernels ran"
-        return (f"{ran} ({'causal' if self.causal else 'unmasked'}; {'forward and backward' if gradients else 'forward'}"
-                f" measured {self.sdpa_ms:.3g} ms in SDPA, {self.fused_ms:.3g} ms fused)")
+        passes = "forward and backward" if gradients else "forward"
+        return (f"{ran} ({'causal' if self.causal else 'unmasked'}; {passes} measured {self.sdpa_ms:.3g} ms in SDPA, "
+                f"{self.fused_ms:.3g} ms fused)")
 
 
 _decisions: dict[tuple, Decision | None] = {}  # per mask functions, layouts, dtype, device, gradients

@@ -31,7 +31,8 @@ from fusepass.attention.lift.masks import split_masks
 from fusepass.attention.lift.sizes import Sizes
 from fusepass.attention.lift.tables import DistanceTables
 from fusepass.attention.lift.values import (Canon, Code, Diff, GradLeaf, Lifted, Separable, affine_of, affine_result,
-                                            converted, indicator_of, is_literal, literal_value, mask_of, of_distance, op_span, span_of, tensor_of)
+                                            converted, indicator_of, is_literal, literal_value, mask_of, of_distance,
+                                            op_span, span_of, tensor_of)
 from fusepass.attention.lift.views import (bounds, broadcast, needs_int64_offsets, offset_term, render, repeat_coords,
                                            root_coords, view_coords)
 from fusepass.attention.match import AttentionMatch

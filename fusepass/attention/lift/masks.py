@@ -151,4 +151,5 @@ def _split_added_leaf(e: EGraph, code: IndexCode, top: torch.fx.Node) -> KeepSpl
     return KeepSplit(keep=keep, uses=mask.uses, key_side="k" in mask.uses and "q" not in mask.uses,
                      reads_aux=code.reads_aux(keep), separable=None,
                      fill_bound=fill if fill == -math.inf else fill / 2,
-                     score=e.module(replace={leaf: ("constant", 0.0)}), fill=e.module(replace={leaf: ("constant", fill)}))
+                     score=e.module(replace={leaf: ("constant", 0.0)}),
+                     fill=e.module(replace={leaf: ("constant", fill)}))
