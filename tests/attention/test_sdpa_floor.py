@@ -144,8 +144,14 @@ def window(q, k, v):
     return torch.softmax(scores(q, k).masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
-def test_a_mask_of_positions_other_than_causal_is_not_sdpas(times, sdpa_calls):
-    report = check(window, *qkv(), backward=True)
+def prefix(q, k, v):  # a mask of the key positions alone
+    keep = torch.arange(k.shape[-2], device=q.device) < 30
+    return torch.softmax(scores(q, k).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("fn", [window, prefix], ids=["window", "prefix"])
+def test_a_mask_of_positions_other_than_causal_is_not_sdpas(times, sdpa_calls, fn):
+    report = check(fn, *qkv(), backward=True)
     assert last_attention().sdpa is not None  # a mask of positions: checked at the shape
     assert not sdpa_calls and not ran(report)
 
