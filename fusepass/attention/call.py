@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from fusepass.attention import sdpa_floor
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
-from fusepass.attention.sdpa_floor import Decision, SdpaRun, decision, sdpa_causal, sdpa_form
+from fusepass.attention.sdpa_floor import Decision, SdpaRun, decision, in_a_backward, sdpa_causal, sdpa_form
 from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
 from fusepass.flash.ahead import compile_attention_ahead
@@ -271,8 +271,8 @@ class AttentionCall:
         def sdpa_step() -> None:
             lse = q.new_empty(s.out_shape[:3], dtype=torch.float32)
             run.forward(q, k, v, out_strides, lse, gradients)
-            if gradients:
-                run.backward(grad_out, lse, grads)
+            if gradients:  # as in a training step: inside autograd's backward
+                in_a_backward(lambda: run.backward(grad_out, lse, grads), q.device)
 
         def fused_step() -> None:
             out, lse, extra = flash_attention_forward(

@@ -115,6 +115,27 @@ def can_time(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+class _InABackward(torch.autograd.Function):
+    """Runs a function inside autograd's backward on a device's thread, as the op's backward runs there: SDPA's kept
+    graph is then differentiated from inside another backward (re-entrantly), which costs host time of its own."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fn: Callable[[], object]) -> torch.Tensor:
+        ctx.fn = fn
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.fn()
+        return grad, None
+
+
+def in_a_backward(fn: Callable[[], object], device: torch.device) -> None:
+    """`fn` run as a backward on `device` runs: inside autograd's backward."""
+    with autograd_enabled():
+        _InABackward.apply(torch.zeros((), device=device, requires_grad=True), fn).backward()
+
+
 def timed(sdpa_step: Callable[[], object], fused_step: Callable[[], object]) -> tuple[float, float]:
     """(SDPA's ms, the fused kernels' ms): medians on the running GPU."""
     return median_ms(sdpa_step, warmup=10, rep=50), median_ms(fused_step, warmup=10, rep=50)

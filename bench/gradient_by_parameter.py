@@ -1,0 +1,62 @@
+"""Which parameters' gradients set an example model's gradient error: each parameter's distance from the float32
+model's gradient, in eager bf16 and under fusepass bf16, largest ratios first (a GPU run).
+
+    PYTHONPATH=. python bench/gradient_by_parameter.py --model bert [--batch 8] [--seq 512] [--top 12]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import os
+import sys
+
+import torch
+
+import fusepass
+from fusepass.compare import _relative
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+BUILD = {"bert": ("BertModel", "readout_loss"), "t5": ("T5ForConditionalGeneration", "next_token_loss"),
+         "gpt2": ("GPT", "next_token_loss"), "llama": ("LlamaForCausalLM", "next_token_loss")}
+
+
+def gradients(model: torch.nn.Module, inputs: tuple, loss) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss(model(*inputs)).backward()
+    return {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="bert")
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    example = importlib.import_module(args.model)
+    cls, loss_name = BUILD[args.model]
+    torch.manual_seed(0)
+    wide = getattr(example, cls)(example.SIZES[args.size]).cuda()
+    inputs = example.inputs(wide, args.batch, args.seq)
+    loss = getattr(example, loss_name)
+    narrow = copy.deepcopy(wide).to(torch.bfloat16)
+    narrow_inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
+    reference = gradients(wide, inputs, loss)
+    eager = gradients(narrow, narrow_inputs, loss)
+    fused = gradients(torch.compile(narrow, backend="fusepass"), narrow_inputs, loss)
+    largest = max(g.norm().item() for g in reference.values())
+    rows = []
+    for name, r in reference.items():
+        e, f = _relative(eager[name], r, 1e-3 * largest), _relative(fused[name], r, 1e-3 * largest)
+        rows.append((f / max(e, 1e-12), name, e, f))
+    rows.sort(reverse=True)
+    print(f"| parameter | eager bf16 vs fp32 | fusepass bf16 vs fp32 | ratio |\n|---|---|---|---|")
+    for ratio, name, e, f in rows[:args.top]:
+        print(f"| {name} | {e:.3g} | {f:.3g} | {ratio:.2f} |")
+    print(f"worst: eager {max(r[2] for r in rows):.3g}, fusepass {max(r[3] for r in rows):.3g}")
+
+
+if __name__ == "__main__":
+    main()
