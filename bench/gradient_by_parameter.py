@@ -22,9 +22,10 @@ BUILD = {"bert": ("BertModel", "readout_loss"), "t5": ("T5ForConditionalGenerati
          "gpt2": ("GPT", "next_token_loss"), "llama": ("LlamaForCausalLM", "next_token_loss")}
 
 
-def gradients(model: torch.nn.Module, inputs: tuple, loss) -> dict[str, torch.Tensor]:
+def gradients(model: torch.nn.Module, inputs: tuple, loss, backend: object = None) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient of a step of `model`, compiled with `backend` where given."""
     model.zero_grad(set_to_none=True)
-    loss(model(*inputs)).backward()
+    loss((model if backend is None else torch.compile(model, backend=backend))(*inputs)).backward()
     return {n: p.grad.detach().double() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -46,9 +47,9 @@ def main() -> None:
     narrow_inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
     reference = gradients(wide, inputs, loss)
     eager = gradients(narrow, narrow_inputs, loss)
-    fused = gradients(torch.compile(narrow, backend="fusepass"), narrow_inputs, loss)
+    fused = gradients(narrow, narrow_inputs, loss, "fusepass")
     torch._dynamo.reset()
-    no_attention = gradients(torch.compile(narrow, backend=fusepass.backend(attention=False)), narrow_inputs, loss)
+    no_attention = gradients(narrow, narrow_inputs, loss, fusepass.backend(attention=False))
     largest = max(g.norm().item() for g in reference.values())
     rows = []
     for name, r in reference.items():
