@@ -20,6 +20,7 @@
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   lengths      bench/new_lengths.py: a GPT-2 block trained at new lengths beside Inductor      ~66 s (2026-12-04)
 #   lengths-bert the same for a padded BERT layer (a mask the kernels load)       (not run yet)
+#   lengths-stack the GPT-2 blocks 12 deep (the layers share each length's plan)   (not run yet)
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
 #   compile-documents  the same for packed causal documents (a map built per call)  ~150 s (2026-12-01)
@@ -81,6 +82,9 @@ for part in $parts; do
         timeout 200 python bench/new_lengths.py 2>&1 | grep "^|" | cut -c1-300 ;;
     lengths-bert)
         timeout 200 python bench/new_lengths.py --model bert --lengths 256,384,512,320,448 --batch 8 2>&1 \
+            | grep "^|" | cut -c1-300 ;;
+    lengths-stack)
+        timeout 300 python bench/new_lengths.py --layers 12 --lengths 1024,1536,2048,3000,4096 2>&1 \
             | grep "^|" | cut -c1-300 ;;
     overhead)
         (cd bench && timeout 80 python overhead.py 2>&1 | tail -10) ;;
