@@ -37,7 +37,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.direct_plan import DirectPlan, direct_plan
 from fusepass.attention.kept_forwards import keep_forward, kept_forward
-from fusepass.attention.known_contents import KNOWN, KnownInput, known_input
+from fusepass.attention.known_contents import KNOWN, KnownInput, band_of, known_input
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module, with_built_from_sizes
@@ -170,8 +170,8 @@ _tables: weakref.WeakValueDictionary[tuple, PlanTable] = weakref.WeakValueDictio
 
 def _form(spec: DynamicSpec) -> tuple:
     """What decides an attention's plans: its module's structure (ops, their constant arguments, the constants it
-    holds by identity, which values flow where), which inputs a gradient flows to and which are buffers read as
-    their contents, the options, the source line and the compile's report. Raises TypeError where a constant
+    holds by identity, which values flow where), which inputs a gradient flows to, what the buffers read as their
+    contents hold, the options, the source line and the compile's report. Raises TypeError where a constant
     cannot be compared."""
     index: dict[torch.fx.Node, int] = {}
     ops = []
@@ -179,8 +179,8 @@ def _form(spec: DynamicSpec) -> tuple:
         index[node] = i
         target = id(getattr(spec.module, node.target)) if node.op == "get_attr" else node.target
         ops.append((node.op, target, _comparable(node.args, index), _comparable(node.kwargs, index)))
-    form = (tuple(ops), tuple(spec.requires_grad), tuple(k is not None for k in spec.known), spec.options,
-            spec.location, id(spec.report))
+    form = (tuple(ops), tuple(spec.requires_grad), tuple(map(_contents, spec.known)), spec.options, spec.location,
+            id(spec.report))
     hash(form)
     return form
 
@@ -198,6 +198,15 @@ def _comparable(value: Any, index: dict[torch.fx.Node, int]) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value))
     return value
+
+
+def _contents(known: KnownInput | None) -> tuple | None:
+    """What an input read as its contents holds (a plan computes its band where the tensor is read: two layers'
+    buffers share plans only where they hold one band, as a layer's local and global masks do not)."""
+    if known is None:
+        return None
+    tensor = known.tensor()
+    return ("contents", band_of(tensor) if tensor is not None else None)
 
 
 def _alike(names: list[str]) -> str:
