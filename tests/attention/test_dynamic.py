@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from support import DEVICE, random_tensor, rewrites
 
 import fusepass
+from fusepass.report.records import KNOWN_CONTENTS
 
 
 def padded_gqa(q, k, v, keep):
@@ -387,10 +388,17 @@ def test_layers_alike_share_one_plan_per_new_length(monkeypatch, other_last):
     compiled = torch.compile(stack, backend=fusepass.backend(strict=True))
     earlier = set(dynamic._specs.keys())
     made = _planned(monkeypatch)
-    for t in (24, 37):  # the second recompiles with symbolic sizes
-        _train_at(compiled, stack, t)
+    _train_at(compiled, stack, 24)
+    made.clear()
+    fusepass.reset()
+    _train_at(compiled, stack, 37)  # recompiles with symbolic sizes: planned at the compile's sizes, then at 37
+    assert len(made) == (4 if other_last else 2)
     specs = _new_specs(earlier)
     assert len(specs) == 3 and len({id(s.table) for s in specs}) == (2 if other_last else 1)
+    records = [r for r in fusepass.last_report().rewrites if r.kind == "attention" and r.phase == "forward"]
+    named = [list(r.detail[KNOWN_CONTENTS]) for r in records]  # each layer's record names its own buffer
+    assert all(len(n) == 1 and "bias" in n[0] and str(i) in n[0] for i, n in enumerate(named)), named
+    assert len({n[0] for n in named}) == 3
     names = [k.name for k in specs[0].known if k is not None]
     assert names and f"or one of the {1 if other_last else 2} alike in the other layers" in names[0]
     for t in (29, 45):
