@@ -26,9 +26,10 @@ from fusepass.flash.backward import flash_attention_backward
 from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
 from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles
 from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs
+from fusepass.flash import hopper_forward
 from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 from fusepass.report import profile
-from fusepass.report.records import SDPA
+from fusepass.report.records import FORWARD_KERNEL, SDPA
 from fusepass.runtime.replay import attention_replays
 from fusepass.runtime.timing import random_like
 
@@ -41,8 +42,8 @@ class AttentionCall:
         self.unfused = unfused  # the replaced ops, over the op's inputs (q, k, v sources, aux, what else they read)
         self.guards = tuple(guards)  # of the buffers the score functions compute in place of reading them
         self.compiled_ahead = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
-        self.sdpa = sdpa_form(spec)  # the SDPA call that may compute the attention (`sdpa_floor`)
-        self._sdpa_runs: dict[tuple, SdpaRun | None] = {}  # per layout and dtype of q, k, v
+        self.sdpa = sdpa_form(spec)  # the SDPA call that computes the attention, if one does (`sdpa_floor`)
+        self._choices: dict[tuple, tuple[SdpaRun | None, bool | None]] = {}  # per layout and dtype of q, k, v
         self._mod: ScoreMod | None = None
         self._passed_maps: dict[tuple[torch.dtype, torch.device], tuple] = {}
 
@@ -136,18 +137,16 @@ class AttentionCall:
             return self._unfused_forward((q, k, v, *aux), seed_value)
         q4, k4, v4 = self.views(q, k, v, aux)
         read = tuple(aux[:len(s.aux_strides)])
-        sdpa = None if self.sdpa is None else self._sdpa_run(q4, k4, v4)
+        sdpa, hopper = (None, None) if self.sdpa is None else self._choice(q4, k4, v4)
         if sdpa is not None:
             return self._sdpa_forward(sdpa, q4, k4, v4)
 
-        def forward(outputs: tuple | None = None, packed_map: Sequence[torch.Tensor] = ()):
+        def forward(outputs: tuple, packed_map: Sequence[torch.Tensor] = ()):
             if not self.compiled_ahead:
                 self.compiled_ahead = True
                 _compile_ahead(self, (q, k, v), (q4, k4, v4), aux, q.device)
             map_into = self.block_map(packed_map[0], q) if packed_map else None
-            return flash_attention_forward(q4, k4, v4, self.mod, s.kernel_aux(read), dropout_p=s.dropout_p,
-                                           seed=seed_value, out_dtype=s.out_dtype, outputs=outputs,
-                                           map_into=map_into)
+            self._fused_forward(q4, k4, v4, s.kernel_aux(read), seed_value, outputs, map_into, hopper)
 
         try:
             # Everything the call returns is allocated here, outside the launches a replay repeats (the map's
@@ -167,7 +166,9 @@ class AttentionCall:
             return self._unfused_forward((q, k, v, *aux), seed_value)
         if unfused.profiling and profile.can_profile(q.device) and not unfused.profiled_forward:
             unfused.profiled_forward = True
-            profile.measure(unfused.forward_record, forward, lambda: unfused.forward((q, k, v, *aux), seed_value))
+            # the same outputs written again: the same values
+            profile.measure(unfused.forward_record, lambda: forward(outputs, packed_map),
+                            lambda: unfused.forward((q, k, v, *aux), seed_value))
         fallback = fallback_rows if fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
         return out, lse, log_sum, fallback, packed_map
 
@@ -237,29 +238,52 @@ class AttentionCall:
 
     # ------------------------------------------------------------------------------- SDPA, where faster
 
-    def _sdpa_run(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> SdpaRun | None:
-        """SDPA in place of the fused kernels, where it computes the attention (checked at each layout) and was
-        measured faster (`sdpa_floor`, timed once per class of layouts); asked on every call, decided once per
-        layout."""
+    def _fused_forward(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, aux: tuple, seed: int,
+                       outputs: tuple, map_into: BlockMap | None, hopper: bool | None) -> None:
+        """The fused forward into `outputs` (`forward_outputs`): the sm_90 kernel's where `hopper` says it serves
+        (and whether causal), else the Triton kernel's."""
+        if hopper is not None:
+            out, lse, log_sum, fallback_rows = outputs
+            hopper_forward.hopper_forward(q4, k4, v4, out, lse, log_sum, fallback_rows, self.sdpa.scale, hopper)
+            return
+        s = self.spec
+        flash_attention_forward(q4, k4, v4, self.mod, aux, dropout_p=s.dropout_p, seed=seed, out_dtype=s.out_dtype,
+                                outputs=outputs, map_into=map_into)
+
+    def _choice(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple[SdpaRun | None, bool | None]:
+        """(SDPA in place of the fused kernels or None; whether the fused forward is the sm_90 kernel's and causal,
+        or None where it is the Triton kernel's) for an attention SDPA computes (`self.sdpa`): SDPA where the floor
+        is on, its mask is checked to be what SDPA computes at each layout, and it was measured faster
+        (`sdpa_floor`, timed once per class of layouts); the sm_90 kernel where `hopper_forward.serves`. Asked on
+        every call, decided once per layout."""
         layouts = (q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), q4.dtype, q4.device)
-        if layouts not in self._sdpa_runs:
-            run = None
-            if sdpa_floor.can_time(q4.device) and q4.dtype == self.spec.out_dtype:
-                causal = self.sdpa.masked and sdpa_causal(self.mod.keep, self.spec.kernel_aux(()), q4.shape[2],
+        if layouts not in self._choices:
+            run, hopper = None, None
+            s = self.spec
+            if sdpa_floor.can_time(q4.device) and q4.dtype == s.out_dtype:
+                causal = self.sdpa.masked and sdpa_causal(self.mod.keep, s.kernel_aux(()), q4.shape[2],
                                                           k4.shape[2], q4.device)
                 if causal is not None:
-                    gradients = any(self.unfused.requires_grad)
-                    key = (self.sdpa, causal, self.mod.mask_functions, self.spec.out_by_position, gradients,
-                           *map(layout_class, (q4, k4, v4)), q4.dtype, q4.device)
-                    found = decision(key, lambda: self._sdpa_decision(causal, q4, k4, v4, gradients))
                     where = shape_named(q4)
-                    self.unfused.forward_record.detail.setdefault(SDPA, {})[where] = found.describe(gradients, where)
-                    run = SdpaRun(self.sdpa, causal) if found.runs_sdpa else None
-            self._sdpa_runs[layouts] = run
-        return self._sdpa_runs[layouts]
+                    # The forward's map, where the op returns it, is the Triton forward's to build.
+                    if not s.passes_map and hopper_forward.serves(q4, k4, v4, causal):
+                        hopper = causal
+                    if s.sdpa:
+                        gradients = any(self.unfused.requires_grad)
+                        key = (self.sdpa, causal, hopper is not None, self.mod.mask_functions, s.out_by_position,
+                               gradients, *map(layout_class, (q4, k4, v4)), q4.dtype, q4.device)
+                        found = decision(key, lambda: self._sdpa_decision(causal, hopper, q4, k4, v4, gradients))
+                        self.unfused.forward_record.detail.setdefault(SDPA, {})[where] = \
+                            found.describe(gradients, where)
+                        run = SdpaRun(self.sdpa, causal) if found.runs_sdpa else None
+                    if hopper is not None and run is None:
+                        self.unfused.forward_record.detail.setdefault(FORWARD_KERNEL, {})[where] = \
+                            hopper_forward.DESCRIBED
+            self._choices[layouts] = run, hopper
+        return self._choices[layouts]
 
-    def _sdpa_decision(self, causal: bool, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, gradients: bool
-                       ) -> Decision:
+    def _sdpa_decision(self, causal: bool, hopper: bool | None, q4: torch.Tensor, k4: torch.Tensor,
+                       v4: torch.Tensor, gradients: bool) -> Decision:
         """SDPA's and the fused kernels' times at these layouts, where SDPA computes the attention (`causal`: with
         its causal mask), on random tensors laid out as these."""
         s = self.spec
@@ -277,12 +301,12 @@ class AttentionCall:
                 in_a_backward(lambda: run.backward(grad_out, lse, grads), q.device)
 
         def fused_step() -> None:
-            out, lse, extra = flash_attention_forward(
-                q, k, v, self.mod, aux, out_dtype=s.out_dtype,
-                outputs=forward_outputs(q, self.mod, s.out_dtype, q.device, s.out_by_position))
+            outputs = forward_outputs(q, self.mod, s.out_dtype, q.device, s.out_by_position)
+            self._fused_forward(q, k, v, aux, 0, outputs, None, hopper)
             if gradients:
-                flash_attention_backward(grad_out, q, k, v, out, lse, extra, self.mod, aux, s.kernel_aux_grad(()),
-                                         grads=grads)
+                out, lse, log_sum, fallback_rows = outputs
+                flash_attention_backward(grad_out, q, k, v, out, lse, FlashForwardExtra(log_sum, fallback_rows, None),
+                                         self.mod, aux, s.kernel_aux_grad(()), grads=grads)
 
         return Decision(causal, *sdpa_floor.timed(sdpa_step, fused_step), measured_at=shape_named(q4))
 

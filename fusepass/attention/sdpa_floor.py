@@ -47,7 +47,7 @@ class SdpaForm:
 def sdpa_form(spec: AttentionSpec) -> SdpaForm | None:
     """The SDPA call `spec` may be, or None where no SDPA call computes its function."""
     lifted = spec.lifted
-    if not spec.sdpa or lifted.aux or lifted.tables or lifted.sizes or spec.dropout_p or lifted.linear_scale is None:
+    if lifted.aux or lifted.tables or lifted.sizes or spec.dropout_p or lifted.linear_scale is None:
         return None
     masked = "keep" in lifted.functions
     if masked and (lifted.fill_bound != -float("inf") or lifted.keep_reads_aux

@@ -1,0 +1,270 @@
+"""The forward on sm_90 for the attention SDPA computes (unmasked or causal, the scores times a positive constant):
+a Gluon kernel in FlashAttention-3's structure, where Triton's forward trails cuDNN's.
+
+One warp loads Q, K and V by TMA into rings guarded by mbarriers. A program's 128 query rows are split between two
+partitions of one warpgroup each, which run out of step (one's softmax beside the other's products); each issues
+tile j's q·kᵀ, then tile j - 1's product with V, and takes tile j's softmax while that product runs. Triton 3.6
+waits for each q·kᵀ right after issuing it and puts CTA barriers around every tile's loads (bench/NOTES.md).
+
+What it serves (`HopperForward.serves`): sm_90, fp16 or bf16, head dim 64 or 128, lengths a multiple of the
+tiles (no tail tile), and Q, K, V and the output each rows of one matrix (`_Rows`): contiguous [B, H, N, D],
+[B, N, H, D] or a fused projection's slices; K and V heads shared by groups of query heads. The weights are
+`exp2((s - m) · scale · log2(e))` with m the running max of the raw products: exact at any magnitude (the fused
+form's Triton kernel recomputes rows whose max is not tame; this form has none). It writes lse and log_sum as
+Triton's forward does (`forward.FlashForwardExtra`), so the Triton backward follows it, and zeros into the fallback
+rows (none is recomputed). The Triton kernel runs everything else, every other GPU and the interpreter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon's Hopper language: the Triton kernel serves
+    gluon = None
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
+PARTS = 2  # partitions of BLOCK_M // PARTS query rows each, out of step
+HEAD_DIMS = (64, 128)
+
+if gluon is not None:
+    @gluon.jit
+    def _tile_weights(s, m_i, l_i, c, q_pos, k_pos, MASKED: gl.constexpr):
+        """One tile's online softmax: its weights, the accumulator's rescale, the new running max (of the raw
+        products) and sum."""
+        if MASKED:
+            s = gl.where(q_pos[:, None] >= k_pos[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2((s - m_new[:, None]) * c)
+        alpha = gl.exp2((m_i - m_new) * c)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _load(desc, row, col, bar, dest):
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, col], bar, dest)
+
+    @gluon.jit
+    def _loads(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, done, q_row, q_col, k_row,
+               k_col, v_row, v_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):
+        """The loading warp: Q once (a part for each partition), then K and V a tile at a time into the next free
+        buffer of their rings. `done[i]` completes each time both partitions have read tile j's K and tile j - 1's
+        V, for a j with j % STAGES == i."""
+        for part in gl.static_range(PARTS):
+            _load(q_desc, q_row + part * q_desc.block_type.shape[0], q_col, q_bars.index(part), q_smem.index(part))
+        for j in range(n_tiles):
+            slot = j % STAGES
+            # A ring's buffers start free: the first wait on each is for the phase before its first.
+            mbarrier.wait(done.index(slot), ((j // STAGES) & 1) ^ 1)
+            _load(k_desc, k_row + j * BLOCK_N, k_col, k_ready.index(slot), k_smem.index(slot))
+            # V[j] goes where V[j - STAGES] was, read by tile j - STAGES + 1 (≡ j + 1 modulo STAGES).
+            mbarrier.wait(done.index((j + 1) % STAGES), ((j + 1 - STAGES) // STAGES) & 1, pred=j >= STAGES)
+            _load(v_desc, v_row + j * BLOCK_N, v_col, v_ready.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _step(j, p_prev, alpha_prev, acc, m_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready, done,
+              S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              MASKED: gl.constexpr):
+        """Tile j's scores, then tile j - 1's product with V beside tile j's softmax (neither the accumulator nor
+        the weights' registers are touched while a product that reads them runs)."""
+        slot = j % STAGES
+        before = (j + STAGES - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
+                          gl.zeros([q_pos.shape[0], BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
+        acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, O_LAYOUT))[:, None]
+        mbarrier.wait(v_ready.index(before), ((j - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_prev, v_smem.index(before), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+        p, alpha, m_i, l_i = _tile_weights(s, m_i, l_i, c, q_pos, k_pos, MASKED)
+        # The weights as a dependency of the wait: computed before it, not sunk past it to their use.
+        acc, p = warpgroup_mma_wait(0, deps=(acc, p))
+        mbarrier.arrive(done.index(slot))  # K[j] and V[j - 1] read
+        p = gl.convert_layout(p.to(v_smem.dtype), gl.DotOperandLayout(0, O_LAYOUT, 2))
+        return p, alpha, acc, m_i, l_i
+
+    @gluon.jit
+    def _partition(o_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                   done, o_row, o_col, stat_row, start_m, n_tiles, scale, part, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                   ROWS: gl.constexpr):
+        """A computing partition (one warpgroup): its `ROWS` query rows' products and softmax, then their output
+        (by TMA, staged where its Q was), lse and log_sum."""
+        warps: gl.constexpr = gl.num_warps()
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        c = scale * 1.4426950408889634
+        q_pos = start_m * BLOCK_M + part * ROWS + gl.arange(0, ROWS, layout=s_rows)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
+        l_i = gl.zeros([ROWS], gl.float32, s_rows)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False)
+        mbarrier.arrive(done.index(0))
+        # A causal program's masked tiles are its last BLOCK_M // BLOCK_N.
+        n_full = n_tiles - BLOCK_M // BLOCK_N if CAUSAL else n_tiles
+        k_pos = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p, alpha, m_i, l_i = _tile_weights(s, m_i, l_i, c, q_pos, k_pos, CAUSAL)
+        p = gl.convert_layout(p.to(v_smem.dtype), gl.DotOperandLayout(0, o_layout, 2))
+        for j in range(1, n_full):
+            p, alpha, acc, m_i, l_i = _step(j, p, alpha, acc, m_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready,
+                                            v_ready, done, s_layout, o_layout, BLOCK_N, STAGES, False)
+        for j in range(gl.maximum(n_full, 1), n_tiles):
+            p, alpha, acc, m_i, l_i = _step(j, p, alpha, acc, m_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready,
+                                            v_ready, done, s_layout, o_layout, BLOCK_N, STAGES, CAUSAL)
+        last = n_tiles - 1
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc)
+
+        acc = acc / gl.convert_layout(l_i, o_rows)[:, None]
+        stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [warps], [0])
+        rows = stat_row + part * ROWS + gl.arange(0, ROWS, layout=stat_layout)
+        # As the Triton forward's: log_sum the log of the row's sum relative to its max m (in score units), lse
+        # m + log_sum.
+        log_sum = gl.convert_layout(gl.log(l_i), stat_layout)
+        gl.store(log_sum_ptr + rows, log_sum)
+        gl.store(lse_ptr + rows, gl.convert_layout(m_i * scale, stat_layout) + log_sum)
+        if CAUSAL:
+            gl.store(fallback_ptr + rows, gl.zeros([ROWS], gl.int8, stat_layout))
+        q_smem.store(acc.to(q_smem.dtype))  # Q is read no more: its buffer stages the output for one TMA store
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [o_row + part * ROWS, o_col], q_smem)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _hopper_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_strides, k_strides,
+                        v_strides, o_strides, n_heads, group, q_len, kv_len, scale, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """Program (q block, batch · head). Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
+        in the matrix its descriptor covers (`_Rows`)."""
+        dtype: gl.constexpr = q_desc.dtype
+        PARTS: gl.constexpr = 2
+        ROWS: gl.constexpr = BLOCK_M // PARTS
+        # Causal: the longest rows first, so the short programs fill the last wave.
+        start_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // n_heads
+        h = bh - b * n_heads
+        kv_h = h // group
+        q_base = b.to(gl.int64) * q_strides[0] + h.to(gl.int64) * q_strides[1]
+        k_base = b.to(gl.int64) * k_strides[0] + kv_h.to(gl.int64) * k_strides[1]
+        v_base = b.to(gl.int64) * v_strides[0] + kv_h.to(gl.int64) * v_strides[1]
+        o_base = b.to(gl.int64) * o_strides[0] + h.to(gl.int64) * o_strides[1]
+        q_row = (q_base // q_strides[2]).to(gl.int32) + start_m * BLOCK_M
+        k_row = (k_base // k_strides[2]).to(gl.int32)
+        v_row = (v_base // v_strides[2]).to(gl.int32)
+        o_row = (o_base // o_strides[2]).to(gl.int32) + start_m * BLOCK_M
+        n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N) if CAUSAL else kv_len // BLOCK_N
+
+        q_smem = gl.allocate_shared_memory(dtype, [PARTS, ROWS, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bars = gl.allocate_shared_memory(gl.int64, [PARTS, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(PARTS):
+            mbarrier.init(q_bars.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(done.index(i), count=PARTS)
+
+        stat_row = bh * q_len + start_m * BLOCK_M
+        o_col = (o_base % o_strides[2]).to(gl.int32)
+        gl.warp_specialize([
+            (_partition, (o_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(0), k_smem, v_smem,
+                          q_bars.index(0), k_ready, v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, scale, 0,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS)),
+            (_partition, (o_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(1), k_smem, v_smem,
+                          q_bars.index(1), k_ready, v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, scale, 1,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS)),
+            (_loads, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, done, q_row,
+                      (q_base % q_strides[2]).to(gl.int32), k_row, (k_base % k_strides[2]).to(gl.int32), v_row,
+                      (v_base % v_strides[2]).to(gl.int32), n_tiles, BLOCK_N, STAGES, PARTS))], [4, 1], [240, 24])
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A [B, H, N, D] tensor as rows of one matrix: element (b, h, n, d) at row (b·sb + h·sh) // sn + n, column
+    (b·sb + h·sh) % sn + d of a [rows, width] matrix with row stride sn, where no head's D columns wrap past sn."""
+
+    rows: int
+    width: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> _Rows | None:
+        """The matrix `t`'s rows lie in, where its batches start rows and its heads start rows or lie side by
+        side within one (TMA's alignment: 16 bytes), else None."""
+        b, h, n, d = t.shape
+        sb, sh, sn, sd = t.stride()
+        if sd != 1 or sn < d or (sn * t.element_size()) % 16 or (t.data_ptr() % 16) or sb % sn or min(sb, sh) < 0:
+            return None
+        if sh % sn == 0:
+            width = d
+        elif (h - 1) * sh + d <= sn:  # heads side by side: [B, N, H, D], a fused projection's slice
+            width = (h - 1) * sh + d
+        else:
+            return None
+        rows = ((b - 1) * sb + (h - 1) * sh) // sn + n
+        if t.storage_offset() + (rows - 1) * sn + width > t.untyped_storage().nbytes() // t.element_size():
+            return None
+        return _Rows(rows, width)
+
+    def described(self, t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+        d = t.shape[3]
+        layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], _GL_DTYPES[t.dtype])
+        matrix = t.as_strided((self.rows, self.width), (t.stride(2), 1))
+        return TensorDescriptor(matrix, [self.rows, self.width], [t.stride(2), 1], [block_rows, d], layout)
+
+
+_GL_DTYPES = {} if gluon is None else {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can run on `device`: an sm_90 GPU and a Triton with Gluon's Hopper language."""
+    return gluon is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """Whether the kernel computes softmax(q kᵀ · scale [causal]) v for these [B, H, N, D] tensors into an output of
+    their dtype laid out as `forward.forward_outputs` lays it out (rows of a matrix either way); the caller has
+    checked the function (`sdpa_floor.sdpa_form`)."""
+    (_, q_heads, q_len, d), (_, kv_heads, kv_len, _) = q.shape, k.shape
+    return (available(q.device) and q.dtype in _GL_DTYPES and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
+            and q_len % BLOCK_M == 0 and kv_len % BLOCK_N == 0 and q_heads % kv_heads == 0
+            and (not causal or q_len == kv_len) and all(_Rows.of(t) is not None for t in (q, k, v)))
+
+
+DESCRIBED = "the forward ran the sm_90 kernel (warp-specialized, Gluon)"  # in the report, per shape
+
+
+def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, scale: float, causal: bool) -> None:
+    """The forward into `out` ([B, H, N, D] view), `lse` and `log_sum` ([B, H, N] contiguous fp32) and, causal,
+    zeros into `fallback_rows` ([B, H, N] int8), where `serves`."""
+    batch, q_heads, q_len, d = q.shape
+    described = [_Rows.of(t).described(t, rows) for t, rows in
+                 ((q, BLOCK_M // PARTS), (k, BLOCK_N), (v, BLOCK_N), (out, BLOCK_M // PARTS))]
+    strides = [t.stride()[:3] for t in (q, k, v, out)]
+    _hopper_forward[(q_len // BLOCK_M, batch * q_heads)](
+        *described, lse, log_sum, fallback_rows if causal else lse, *strides, q_heads, q_heads // k.shape[1], q_len,
+        k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)

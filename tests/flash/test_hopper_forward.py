@@ -1,0 +1,119 @@
+"""The sm_90 forward (`fusepass.flash.hopper_forward`): its output, lse and log_sum against float64 at the layouts it
+serves (contiguous, by position, a fused projection's slices, shared K/V heads), where it runs under torch.compile
+(the report names it; gradients through the Triton backward), and where it does not (the Triton kernel runs).
+The kernel runs asynchronous products and TMA rings: on an sm_90 GPU only; elsewhere `serves` says no."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from support import DEVICE, check, last_attention
+
+import fusepass
+from fusepass.flash import hopper_forward
+from fusepass.report.records import FORWARD_KERNEL
+
+on_hopper = pytest.mark.skipif(not hopper_forward.available(torch.device(DEVICE)),
+                               reason="the sm_90 kernel needs an sm_90 GPU and Gluon")
+
+
+def _reference(q, k, v, causal):
+    """softmax(q kᵀ / √D [causal]) v and each row's log-sum-exp, in float64, K/V heads repeated for their groups."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def _laid_out(layout, b, h, kv_h, n, d, dtype):
+    """q, k, v as [B, H, N, D] views of the layout named, and an output laid out as `forward_outputs` lays it."""
+    if layout == "bhnd":
+        q = torch.randn(b, h, n, d, device=DEVICE, dtype=dtype)
+        k, v = (torch.randn(b, kv_h, n, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    elif layout == "bnhd":
+        q = torch.randn(b, n, h, d, device=DEVICE, dtype=dtype).transpose(1, 2)
+        k, v = (torch.randn(b, n, kv_h, d, device=DEVICE, dtype=dtype).transpose(1, 2) for _ in range(2))
+    else:  # one projection's output [B, N, H + 2 · KV_H, D], sliced
+        qkv = torch.randn(b, n, h + 2 * kv_h, d, device=DEVICE, dtype=dtype)
+        q, k, v = (x.transpose(1, 2) for x in qkv.split([h, kv_h, kv_h], 2))
+    out = torch.empty(b, n, h, d, device=DEVICE, dtype=dtype).transpose(1, 2) if layout != "bhnd" else \
+        torch.empty(b, h, n, d, device=DEVICE, dtype=dtype)
+    return q, k, v, out
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
+@pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
+@pytest.mark.parametrize("d,n,dtype", [(64, 384, torch.bfloat16), (128, 256, torch.float16), (128, 640, torch.bfloat16)])
+def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype):
+    q, k, v, out = _laid_out(layout, 2, heads, kv_heads, n, d, dtype)
+    lse = torch.empty(q.shape[:3], device=DEVICE)
+    log_sum, fallback = torch.empty_like(lse), torch.ones(q.shape[:3], device=DEVICE, dtype=torch.int8)
+    assert hopper_forward.serves(q, k, v, causal)
+    hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, fallback, 1 / math.sqrt(d), causal)
+    expected, expected_lse = _reference(q, k, v, causal)
+    # SDPA's own distance from float64, in the same dtype, is the bar
+    group = heads // kv_heads
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=causal)
+    bar = ((sdpa.double() - expected).norm() / expected.norm()).item()
+    assert ((out.double() - expected).norm() / expected.norm()).item() <= 1.5 * bar + 1e-4
+    torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-4, atol=1e-4)
+    # log_sum is the log of the row's sum relative to its max: lse - log_sum is the row's largest score
+    s = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+    torch.testing.assert_close((lse - log_sum).double(), s.amax(-1), rtol=1e-4, atol=1e-4)
+    if causal:
+        assert not fallback.any()
+
+
+@on_hopper
+def test_the_kernel_is_exact_at_large_scores():
+    """The weights are exp2((s - m) · c), m the row's max product: no row to recompute however large the scores
+    (the Triton kernel's fused form recomputes rows past 2^24)."""
+    q, k, v, out = _laid_out("bhnd", 1, 2, 2, 256, 64, torch.bfloat16)
+    q, k = q * 3000, k * 3000  # scores near 1e8
+    lse, log_sum = (torch.empty(q.shape[:3], device=DEVICE) for _ in range(2))
+    hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, None, 1 / 8, False)
+    expected, _ = _reference(q, k, v, False)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2
+
+
+def causal_attention(x, wq, wk, wv):
+    b, n, _ = x.shape
+    q, k, v = ((x @ w).view(b, n, 4, 64).transpose(1, 2) for w in (wq, wk, wv))
+    s = q @ k.transpose(-1, -2) / 8.0
+    i = torch.arange(n, device=x.device)
+    s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    return (torch.softmax(s.float(), -1).to(x.dtype) @ v).transpose(1, 2).reshape(b, n, 256)
+
+
+@on_hopper
+@pytest.mark.parametrize("n", [256, 384])  # a second call at another length compiles again
+def test_a_compiled_attention_runs_it_and_trains(n):
+    x = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
+    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
+    report = check(causal_attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
+    detail = last_attention().unfused.forward_record.detail
+    assert list(detail.get(FORWARD_KERNEL, {}).values()) == [hopper_forward.DESCRIBED], detail
+    assert "sm_90" in str(report)
+
+
+def test_it_serves_only_what_it_computes():
+    """Lengths no tile divides, head dims other than 64 and 128, fp32, and any device but an sm_90 GPU: the Triton
+    kernel's."""
+    def tensors(n, d, dtype=torch.bfloat16):
+        return [torch.randn(1, 2, n, d, device=DEVICE, dtype=dtype) for _ in range(3)]
+
+    assert not hopper_forward.serves(*tensors(200, 64), False)
+    assert not hopper_forward.serves(*tensors(256, 96), False)
+    assert not hopper_forward.serves(*tensors(256, 64, torch.float32), False)
+    q, k, v = tensors(256, 64)
+    assert not hopper_forward.serves(q, k[:, :, :128], v[:, :, :128], True)  # causal over unequal lengths
+    assert hopper_forward.serves(q, k, v, True) == hopper_forward.available(q.device)
