@@ -105,6 +105,21 @@ def test_a_compiled_attention_runs_it_and_trains(n):
     assert "sm_90" in str(report)
 
 
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd", "qkv"])
+def test_each_head_is_a_block_of_rows_of_one_matrix(layout):
+    """The kernel's addressing (`_Rows`): head (b, h)'s rows start at row (b·sb + h·sh) // sn and column
+    (b·sb + h·sh) % sn of the matrix its descriptor covers. On any device: the matrix is a view."""
+    for t in _laid_out(layout, 2, 4, 2, 5, 16, torch.float16)[:3]:
+        rows = hopper_forward._Rows.of(t)
+        matrix = t.as_strided((rows.rows, rows.width), (t.stride(2), 1))
+        sb, sh, sn, _ = t.stride()
+        for b in range(t.shape[0]):
+            for h in range(t.shape[1]):
+                base = b * sb + h * sh
+                row, col = base // sn, base % sn
+                assert torch.equal(matrix[row:row + t.shape[2], col:col + t.shape[3]], t[b, h])
+
+
 def test_it_serves_only_what_it_computes():
     """Lengths no tile divides, head dims other than 64 and 128, fp32, and any device but an sm_90 GPU: the Triton
     kernel's."""
