@@ -142,7 +142,7 @@ if gluon is not None:
         log_sum = gl.convert_layout(gl.log(l_i), stat_layout)
         gl.store(log_sum_ptr + rows, log_sum)
         gl.store(lse_ptr + rows, gl.convert_layout(m_i * scale, stat_layout) + log_sum)
-        if CAUSAL:
+        if fallback_ptr is not None:
             gl.store(fallback_ptr + rows, gl.zeros([ROWS], gl.int8, stat_layout))
         q_smem.store(acc.to(q_smem.dtype))  # Q is read no more: its buffer stages the output for one TMA store
         fence_async_shared()
@@ -259,12 +259,12 @@ DESCRIBED = "the forward ran the sm_90 kernel (warp-specialized, Gluon)"  # in t
 
 def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, scale: float, causal: bool) -> None:
-    """The forward into `out` ([B, H, N, D] view), `lse` and `log_sum` ([B, H, N] contiguous fp32) and, causal,
-    zeros into `fallback_rows` ([B, H, N] int8), where `serves`."""
+    """The forward into `out` ([B, H, N, D] view), `lse` and `log_sum` ([B, H, N] contiguous fp32) and zeros into
+    `fallback_rows` ([B, H, N] int8, a mask's; None without), where `serves`."""
     batch, q_heads, q_len, d = q.shape
     described = [_Rows.of(t).described(t, rows) for t, rows in
                  ((q, BLOCK_M // PARTS), (k, BLOCK_N), (v, BLOCK_N), (out, BLOCK_M // PARTS))]
     strides = [t.stride()[:3] for t in (q, k, v, out)]
     _hopper_forward[(q_len // BLOCK_M, batch * q_heads)](
-        *described, lse, log_sum, fallback_rows if causal else lse, *strides, q_heads, q_heads // k.shape[1], q_len,
+        *described, lse, log_sum, fallback_rows, *strides, q_heads, q_heads // k.shape[1], q_len,
         k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)
