@@ -329,7 +329,7 @@ def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_str
 
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_backward_dq_kernel(
-    Q, K, V, Out, DO, Lse, LogSum, Delta, DQ,
+    Q, K, V, Out, Residual, DO, Lse, LogSum, Delta, DQ,
     q_strides, k_strides, v_strides, out_strides, do_strides, dq_strides,
     Nq, Nk, group, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
@@ -357,6 +357,12 @@ def _flash_backward_dq_kernel(
         delta = tl.sum(tl.where(diagonal, square, 0.0), 1)
     else:
         delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
+    if Residual is not None:
+        # What rounding O left out (`keeps_residual`): without it a row's score gradients sum to dO · (O - round(O)),
+        # not 0. A row whose weight is all on one key has O = V exactly, residual 0: the cancellation above stays.
+        residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
+                             DESCRIPTORS)
+        delta += tl.sum(residual.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
     shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
 
@@ -415,8 +421,8 @@ def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.
 def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, mod: ScoreMod,
                       aux: tuple, aux_grad: tuple | None, delta: torch.Tensor, grads: tuple, dropout_p: float,
-                      seed: int, map_at: Callable[[FlashConfig, bool], BlockMap], device: torch.device | None = None
-                      ) -> Iterator[tuple[Any, tuple, tuple, dict]]:
+                      seed: int, map_at: Callable[[FlashConfig, bool], BlockMap], device: torch.device | None = None,
+                      residual: torch.Tensor | None = None) -> Iterator[tuple[Any, tuple, tuple, dict]]:
     """(kernel, grid, arguments, keywords) of the dQ kernel's launch, then of the dK/dV kernel's: in that order,
     each map (`map_at` a kernel's config and whether it reads the cols lists, masks only) asked for just before
     its launch. `aux` includes the distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum`
@@ -444,11 +450,13 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if mod.has_mask:
         block_map = map_at(config, False)
         kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides)
-    (q_operand, k_operand, v_operand, out_operand, do_operand), descriptors = tile_operands(
-        ((q, config.block_m), (k, config.block_n), (v, config.block_n), (out, config.block_m), (do, config.block_m)),
-        block_d, config.descriptors)
+    tiled = ((q, config.block_m), (k, config.block_n), (v, config.block_n), (out, config.block_m), (do, config.block_m))
+    operands, descriptors = tile_operands(tiled + (((residual, config.block_m),) if residual is not None else ()),
+                                          block_d, config.descriptors)
+    q_operand, k_operand, v_operand, out_operand, do_operand, *residual_operand = operands
     yield (_flash_backward_dq_kernel, (cdiv(q_len, config.block_m), q_heads, batch),
-           (q_operand, k_operand, v_operand, out_operand, do_operand, lse, log_sum, delta, dq,
+           (q_operand, k_operand, v_operand, out_operand, *(residual_operand or [None]), do_operand, lse, log_sum,
+            delta, dq,
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p),
            dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m,
@@ -505,7 +513,8 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     for kernel, grid, args, keywords in backward_launches(
             do, q, k, v, out, lse.contiguous(), extra.log_sum.contiguous(), extra.fallback_rows, mod, aux,
-            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed, map_at):
+            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed, map_at,
+            residual=extra.residual):
         launch_fitting(kernel, grid, *args, **keywords)
     if by_distance:
         add_distance_gradients(mod, aux, aux_grad, by_distance)

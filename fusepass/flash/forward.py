@@ -100,7 +100,7 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
 
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_forward_kernel(
-    Q, K, V, Out, Lse, LogSum, Fallback,
+    Q, K, V, Out, Residual, Lse, LogSum, Fallback,
     q_strides, k_strides, v_strides, out_strides,
     Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
@@ -183,8 +183,12 @@ def _flash_forward_kernel(
     else:
         l_out = l
     Out_bh = Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1]
-    store_rows(Out_bh, acc / l_out[:, None], rows, Nq, out_strides[2], offs_d, out_strides[3],
-               HEAD_DIM)
+    o = acc / l_out[:, None]
+    store_rows(Out_bh, o, rows, Nq, out_strides[2], offs_d, out_strides[3], HEAD_DIM)
+    if Residual is not None:  # what rounding the output to its dtype left out, laid out as it
+        residual = o - o.to(Out.dtype.element_ty).to(tl.float32)
+        store_rows(Residual + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1], residual, rows, Nq,
+                   out_strides[2], offs_d, out_strides[3], HEAD_DIM)
     log_sum = tl.log(l) - excess * LN2
     tl.store(Lse + bh * Nq + rows, m + log_sum, mask=row_in)
     tl.store(LogSum + bh * Nq + rows, log_sum, mask=row_in)
@@ -203,6 +207,9 @@ class FlashForwardExtra:
     log_sum: torch.Tensor  # [B, Hq, Nq] fp32
     fallback_rows: torch.Tensor | None  # [B, Hq, Nq] int8, 1 where the row was recomputed over all tiles
     block_map: BlockMap | None  # the forward's block map (the backward reuses it if its tiles match)
+    # [B, Hq, Nq, D] as `out`: out's fp32 value minus out (`keeps_residual`), or None; the backward's row term reads
+    # both
+    residual: torch.Tensor | None = None
 
 
 def forward_tile_configs(mod: ScoreMod, head_dim: int, dtype: torch.dtype, device: torch.device
@@ -225,10 +232,11 @@ def has_partial_tiles(mod: ScoreMod, kv_len: int, block_n: int) -> bool:
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, config: FlashConfig,
                    block_map: BlockMap | None, out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor,
-                   fallback_rows: torch.Tensor | None, seed: int, dropout_p: float
-                   ) -> tuple[Any, tuple, tuple, dict]:
+                   fallback_rows: torch.Tensor | None, seed: int, dropout_p: float,
+                   residual: torch.Tensor | None = None) -> tuple[Any, tuple, tuple, dict]:
     """(kernel, grid, arguments, keywords) of the forward kernel's launch at `config`'s warps and stages and the map's
-    tiles (`config`'s where no mask). `aux` includes the distance tables."""
+    tiles (`config`'s where no mask). `aux` includes the distance tables; `residual`: where to write the output's
+    rounding residual (laid out as `out`), or None."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
@@ -238,7 +246,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
     grid = (cdiv(q_len, block_m), q_heads, batch)
     (q_operand, k_operand, v_operand), descriptors = tile_operands(((q, block_m), (k, block_n), (v, block_n)),
                                                                     head_block(head_dim), config.descriptors)
-    args = (q_operand, k_operand, v_operand, out, lse, log_sum, fallback_rows,
+    args = (q_operand, k_operand, v_operand, out, residual, lse, log_sum, fallback_rows,
             q.stride(), k.stride(), v.stride(), out.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p)
     keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
@@ -251,17 +259,29 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
 
 
 def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | None, device: torch.device | str,
-                    by_position: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The forward kernel's outputs for `q`, on `device`: out, lse, log_sum and the fallback rows (masks only).
-    `out` is [B, H, N, D], laid out [B, N, H, D] where `by_position` (the kernel writes through its strides)."""
+                    by_position: bool = False, backward: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The forward kernel's outputs for `q`, on `device`: out, lse, log_sum, the fallback rows (masks only) and,
+    where a `backward` will read it, the output's rounding residual (`keeps_residual`). `out` is [B, H, N, D], laid
+    out [B, N, H, D] where `by_position` (the kernel writes through its strides); the residual as `out`."""
     b, h, n, d = q.shape
-    out = torch.empty((b, n, h, d) if by_position else (b, h, n, d), dtype=out_dtype or q.dtype, device=device)
-    if by_position:
-        out = out.transpose(1, 2)
+    dtype = out_dtype or q.dtype
+
+    def output() -> torch.Tensor:
+        laid_out = torch.empty((b, n, h, d) if by_position else (b, h, n, d), dtype=dtype, device=device)
+        return laid_out.transpose(1, 2) if by_position else laid_out
+
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
     log_sum = torch.empty_like(lse)
     fallback_rows = torch.empty(q.shape[:3], dtype=torch.int8, device=device) if mod.has_mask else None
-    return out, lse, log_sum, fallback_rows
+    return output(), lse, log_sum, fallback_rows, output() if backward and keeps_residual(dtype) else None
+
+
+def keeps_residual(out_dtype: torch.dtype) -> bool:
+    """Whether a forward whose backward follows keeps its output's rounding residual: in half precision, where the
+    backward's row term delta = dO · O taken from the rounded output would leave each row's score gradients summing
+    to dO · (O - round(O)), not 0 (a key projection's bias gradient, exactly 0, is their sum over every row)."""
+    return out_dtype in (torch.float16, torch.bfloat16)
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, *,
@@ -291,8 +311,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         kinds_at = kind_block_m(config, head_dim, q.dtype, q.device) if mod.keep_reads_aux else None
         block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
                                   q.device, map_into, kinds_at)
-    out, lse, log_sum, fallback_rows = outputs or forward_outputs(q, mod, out_dtype, q.device)
+    out, lse, log_sum, fallback_rows, residual = outputs or forward_outputs(q, mod, out_dtype, q.device)
     kernel, grid, args, keywords = forward_launch(q, k, v, mod, aux, config, block_map, out, lse, log_sum,
-                                                  fallback_rows, seed, dropout_p)
+                                                  fallback_rows, seed, dropout_p, residual)
     launch_fitting(kernel, grid, *args, **keywords)
-    return out, lse, FlashForwardExtra(log_sum, fallback_rows, block_map)
+    return out, lse, FlashForwardExtra(log_sum, fallback_rows, block_map, residual)
