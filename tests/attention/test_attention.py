@@ -232,10 +232,11 @@ def bias_with_the_mask_folded_in(q, k, v, bias):  # T5's decoder: the mask added
     return torch.softmax(q @ k.transpose(-1, -2) + position_bias, dim=-1) @ v
 
 
+@pytest.mark.parametrize("backward", [True, False], ids=["learned bias", "fixed bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_a_mask_added_to_a_bias_before_the_scores_is_split_off(dtype):
+def test_a_mask_added_to_a_bias_before_the_scores_is_split_off(dtype, backward):
     report = check(bias_with_the_mask_folded_in, *qkv(dtype, nk=NQ), random_tensor((H, NQ, NQ), dtype),
-                   backward=True)
+                   backward=backward)
     assert "causal" in attention_rewrite(report).features
     # fp16's minimum (-65504) is within reach of the scores: its tiles are computed, not skipped
     assert ("keep" in last_attention().spec.lifted.functions) == (dtype == torch.float32)

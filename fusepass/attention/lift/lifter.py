@@ -339,7 +339,12 @@ class Lifter:
     def _pointwise_value(self, target: Any, args: tuple, kwargs: dict, dtype: torch.dtype,
                          zero_dim: bool = False) -> Code | Diff:
         flat = list(args) + list(kwargs.values())
-        if any(isinstance(a, Diff) for a in flat):
+        # An additive mask added to another value before the scores (T5's decoder: its position bias and mask, in a
+        # forward without gradients) stays a leaf of E of its own, which `masks.split_masks` can split off.
+        added_mask = getattr(target, "overloadpacket", None) == aten.add and \
+            any(isinstance(a, Code) and a.mask is not None for a in args) and \
+            all(isinstance(a, (Code, Diff)) for a in args)
+        if added_mask or any(isinstance(a, Diff) for a in flat):
             self.features.note_op(target, args)
             return self.e.node(target, args, kwargs)
 
