@@ -101,9 +101,9 @@ def split_masks(e: EGraph, code: IndexCode) -> KeepSplit | None:
     additive = any(m.additive for m in masks)
     if isinstance(fill, float) and math.isnan(fill) or fill > -1e4:
         return None
-    if additive and not (fill == -math.inf or fill <= -1e30):
+    bound = _added_fill_bound(fill) if additive else fill
+    if bound is None:
         return None
-    bound = fill if not additive or fill == -math.inf else fill / 2
     keep = " & ".join(f"({m.keep})" for m in masks)
     # One mask separable, the others (a causal mask, a window) reading no tensors: the map is the separable
     # one's kinds joined with the others' map, cached per shape.
@@ -146,10 +146,18 @@ def _split_added_leaf(e: EGraph, code: IndexCode, top: torch.fx.Node) -> KeepSpl
         return None
     leaf, mask = found
     keep, fill = mask.mask
-    if not (fill == -math.inf or fill <= -1e30):
+    bound = _added_fill_bound(fill)
+    if bound is None:
         return None
     return KeepSplit(keep=keep, uses=mask.uses, key_side="k" in mask.uses and "q" not in mask.uses,
-                     reads_aux=code.reads_aux(keep), separable=None,
-                     fill_bound=fill if fill == -math.inf else fill / 2,
+                     reads_aux=code.reads_aux(keep), separable=None, fill_bound=bound,
                      score=e.module(replace={leaf: ("constant", 0.0)}),
                      fill=e.module(replace={leaf: ("constant", fill)}))
+
+
+def _added_fill_bound(fill: float) -> float | None:
+    """The most a fill added to the scores can come to (`Lifted.fill_bound`): -inf stays -inf, a finite fill of at
+    most -1e30 stays below half of it beside any score; None for a fill too close to the scores to skip tiles for."""
+    if fill == -math.inf:
+        return fill
+    return fill / 2 if fill <= -1e30 else None
