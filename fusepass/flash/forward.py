@@ -53,8 +53,9 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                  SCALE: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-                 KV_TAIL: tl.constexpr):
-    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below)."""
+                 KV_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
+    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below;
+    `EXACT_WEIGHTS`: see the product with V below)."""
     cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
                               PARTIAL, DESCRIPTORS, KV_TAIL)
     s = dot(q, tl.trans(k))
@@ -94,7 +95,15 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
     l = l * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows[:, None], cols[None, :]), p, 0.0)
-    acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+    if EXACT_WEIGHTS:
+        # The weights' product with V in two parts, their value in V's dtype and what that rounding left: the
+        # output as float32 weights give it (to ~2^-16 of a weight), which the backward's recomputed weights match
+        # (`keeps_residual`). Where the weights are rounded, a row's score gradients sum to its dO · (rounded
+        # weights - weights) · V, not 0: in bf16 that is most of a key bias's gradient (exactly 0 in eager's).
+        p_part = p.to(v.dtype)
+        acc = dot((p - p_part.to(tl.float32)).to(v.dtype), v, dot(p_part, v, acc * alpha[:, None]))
+    else:
+        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
     return acc, m_new, l, excess
 
 
@@ -136,7 +145,8 @@ def _flash_forward_kernel(
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
         acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
                                          q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False,
-                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
+                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL,
+                                         Residual is not None)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial):
@@ -144,7 +154,7 @@ def _flash_forward_kernel(
             acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
                                              SCALE, True, DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                             KV_TAIL)
+                                             KV_TAIL, Residual is not None)
 
     # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
     # whose max stands SKIP_MARGIN above every fill value: not for rows without a kept element, or with
@@ -173,7 +183,7 @@ def _flash_forward_kernel(
             acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
                                              SCALE, True, DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                             KV_TAIL)
+                                             KV_TAIL, Residual is not None)
         excess = tl.zeros([BLOCK_M], tl.float32)  # the exact form's weights carry no common factor
     if KEEP is not None:
         tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
@@ -278,9 +288,10 @@ def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | Non
 
 
 def keeps_residual(out_dtype: torch.dtype) -> bool:
-    """Whether a forward whose backward follows keeps its output's rounding residual: in half precision, where the
-    backward's row term delta = dO · O taken from the rounded output would leave each row's score gradients summing
-    to dO · (O - round(O)), not 0 (a key projection's bias gradient, exactly 0, is their sum over every row)."""
+    """Whether a forward whose backward follows keeps its output's rounding residual, and takes the weights' product
+    with V in two parts (`EXACT_WEIGHTS`): in half precision, where the backward's row term delta = dO · O taken from
+    the rounded output, or from weights rounded for the product, would leave each row's score gradients summing to
+    a rounding of the output's, not 0 (a key projection's bias gradient, exactly 0, is their sum over every row)."""
     return out_dtype in (torch.float16, torch.bfloat16)
 
 

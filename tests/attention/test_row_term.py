@@ -1,10 +1,12 @@
 """The backward's row term in half precision: delta = dO · O from the output as the forward computed it (its rounded
-value and the residual rounding left out), so that each row's score gradients sum to zero as eager's do. Taken from
+value and the residual rounding left out), with the weights as the backward recomputes them (their product with V
+taken in two parts), so that each row's score gradients sum to zero as eager's do. Taken from
 the rounded output alone, they sum to dO · (O - round(O)): what adds them all up shows it (a key projection's bias
 gradient, 0 in float64), and so do rows whose weight is nearly all on one key (the others' share of O rounded
 away: tests/attention/test_random_attention.py's examples)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from support import check, last_attention
 
@@ -21,18 +23,21 @@ def gradients(fn, inputs, dtype, grad):
     return torch.autograd.grad(fn(*inputs), inputs, grad.to(dtype))
 
 
-def test_a_key_bias_gradient_is_as_near_zero_as_eagers():
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_key_bias_gradient_is_as_near_zero_as_eagers(dtype):
     inputs = [torch.randn(B, T, H * D)] + [torch.randn(H * D, H * D) * 0.2 for _ in range(2)] + \
         [torch.randn(H * D), torch.randn(H * D, H * D) * 0.2]
     inputs = [x.to(last_device()) for x in inputs]
     grad = torch.randn(B, T, H * D, device=inputs[0].device)
     wide = gradients(key_bias_attention, inputs, torch.float64, grad)
-    eager = gradients(key_bias_attention, inputs, torch.float16, grad)
-    fused = gradients(torch.compile(key_bias_attention, backend="fusepass"), inputs, torch.float16, grad)
+    eager = gradients(key_bias_attention, inputs, dtype, grad)
+    fused = gradients(torch.compile(key_bias_attention, backend="fusepass"), inputs, dtype, grad)
     assert last_attention().keeps_residual()
     scale = max(g.norm() for g in wide)  # the key bias's own is a rounding
     ours, eagers = ((g[3].double() - wide[3]).norm() / scale for g in (fused, eager))
-    assert ours <= 1.25 * eagers, (ours, eagers)  # 1.8x eager's from the rounded output alone
+    # From the rounded output alone: 1.8x eager's in fp16. With its residual but the weights rounded for their
+    # product with V: 1.9-2.0x in bf16 (BERT's two tiny layers: 7x). With both, 0.75-0.93x (three draws of each).
+    assert ours <= 1.25 * eagers, (ours, eagers)
 
 
 def last_device() -> str:
