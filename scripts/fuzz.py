@@ -56,23 +56,25 @@ def _pointwise_worker(count: int, queue) -> None:
     import torch
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
-    from test_random_training import DTYPES, LAYOUTS, build, layout_input, steps
+    from test_random_training import DTYPES, LAYOUTS, build, layout_input, rows_walked, steps
 
     from support import check
 
     @settings(max_examples=count, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
     @given(program=steps, layouts=st.lists(st.sampled_from(LAYOUTS), min_size=1, max_size=2),
-           dtypes=st.lists(st.sampled_from(DTYPES), min_size=2, max_size=3), value_seed=st.integers(0, 2**31))
-    def one(program, layouts, dtypes, value_seed):
+           dtypes=st.lists(st.sampled_from(DTYPES), min_size=2, max_size=3), walked=st.booleans(),
+           value_seed=st.integers(0, 2**31))
+    def one(program, layouts, dtypes, walked, value_seed):
         def run():
             torch.manual_seed(value_seed)
             torch._dynamo.reset()
             inputs = [layout_input("contiguous", dtypes[0])] + [
                 layout_input(layout, dtype) for layout, dtype in zip(layouts, dtypes[1:])]
-            return check(build(program, len(inputs)), *inputs, backward=True)
+            with rows_walked(walked):
+                return check(build(program, len(inputs)), *inputs, backward=True)
 
-        queue.put(("pointwise", *_outcome(run), repr((program, layouts, dtypes, value_seed))))
+        queue.put(("pointwise", *_outcome(run), repr((program, layouts, dtypes, walked, value_seed))))
 
     one()
 

@@ -17,7 +17,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from fusepass.attention import sdpa_floor
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
-from fusepass.attention.sdpa_floor import Decision, SdpaRun, decision, in_a_backward, sdpa_causal, sdpa_form
+from fusepass.attention.sdpa_floor import (Decision, SdpaRun, decision, in_a_backward, layout_class, sdpa_causal,
+                                           sdpa_form, shape_named)
 from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
 from fusepass.flash.ahead import compile_attention_ahead
@@ -239,32 +240,33 @@ class AttentionCall:
     # ------------------------------------------------------------------------------- SDPA, where faster
 
     def _sdpa_run(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> SdpaRun | None:
-        """SDPA in place of the fused kernels, where it computes the attention and was measured faster
-        (`sdpa_floor`), for these layouts; asked on every call, decided once per layout."""
+        """SDPA in place of the fused kernels, where it computes the attention (checked at each layout) and was
+        measured faster (`sdpa_floor`, timed once per class of layouts); asked on every call, decided once per
+        layout."""
         layouts = (q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), q4.dtype, q4.device)
         if layouts not in self._sdpa_runs:
             run = None
             if sdpa_floor.can_time(q4.device) and q4.dtype == self.spec.out_dtype:
-                gradients = any(self.unfused.requires_grad)
-                key = (self.sdpa, self.mod.mask_functions, self.spec.out_by_position, gradients, *layouts)
-                found = decision(key, lambda: self._sdpa_decision(q4, k4, v4, gradients))
-                if found is not None:
-                    where = f"[{', '.join(map(str, q4.shape))}] {str(q4.dtype).removeprefix('torch.')}"
-                    self.unfused.forward_record.detail.setdefault(SDPA, {})[where] = found.describe(gradients)
-                    run = SdpaRun(self.sdpa, found.causal) if found.runs_sdpa else None
+                causal = self.sdpa.masked and sdpa_causal(self.mod.keep, self.spec.kernel_aux(()), q4.shape[2],
+                                                          k4.shape[2], q4.device)
+                if causal is not None:
+                    gradients = any(self.unfused.requires_grad)
+                    key = (self.sdpa, causal, self.mod.mask_functions, self.spec.out_by_position, gradients,
+                           *map(layout_class, (q4, k4, v4)), q4.dtype, q4.device)
+                    found = decision(key, lambda: self._sdpa_decision(causal, q4, k4, v4, gradients))
+                    self.unfused.forward_record.detail.setdefault(SDPA, {})[shape_named(q4)] = \
+                        found.describe(gradients, shape_named(q4))
+                    run = SdpaRun(self.sdpa, causal) if found.runs_sdpa else None
             self._sdpa_runs[layouts] = run
         return self._sdpa_runs[layouts]
 
-    def _sdpa_decision(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, gradients: bool
-                       ) -> Decision | None:
-        """SDPA's and the fused kernels' times at these layouts, where SDPA computes the attention (the mask
-        checked to be its causal one, or none), on random tensors laid out as these."""
-        s, form = self.spec, self.sdpa
+    def _sdpa_decision(self, causal: bool, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, gradients: bool
+                       ) -> Decision:
+        """SDPA's and the fused kernels' times at these layouts, where SDPA computes the attention (`causal`: with
+        its causal mask), on random tensors laid out as these."""
+        s = self.spec
         aux = s.kernel_aux(())
-        causal = form.masked and sdpa_causal(self.mod.keep, aux, q4.shape[2], k4.shape[2], q4.device)
-        if causal is None:
-            return None
-        run = SdpaRun(form, causal)
+        run = SdpaRun(self.sdpa, causal)
         q, k, v = (random_like(x) for x in (q4, k4, v4))
         out_strides = self._out_strides()
         grad_out = torch.empty_strided(s.out_shape, out_strides, dtype=q.dtype, device=q.device).normal_()
@@ -284,7 +286,7 @@ class AttentionCall:
                 flash_attention_backward(grad_out, q, k, v, out, lse, extra, self.mod, aux, s.kernel_aux_grad(()),
                                          grads=grads)
 
-        return Decision(causal, *sdpa_floor.timed(sdpa_step, fused_step))
+        return Decision(causal, *sdpa_floor.timed(sdpa_step, fused_step), measured_at=shape_named(q4))
 
     def _sdpa_forward(self, run: SdpaRun, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> Outputs:
         """The op's outputs with SDPA's result; the lse a stand-in that names the kept forward (`SdpaRun.ran`)."""

@@ -41,7 +41,7 @@ from fusepass.capture import mark_requires_grad
 from fusepass.context import PassContext, mark_planned
 from fusepass.fx_util import hold, infer_meta, val
 from fusepass.options import Options
-from fusepass.report.records import Hotspot, Rewrite
+from fusepass.report.records import SDPA, Hotspot, Rewrite
 from fusepass.report.report import Report
 from fusepass.source import keep_location
 
@@ -70,6 +70,7 @@ class DynamicSpec:
     known: list[KnownInput | None] = field(default_factory=list)
     report: Report | None = None  # the compile's, where a kernel failing at a size planned at run time is recorded
     location: str = ""  # the user's source line of the attention
+    records: list[Rewrite] = field(default_factory=list)  # the compile's records of the attention's forward
     plans: OrderedDict[Signature, StaticPlan] = field(default_factory=OrderedDict)
 
     @staticmethod
@@ -88,11 +89,18 @@ class DynamicSpec:
                 if plan is None:
                     module, report, out_strides = plan_static(self, tensors, sizes)
                     self._record_unfused(report, sizes)
+                    self._share_sdpa_detail(report)
                     plan = self.plans[key] = StaticPlan(module, out_strides, direct_plan(module))
                     if len(self.plans) > PLANS:
                         self.plans.popitem(last=False)
         self.plans.move_to_end(key)
         return plan
+
+    def _share_sdpa_detail(self, report: Report) -> None:
+        """What a plan's attention says of SDPA at its size (`sdpa_floor`) is said in the compile's record."""
+        planned = [r for r in report.rewrites if r.kind == "attention" and r.phase == "forward"]
+        for plan_record, compile_record in zip(planned, self.records):
+            plan_record.detail[SDPA] = compile_record.detail.setdefault(SDPA, {})
 
     def _record_unfused(self, report: Report, sizes: list[int]) -> None:
         """A size at which the attention, rewritten at the sizes Dynamo saw, is not: it runs unfused there, which
@@ -238,6 +246,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
         record.location = where
         record.detail["sizes"] = "symbolic: figures at the sizes first seen; planned again at each new size"
     spec.report = ctx.report  # set after the plan above, whose failures its own report records
+    spec.records = [r for r in records if r.phase == "forward"]
     _specs[name] = spec
     hold(graph.owning_module, spec)
     if ctx.run_kernels:

@@ -6,9 +6,9 @@ groups of query heads (``enable_gqa``). An attention is that function where its 
 a positive constant (`ScoreMod.linear_scale`), it reads no tensor, drops nothing, writes the inputs' dtype and
 is either unmasked or masked with -inf by a mask of the positions alone over equal lengths; whether that mask
 is SDPA's causal one is checked at each shape on the device, element by element (`_mask_kernel`). Then the
-op's forward (and backward, where gradients flow) is timed on the running GPU both ways, once per shape,
-strides and dtype, and SDPA runs where it takes at most `FASTER` of the fused kernels' time. The rewrite's
-report record says so, with both times.
+op's forward (and backward, where gradients flow) is timed on the running GPU both ways, once per class of
+layouts (`layout_class`: batch and length rounded up to a power of two) and dtype, and SDPA runs where it takes
+at most `FASTER` of the fused kernels' time. The rewrite's report record says so per shape, with both times.
 
 SDPA's backward is its own autograd graph's: the forward runs SDPA under autograd and keeps the graph under
 the storage of the lse the op returns (AOTAutograd saves it for the backward), as the dynamic op keeps its
@@ -84,25 +84,42 @@ class Decision:
     causal: bool
     sdpa_ms: float
     fused_ms: float
+    measured_at: str  # the shape timed (`shape_named`)
 
     @property
     def runs_sdpa(self) -> bool:
         return self.sdpa_ms <= FASTER * self.fused_ms
 
-    def describe(self, gradients: bool) -> str:
+    def describe(self, gradients: bool, where: str) -> str:
+        """What ran at the shape `where`, and the times that decided it (taken at another shape of its class)."""
         ran = "SDPA ran" if self.runs_sdpa else "the fused kernels ran"
         passes = "forward and backward" if gradients else "forward"
-        return (f"{ran} ({'causal' if self.causal else 'unmasked'}; {passes} measured {self.sdpa_ms:.3g} ms in SDPA, "
-                f"{self.fused_ms:.3g} ms fused)")
+        at = "" if where == self.measured_at else f" at {self.measured_at}"
+        return (f"{ran} ({'causal' if self.causal else 'unmasked'}; {passes} measured{at} {self.sdpa_ms:.3g} ms in "
+                f"SDPA, {self.fused_ms:.3g} ms fused)")
 
 
-_decisions: dict[tuple, Decision | None] = {}  # per mask functions, layouts, dtype, device, gradients
+def shape_named(q: torch.Tensor) -> str:
+    """`[B, H, N, D] dtype` of the queries: what the report names a decision by."""
+    return f"[{', '.join(map(str, q.shape))}] {str(q.dtype).removeprefix('torch.')}"
+
+
+def layout_class(x: torch.Tensor) -> tuple:
+    """The layouts one timing decides for: batch and length rounded up to a power of two (a new length under
+    symbolic sizes is not timed again, and both ways' times grow alike within a class), heads and head dim as
+    they are, the dims' order in memory and which are broadcast."""
+    b, h, n, d = x.shape
+    order = tuple(sorted(range(4), key=lambda i: -x.stride(i)))
+    return triton.next_power_of_2(b), h, triton.next_power_of_2(n), d, order, tuple(s == 0 for s in x.stride())
+
+
+# Per class of layouts (`layout_class`), mask functions, dtype, device and gradients.
+_decisions: dict[tuple, Decision] = {}
 _deciding = threading.Lock()
 
 
-def decision(key: tuple, decide: Callable[[], Decision | None]) -> Decision | None:
-    """The decision for `key`, made once (`decide`: None where SDPA's function is not the attention's or no
-    timing can be had)."""
+def decision(key: tuple, decide: Callable[[], Decision]) -> Decision:
+    """The decision for `key`, made once."""
     if key not in _decisions:
         with _deciding:
             if key not in _decisions:

@@ -193,10 +193,10 @@ def test_dropout_is_not_offered_sdpa(times, sdpa_calls):
     assert last_attention().sdpa is None and not sdpa_calls
 
 
-def test_each_shape_decided_and_a_retained_graph_differentiated_twice(times, sdpa_calls):
+def test_each_class_of_shapes_timed_once_and_a_retained_graph_differentiated_twice(times, sdpa_calls):
     model = TrilBuffer()
     compiled = torch.compile(model, backend="fusepass", dynamic=False)
-    for length in (T, 29):
+    for length in (T, 29, 45):  # 37 and 45 are one class (64 rounded up), 29 another
         q, k, v = (x.detach().requires_grad_() for x in qkv(length=length))
         out = compiled(q, k, v)
         grad = torch.randn_like(out)
@@ -210,8 +210,24 @@ def test_each_shape_decided_and_a_retained_graph_differentiated_twice(times, sdp
         del out
         gc.collect()
         assert not kept_forwards._forwards
-    assert sdpa_calls == [True, True]
+    assert sdpa_calls == [True, True, True]
     assert len(sdpa_floor._decisions) == 2
+    said = " ".join(str(fusepass.last_report()).split())
+    assert f"at [{B}, {H}, 45, {D}] float32: SDPA ran (causal; forward and backward measured at [{B}, {H}, {T}, {D}] " \
+        "float32 1 ms in SDPA, 2 ms fused)" in said, said
+
+
+def test_sizes_planned_at_run_time_say_what_ran_in_the_compiles_report(times, sdpa_calls):
+    fusepass.reset()
+    compiled = torch.compile(causal, backend="fusepass", dynamic=True)
+    for length in (T, 45, 29):
+        out = compiled(*(x.requires_grad_() for x in qkv(length=length)))
+        out.sum().backward()
+    assert sdpa_calls == [True, True, True]
+    (report,) = fusepass.reports()
+    (record,) = [r for r in report.rewrites if r.kind == "attention" and r.phase == "forward"]
+    assert list(record.detail[SDPA]) == [f"[{B}, {H}, {n}, {D}] float32" for n in (T, 45, 29)]
+    assert "measured at" in record.detail[SDPA][f"[{B}, {H}, 45, {D}] float32"]
 
 
 def test_inference_keeps_no_graph(times, sdpa_calls):
