@@ -1,8 +1,9 @@
 """Which parameters' gradients set an example model's gradient error: each parameter's distance from the float32
 model's gradient, in eager bf16, under fusepass bf16 and under fusepass with its attention rewrite off (which part
-of fusepass moves it), largest ratios to eager's first (a GPU run).
+of fusepass moves it), largest ratios to eager's first. On the GPU; on the CPU at a small size through Triton's
+interpreter (`TRITON_INTERPRET=1`, e.g. `--size tiny --batch 2 --seq 40`).
 
-    PYTHONPATH=. python bench/gradient_by_parameter.py --model bert [--batch 8] [--seq 512] [--top 12]
+    PYTHONPATH=. python bench/gradient_by_parameter.py --model bert [--size small] [--batch 8] [--seq 512] [--top 12]
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def main() -> None:
     example = importlib.import_module(args.model)
     cls, loss_name = BUILD[args.model]
     torch.manual_seed(0)
-    wide = getattr(example, cls)(example.SIZES[args.size]).cuda()
+    wide = getattr(example, cls)(example.SIZES[args.size]).to("cuda" if torch.cuda.is_available() else "cpu")
     inputs = example.inputs(wide, args.batch, args.seq)
     loss = getattr(example, loss_name)
     narrow = copy.deepcopy(wide).to(torch.bfloat16)
