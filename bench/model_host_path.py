@@ -1,7 +1,7 @@
 """Host time of an example model's compiled training step with every kernel launch stubbed out: on any machine.
 
     PYTHONPATH=. python bench/model_host_path.py [--model bert|gpt2] [--size tiny] [--batch B] [--seq T]
-        [--dynamic-after T0] [--profile]
+        [--dynamic-after T0] [--forward] [--profile]
 
 Builds examples/<model>.py's model (float32 on the CPU), compiles it with fusepass, replaces every launch of a
 fused kernel (the pointwise and row kernels' `BoundLaunch`, the attention kernels' `launch`) with nothing, and
@@ -11,7 +11,9 @@ too: keep the size small). The outputs of stubbed kernels are left unwritten: th
 not of its results. With --profile, the Python functions with the most own and cumulative time. The launch counts
 say how many kernels a step launches; a GPU step that takes longer than its kernels by about host µs per launch
 × launches is host-bound. With --dynamic-after, a step at length T0 comes first, so that the length timed runs
-the graphs Dynamo recompiled with symbolic sizes (a model trained at varying lengths).
+the graphs Dynamo recompiled with symbolic sizes (a model trained at varying lengths). With --forward, the
+forward alone without gradients (what `fusepass.compare` times as the forward; not T5's, whose graph without
+gradients indexes its position table with a fused kernel's output, which a stub leaves unwritten).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ STEPS, BATCHES = 10, 5
 MODELS = {
     "bert": (lambda example, size: example.BertModel(example.SIZES[size]), "readout_loss"),
     "gpt2": (lambda example, size: example.GPT(example.SIZES[size]), "next_token_loss"),
+    "t5": (lambda example, size: example.T5ForConditionalGeneration(example.SIZES[size]), "next_token_loss"),
 }
 
 
@@ -69,6 +72,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--dynamic-after", type=int, help="a step at this length first: T runs symbolic sizes")
+    parser.add_argument("--forward", action="store_true", help="the forward alone, without gradients")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     launched = stub_launches()
@@ -84,7 +88,11 @@ def main() -> None:
     compiled = torch.compile(model, backend="fusepass")
 
     def step():
-        loss(compiled(*inputs)).backward()
+        if args.forward:
+            with torch.no_grad():
+                compiled(*inputs)
+        else:
+            loss(compiled(*inputs)).backward()
 
     if args.dynamic_after:
         loss(compiled(*example.inputs(model, batch, args.dynamic_after))).backward()
@@ -94,7 +102,8 @@ def main() -> None:
     host_ms = fastest_batch_s(step, STEPS, BATCHES) * 1e3
     launches = sum(launched.values()) / STEPS / BATCHES
     row = {"model": args.model, "size": args.size, "batch": batch, "seq": seq,
-           "sizes": "symbolic" if args.dynamic_after else "static", "host ms a step": host_ms,
+           "sizes": "symbolic" if args.dynamic_after else "static", "pass": "forward" if args.forward else "step",
+           "host ms a step": host_ms,
            "fused launches a step": launches,
            "kernels": ", ".join(f"{k} {n / STEPS / BATCHES:g}" for k, n in launched.most_common(8))}
     print(row, flush=True)

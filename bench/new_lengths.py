@@ -3,7 +3,7 @@ attention, its `tril` buffer) or a BERT layer (a padding mask the kernels load, 
 values under symbolic sizes) trained at lengths one after another, fusepass beside Inductor, in one process.
 
     PYTHONPATH=. python bench/new_lengths.py [--model gpt2|bert] [--lengths 1024,1536,2048,3000,4096,1536]
-        [--batch 4]
+        [--batch 4] [--layers 1]
 
 Per backend and length: the first step's seconds, the step's median after it (ms), the first step's seconds
 beyond that median (what the new length cost), the Triton kernels compiled or loaded during that first step
@@ -49,10 +49,10 @@ class _Kernels:
 
 
 class _Planning:
-    """Seconds fusepass's attention spent planning new sizes meanwhile."""
+    """Seconds fusepass's attention spent planning new sizes meanwhile, and the plans it made."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.seconds, self.plans = 0.0, 0
         plan = dynamic.plan_static
 
         def timed(*args, **kwargs):
@@ -61,11 +61,26 @@ class _Planning:
                 return plan(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+                self.plans += 1
         dynamic.plan_static = timed
 
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def take(self) -> tuple[float, int]:
+        taken = self.seconds, self.plans
+        self.seconds, self.plans = 0.0, 0
+        return taken
+
+
+class _Stack(torch.nn.Module):
+    """Blocks (GPT-2's, of x) or layers (BERT's, of x and the mask) one after another."""
+
+    def __init__(self, layers: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, *mask)
+        return x
 
 
 def _step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
@@ -74,12 +89,14 @@ def _step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         torch.cuda.synchronize()
 
 
-def _model(name: str, width: int, lengths: list[int], device: str) -> torch.nn.Module:
+def _model(name: str, width: int, lengths: list[int], layers: int, device: str) -> torch.nn.Module:
     if name == "gpt2":
         # A context longer than every length: slicing the mask buffer to its full length would recompile (both
         # backends).
-        return gpt2.Block(gpt2.Config(1, 12, width, context=2 * max(lengths))).to(device, torch.bfloat16)
-    return bert.BertLayer(bert.Config(1, width, 12, 4 * width)).to(device, torch.bfloat16)
+        blocks = [gpt2.Block(gpt2.Config(1, 12, width, context=2 * max(lengths))) for _ in range(layers)]
+    else:
+        blocks = [bert.BertLayer(bert.Config(1, width, 12, 4 * width)) for _ in range(layers)]
+    return (blocks[0] if layers == 1 else _Stack(blocks)).to(device, torch.bfloat16)
 
 
 def _inputs(name: str, batch: int, n: int, width: int, device: str) -> tuple[torch.Tensor, ...]:
@@ -98,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lengths", default="1024,1536,2048,3000,4096,1536")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--width", type=int, default=768, help="12 heads of width/12 (a smaller one to try it on the CPU)")
+    parser.add_argument("--layers", type=int, default=1)
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -105,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for backend in ("inductor", "fusepass"):
         torch.manual_seed(0)
-        block = _model(args.model, args.width, lengths, device)
+        block = _model(args.model, args.width, lengths, args.layers, device)
         torch._dynamo.reset()
         compiled = torch.compile(block, backend=backend)
         kernels.take(), planning.take()
@@ -114,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             _step(compiled, inputs)
             first = time.perf_counter() - start
-            compiled_now, planned = kernels.take(), planning.take()
+            compiled_now, (planned, plans) = kernels.take(), planning.take()
             times = []
             for _ in range(5):
                 start = time.perf_counter()
@@ -124,10 +142,11 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"backend": backend, "length": n, "first s": round(first, 3), "step ms": round(step * 1e3, 2),
                          "new length s": round(first - step, 3),
                          "planning s": round(planned, 3) if backend == "fusepass" else None,
+                         "plans": plans if backend == "fusepass" else None,
                          "kernels compiled or loaded": compiled_now})
     print(keep("new-lengths", list(rows[0]), rows,
                notes=f"{'GPT-2 block' if args.model == 'gpt2' else 'BERT layer, padded'} (d {args.width}, 12 heads, "
-                     f"bf16), batch {args.batch}, a training step per length"))
+                     f"bf16) × {args.layers}, batch {args.batch}, a training step per length"))
 
 
 if __name__ == "__main__":

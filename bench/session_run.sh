@@ -16,8 +16,11 @@
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     ~250 s (gpt2 alone)
+#   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
+#                parameter's bf16 gradient from float32's, eager beside fusepass
 #   lengths      bench/new_lengths.py: a GPT-2 block trained at new lengths beside Inductor      ~66 s (2026-12-04)
 #   lengths-bert the same for a padded BERT layer (a mask the kernels load)       (not run yet)
+#   lengths-stack the GPT-2 blocks 12 deep (the layers share each length's plan)   (not run yet)
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
 #   compile-documents  the same for packed causal documents (a map built per call)  ~150 s (2026-12-01)
@@ -70,10 +73,18 @@ for part in $parts; do
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
             --budget-s "${MODELS_BUDGET_S:-400}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;
+    gradients)
+        for model in $(echo "${GRAD_MODELS:-bert,gpt2,t5}" | tr , " "); do
+            echo "$model"
+            timeout 150 python bench/gradient_by_parameter.py --model "$model" --top 6 2>&1 | grep -E "^\||worst|Error"
+        done ;;
     lengths)
         timeout 200 python bench/new_lengths.py 2>&1 | grep "^|" | cut -c1-300 ;;
     lengths-bert)
         timeout 200 python bench/new_lengths.py --model bert --lengths 256,384,512,320,448 --batch 8 2>&1 \
+            | grep "^|" | cut -c1-300 ;;
+    lengths-stack)
+        timeout 300 python bench/new_lengths.py --layers 12 --lengths 1024,1536,2048,3000,4096 2>&1 \
             | grep "^|" | cut -c1-300 ;;
     overhead)
         (cd bench && timeout 80 python overhead.py 2>&1 | tail -10) ;;

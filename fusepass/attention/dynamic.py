@@ -12,6 +12,11 @@ again.
 
 Planned once at compile time too, at the sizes Dynamo saw: that plan must rewrite the attention (else
 the symbolic graph keeps it unfused, with the reason) and gives the report its figures.
+
+Attentions alike share their plans (`PlanTable`): the layers of a stack cut out the same module (its ops, the
+constants it holds, how values flow), from one source line, in one compile, so a new size is planned once for all
+of them, not once a layer. A buffer each layer holds for itself (nanoGPT's `tril`) is guarded per tensor
+(`ContentGuard` tracks each it meets).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -71,7 +76,11 @@ class DynamicSpec:
     report: Report | None = None  # the compile's, where a kernel failing at a size planned at run time is recorded
     location: str = ""  # the user's source line of the attention
     records: list[Rewrite] = field(default_factory=list)  # the compile's records of the attention's forward
-    plans: OrderedDict[Signature, StaticPlan] = field(default_factory=OrderedDict)
+    table: PlanTable = field(default_factory=lambda: PlanTable())  # its plans, shared by the attentions alike
+
+    @property
+    def plans(self) -> OrderedDict[Signature, StaticPlan]:
+        return self.table.plans
 
     @staticmethod
     def key(tensors: list[torch.Tensor], sizes: list[int]) -> Signature:
@@ -97,10 +106,32 @@ class DynamicSpec:
         return plan
 
     def _share_sdpa_detail(self, report: Report) -> None:
-        """What a plan's attention says of SDPA at its size (`sdpa_floor`) is said in the compile's record."""
+        """What a plan's attention says of SDPA at its size (`sdpa_floor`) is said in the compile's record (the
+        records of the attentions alike share it)."""
         planned = [r for r in report.rewrites if r.kind == "attention" and r.phase == "forward"]
         for plan_record, compile_record in zip(planned, self.records):
             plan_record.detail[SDPA] = compile_record.detail.setdefault(SDPA, {})
+
+    def join_alike(self) -> None:
+        """Share the plans of the attentions alike compiled before it (`PlanTable`), or start their table."""
+        try:
+            form = _form(self)
+        except TypeError:  # a constant argument that cannot be compared: its plans its own
+            return
+        table = _tables.setdefault(form, self.table)
+        if table is not self.table:
+            self.table = table
+            for record, shared in zip(self.records, table.records):
+                record.detail[SDPA] = shared.detail.setdefault(SDPA, {})
+        else:
+            table.records = self.records
+        table.members.append(weakref.ref(self))
+        for i, known in enumerate(self.known):  # a guard's message names each layer's buffer
+            if known is not None:
+                table.buffer_names.setdefault(i, []).append(known.name)
+                alike = _alike(table.buffer_names[i])
+                for member in filter(None, (ref() for ref in table.members)):
+                    member.known[i] = replace(member.known[i], name=alike)
 
     def _record_unfused(self, report: Report, sizes: list[int]) -> None:
         """A size at which the attention, rewritten at the sizes Dynamo saw, is not: it runs unfused there, which
@@ -120,6 +151,60 @@ class DynamicSpec:
 
 # By name, weakly, as the static specs (`op._specs`): held by the graphs that call them.
 _specs: weakref.WeakValueDictionary[str, DynamicSpec] = weakref.WeakValueDictionary()
+
+
+class PlanTable:
+    """The plans of attentions alike, by the sizes and layouts of a call (the `PLANS` most recently used), and
+    the attentions that share them."""
+
+    def __init__(self) -> None:
+        self.plans: OrderedDict[Signature, StaticPlan] = OrderedDict()
+        self.members: list[weakref.ref] = []  # the specs that share it
+        self.records: list[Rewrite] = []  # the first one's compile records, whose SDPA detail the others' share
+        self.buffer_names: dict[int, list[str]] = {}  # per input read as its contents, each member's buffer
+
+
+# By form (`_form`), weakly: held by the specs that share it.
+_tables: weakref.WeakValueDictionary[tuple, PlanTable] = weakref.WeakValueDictionary()
+
+
+def _form(spec: DynamicSpec) -> tuple:
+    """What decides an attention's plans: its module's structure (ops, their constant arguments, the constants it
+    holds by identity, which values flow where), which inputs a gradient flows to and which are buffers read as
+    their contents, the options, the source line and the compile's report. Raises TypeError where a constant
+    cannot be compared."""
+    index: dict[torch.fx.Node, int] = {}
+    ops = []
+    for i, node in enumerate(spec.module.graph.nodes):
+        index[node] = i
+        target = id(getattr(spec.module, node.target)) if node.op == "get_attr" else node.target
+        ops.append((node.op, target, _comparable(node.args, index), _comparable(node.kwargs, index)))
+    form = (tuple(ops), tuple(spec.requires_grad), tuple(k is not None for k in spec.known), spec.options,
+            spec.location, id(spec.report))
+    hash(form)
+    return form
+
+
+def _comparable(value: Any, index: dict[torch.fx.Node, int]) -> Any:
+    """`value` (an op's arguments) as a hashable value, nodes by their position in the graph."""
+    if isinstance(value, torch.fx.Node):
+        return ("node", index[value])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *(_comparable(v, index) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _comparable(v, index)) for k, v in value.items()))
+    if isinstance(value, slice):
+        return ("slice", *(_comparable(v, index) for v in (value.start, value.stop, value.step)))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    return value
+
+
+def _alike(names: list[str]) -> str:
+    """One name for the buffers the attentions alike read at one place."""
+    if len(set(names)) == 1:
+        return names[0]
+    return f"{names[0]} or one of the {len(names) - 1} alike in the other layers (the last: {names[-1]})"
 
 
 def spec_named(name: str) -> DynamicSpec:
@@ -247,6 +332,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
         record.detail["sizes"] = "symbolic: figures at the sizes first seen; planned again at each new size"
     spec.report = ctx.report  # set after the plan above, whose failures its own report records
     spec.records = [r for r in records if r.phase == "forward"]
+    spec.join_alike()
     _specs[name] = spec
     hold(graph.owning_module, spec)
     if ctx.run_kernels:

@@ -8,8 +8,8 @@ hold one value on a band of diagonals, ``lo <= col - row <= hi``, and another of
 index), the score chain reads it as that band computed from the positions: the same code as a mask built
 in-graph from ``tril`` or ``arange``, with its map cached per shape and its masked tiles skipped.
 
-Its contents may change after the compile, so each call checks them (`ContentGuard`): the tensor seen last at the
-version seen last (its in-place writes count versions, as autograd's checks of saved tensors rely on) still holds
+Its contents may change after the compile, so each call checks them (`ContentGuard`): a tensor seen before, at the
+version seen last (its in-place writes count versions, as autograd's checks of saved tensors rely on), still holds
 them, and another tensor, or a new version, is compared with the band on the device once. One that no longer
 holds the band runs the attention's replaced ops from then on, with a warning and a hotspot (``strict`` raises).
 A write that bypasses the version counter (through ``.data`` or a raw pointer) is not seen.
@@ -126,25 +126,28 @@ class ContentsChanged(RuntimeError):
 
 
 class ContentGuard:
-    """A band read from aux tensor `index` of an attention op, checked on each call (see the module's text)."""
+    """A band read from aux tensor `index` of an attention op, checked on each call (see the module's text). The
+    layers of a stack share their plans (`dynamic.PlanTable`), each passing its own buffer: each tensor met is
+    tracked at the version last checked."""
 
     def __init__(self, index: int, known: KnownInput, band: Band) -> None:
         self.index, self.name, self.band = index, known.name, band
-        self._seen = known.tensor
-        self._version = known.tensor()._version
+        self._seen: list[tuple[weakref.ref, int]] = [(known.tensor, known.tensor()._version)]
 
     def check(self, aux: Sequence[torch.Tensor]) -> None:
         """Raise `ContentsChanged` where the tensor no longer holds the band."""
         tensor = aux[self.index]
-        if self._seen() is tensor and tensor._version == self._version:
-            return
+        for seen, version in self._seen:
+            if seen() is tensor and tensor._version == version:
+                return
         held = f"what it held when compiled ({describe(self.band)}), which the attention's kernels compute"
         if not trackable(tensor):
             raise ContentsChanged(f"{self.name} is now an inference tensor, whose writes no version counts: "
                                   f"it may not hold {held}")
         if band_of(tensor) != self.band:
             raise ContentsChanged(f"{self.name} no longer holds {held}")
-        self._seen, self._version = weakref.ref(tensor), tensor._version
+        self._seen = [(seen, version) for seen, version in self._seen if seen() is not None and seen() is not tensor]
+        self._seen.append((weakref.ref(tensor), tensor._version))
 
 
 def describe(band: Band) -> str:

@@ -164,20 +164,37 @@ def test_unmasked_attention_reading_no_size_trains_under_symbolic_sizes():
 
 class CausalBlock(torch.nn.Module):
     """nanoGPT's attention: q, k, v split from one projection and viewed into heads, its causal mask a
-    registered `tril` buffer sliced to the length."""
+    registered `tril` buffer sliced to the length (the scores scaled by `scale` more: another attention)."""
 
-    def __init__(self, d=32, heads=2, longest=64):
+    def __init__(self, d=32, heads=2, longest=64, scale=1.0):
         super().__init__()
-        self.heads = heads
+        self.heads, self.scale = heads, scale
         self.qkv = torch.nn.Linear(d, 3 * d)
         self.register_buffer("bias", torch.tril(torch.ones(longest, longest)).view(1, 1, longest, longest))
 
     def forward(self, x):
         b, t, c = x.shape
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
-        s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        s = (q @ k.transpose(-2, -1)) * (self.scale / math.sqrt(k.size(-1)))
         s = F.softmax(s.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf")), dim=-1)
         return (s @ v).transpose(1, 2).reshape(b, t, c)
+
+
+def _train_at(compiled, model, t):
+    """A training step of `model` on [2, t, 32] inputs: `compiled`'s output and gradients are eager's."""
+    x = random_tensor((2, t, 32), torch.float32).requires_grad_()
+    out, expected = compiled(x), model(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    grad = torch.randn_like(out)
+    params = (x, *model.parameters())
+    for a, e in zip(torch.autograd.grad(out, params, grad), torch.autograd.grad(expected, params, grad)):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
+
+
+def _new_specs(earlier):
+    from fusepass.attention import dynamic
+
+    return [spec for name, spec in dynamic._specs.items() if name not in earlier]
 
 
 def test_a_viewed_projection_is_fused_at_every_length_planned_at_run_time():
@@ -191,14 +208,8 @@ def test_a_viewed_projection_is_fused_at_every_length_planned_at_run_time():
     compiled = torch.compile(block, backend=fusepass.backend(strict=True))  # strict: a length not fused raises
     earlier = set(dynamic._specs.keys())
     for t in (24, 37, 29, 37):  # the second length recompiles with symbolic sizes, planned at 37 and 29
-        x = random_tensor((2, t, 32), torch.float32).requires_grad_()
-        out, expected = compiled(x), block(x)
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-        grad = torch.randn_like(out)
-        params = (x, *block.parameters())
-        for a, e in zip(torch.autograd.grad(out, params, grad), torch.autograd.grad(expected, params, grad)):
-            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4)
-    (spec,) = [spec for name, spec in dynamic._specs.items() if name not in earlier]
+        _train_at(compiled, block, t)
+    (spec,) = _new_specs(earlier)
     assert sorted(key[0][0][1] for key in spec.plans) == [29, 37]  # q's length
     assert all(plan.direct is not None for plan in spec.plans.values())  # the op on the projection's splits
     assert not [h for report in fusepass.reports() for h in report.hotspots if h.kind == "attention"]
@@ -337,3 +348,65 @@ def test_the_sizes_a_plan_reads_are_run_time_values_one_source_at_every_length(f
     assert len(planned) >= 3 and all(c.spec.lifted.sizes for c in planned)
     assert len({c.spec.lifted.source for c in planned}) == 1
     assert len({c.spec.lifted.sizes for c in planned}) >= 3  # each length its own
+
+
+class Stack(torch.nn.Module):
+    """Layers of nanoGPT's block, each with its own `tril` buffer; the last one's scores scaled otherwise where
+    `other_last`."""
+
+    def __init__(self, layers: int = 3, other_last: bool = False):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            CausalBlock(scale=0.5 if other_last and i == layers - 1 else 1.0) for i in range(layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _planned(monkeypatch) -> list[int]:
+    """Counts the plans made from now on."""
+    from fusepass.attention import dynamic
+
+    made: list[int] = []
+    plan_static = dynamic.plan_static
+    monkeypatch.setattr(dynamic, "plan_static", lambda *args: made.append(1) or plan_static(*args))
+    return made
+
+
+@pytest.mark.parametrize("other_last", [False, True], ids=["alike", "the last other"])
+def test_layers_alike_share_one_plan_per_new_length(monkeypatch, other_last):
+    """A stack's layers cut out the same attention: a new length is planned once for all of them (each layer's own
+    buffer guarded as its contents, each layer's gradients its own); a layer whose attention differs, apart."""
+    from fusepass.attention import dynamic
+
+    stack = Stack(other_last=other_last).to(DEVICE)
+    compiled = torch.compile(stack, backend=fusepass.backend(strict=True))
+    earlier = set(dynamic._specs.keys())
+    made = _planned(monkeypatch)
+    for t in (24, 37):  # the second recompiles with symbolic sizes
+        _train_at(compiled, stack, t)
+    specs = _new_specs(earlier)
+    assert len(specs) == 3 and len({id(s.table) for s in specs}) == (2 if other_last else 1)
+    names = [k.name for k in specs[0].known if k is not None]
+    assert names and f"or one of the {1 if other_last else 2} alike in the other layers" in names[0]
+    for t in (29, 45):
+        made.clear()
+        _train_at(compiled, stack, t)
+        assert len(made) == (2 if other_last else 1)
+    made.clear()
+    _train_at(compiled, stack, 29)
+    assert not made
+    assert sorted(k[0][0][1] for k in specs[0].plans) == [29, 37, 45]
+
+
+def test_one_layers_buffer_written_is_caught_in_a_shared_plan():
+    stack = Stack().to(DEVICE)
+    compiled = torch.compile(stack, backend=fusepass.backend())
+    for t in (24, 37):
+        _train_at(compiled, stack, t)
+    with torch.no_grad():
+        stack.blocks[1].bias[..., 3, 1] = 0  # no longer the band: position 3 may not see position 1
+    with pytest.warns(RuntimeWarning, match="a buffer read as known contents changed"):
+        _train_at(compiled, stack, 37)
