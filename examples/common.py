@@ -112,5 +112,8 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
     else:
         wrong = fused.output_error > tolerance or (fused.gradient_error or 0) > tolerance
     if fused.missing_gradients or wrong:
-        raise SystemExit(f"{name}: fusepass differs from eager ({fused}; eager {eager})")
+        worst = (f"gradients from float32 {fused.reference_gradient_error:.3g} (worst: "
+                 f"{fused.worst_reference_gradient}) against eager's {eager.reference_gradient_error:.3g} (worst: "
+                 f"{eager.worst_reference_gradient}); " if ON_GPU and fused.reference_gradient_error is not None else "")
+        raise SystemExit(f"{name}: fusepass differs from eager ({worst}{fused}; eager {eager})")
     return result

@@ -32,6 +32,9 @@ class BackendResult:
     # models, where eager's own rounding is the bar.
     reference_output_error: float | None = None
     reference_gradient_error: float | None = None
+    # the parameters whose gradients set gradient_error and reference_gradient_error
+    worst_gradient: str | None = None
+    worst_reference_gradient: str | None = None
     first_call_s: float | None = None  # the first call (its compile): forward, and backward with a loss
     forward_ms: float | None = None
     step_ms: float | None = None  # forward + loss + backward
@@ -109,10 +112,12 @@ def _relative(actual: Any, expected: Any, floor: float = 0.0) -> float:
     return worst
 
 
-def _gradient_error(grads: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None]) -> float:
+def _gradient_error(grads: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None]
+                    ) -> tuple[float, str | None]:
+    """(the largest of the parameters' gradient distances, `BackendResult.gradient_error`; its parameter)."""
     largest = max((g.double().norm().item() for g in expected.values() if g is not None), default=0.0)
-    return max((_relative(grads[n], g, 1e-3 * largest) for n, g in expected.items()
-                if g is not None and grads.get(n) is not None), default=0.0)
+    return max(((_relative(grads[n], g, 1e-3 * largest), n) for n, g in expected.items()
+                if g is not None and grads.get(n) is not None), default=(0.0, None))
 
 
 def _compiled(model: torch.nn.Module | Callable, backend: str) -> Callable:
@@ -181,12 +186,12 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             torch.cuda.synchronize()
         first_call = time.perf_counter() - started
         missing = [n for n, g in expected_grads.items() if g is not None and grads[n] is None]
-        gradient_error = None if loss is None else _gradient_error(grads, expected_grads)
-        result = BackendResult(backend, _relative(out, expected), gradient_error, missing)
+        gradient_error, worst = (None, None) if loss is None else _gradient_error(grads, expected_grads)
+        result = BackendResult(backend, _relative(out, expected), gradient_error, missing, worst_gradient=worst)
         if wide is not None:
             result.reference_output_error = _relative(out, wide)
             if loss is not None:
-                result.reference_gradient_error = _gradient_error(grads, wide_grads)
+                result.reference_gradient_error, result.worst_reference_gradient = _gradient_error(grads, wide_grads)
         if backend != "eager":
             result.first_call_s = first_call
         if on_gpu:

@@ -15,7 +15,7 @@ the symbolic graph keeps it unfused, with the reason) and gives the report its f
 
 Attentions alike share their plans (`PlanTable`): the layers of a stack cut out the same module (its ops, the
 constants it holds, how values flow), from one source line, in one compile, so a new size is planned once for all
-of them, not once a layer. A buffer each layer holds for itself (nanoGPT's `tril`) is guarded per tensor
+of them, not once a layer, and the compile plans only the first (the others' records are copies of its). A buffer each layer holds for itself (nanoGPT's `tril`) is guarded per tensor
 (`ContentGuard` tracks each it meets).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.direct_plan import DirectPlan, direct_plan
 from fusepass.attention.kept_forwards import keep_forward, kept_forward
-from fusepass.attention.known_contents import KNOWN, KnownInput, known_input
+from fusepass.attention.known_contents import KNOWN, KnownInput, band_of, known_input
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module, with_built_from_sizes
@@ -46,7 +46,7 @@ from fusepass.capture import mark_requires_grad
 from fusepass.context import PassContext, mark_planned
 from fusepass.fx_util import hold, infer_meta, val
 from fusepass.options import Options
-from fusepass.report.records import SDPA, Hotspot, Rewrite
+from fusepass.report.records import KNOWN_CONTENTS, SDPA, Hotspot, Rewrite
 from fusepass.report.report import Report
 from fusepass.source import keep_location
 
@@ -112,19 +112,16 @@ class DynamicSpec:
         for plan_record, compile_record in zip(planned, self.records):
             plan_record.detail[SDPA] = compile_record.detail.setdefault(SDPA, {})
 
-    def join_alike(self) -> None:
-        """Share the plans of the attentions alike compiled before it (`PlanTable`), or start their table."""
-        try:
-            form = _form(self)
-        except TypeError:  # a constant argument that cannot be compared: its plans its own
-            return
+    def join(self, form: tuple, records: list[Rewrite]) -> None:
+        """Share the plans of the attentions alike compiled before it (`PlanTable`), or start their table with its
+        compile `records`."""
         table = _tables.setdefault(form, self.table)
         if table is not self.table:
             self.table = table
             for record, shared in zip(self.records, table.records):
                 record.detail[SDPA] = shared.detail.setdefault(SDPA, {})
         else:
-            table.records = self.records
+            table.records, table.compile_records = self.records, records
         table.members.append(weakref.ref(self))
         for i, known in enumerate(self.known):  # a guard's message names each layer's buffer
             if known is not None:
@@ -160,7 +157,8 @@ class PlanTable:
     def __init__(self) -> None:
         self.plans: OrderedDict[Signature, StaticPlan] = OrderedDict()
         self.members: list[weakref.ref] = []  # the specs that share it
-        self.records: list[Rewrite] = []  # the first one's compile records, whose SDPA detail the others' share
+        self.records: list[Rewrite] = []  # the first one's forward records, whose SDPA detail the others' share
+        self.compile_records: list[Rewrite] = []  # the first one's records at the sizes its compile saw
         self.buffer_names: dict[int, list[str]] = {}  # per input read as its contents, each member's buffer
 
 
@@ -168,20 +166,23 @@ class PlanTable:
 _tables: weakref.WeakValueDictionary[tuple, PlanTable] = weakref.WeakValueDictionary()
 
 
-def _form(spec: DynamicSpec) -> tuple:
+def _form(spec: DynamicSpec, report: Report) -> tuple | None:
     """What decides an attention's plans: its module's structure (ops, their constant arguments, the constants it
-    holds by identity, which values flow where), which inputs a gradient flows to and which are buffers read as
-    their contents, the options, the source line and the compile's report. Raises TypeError where a constant
-    cannot be compared."""
+    holds by identity, which values flow where), which inputs a gradient flows to, what the buffers read as their
+    contents hold, the options, the source line and the compile's `report`. None where a constant argument cannot
+    be compared (its plans are its own)."""
     index: dict[torch.fx.Node, int] = {}
     ops = []
     for i, node in enumerate(spec.module.graph.nodes):
         index[node] = i
         target = id(getattr(spec.module, node.target)) if node.op == "get_attr" else node.target
         ops.append((node.op, target, _comparable(node.args, index), _comparable(node.kwargs, index)))
-    form = (tuple(ops), tuple(spec.requires_grad), tuple(k is not None for k in spec.known), spec.options,
-            spec.location, id(spec.report))
-    hash(form)
+    form = (tuple(ops), tuple(spec.requires_grad), tuple(map(_contents, spec.known)), spec.options, spec.location,
+            id(report))
+    try:
+        hash(form)
+    except TypeError:
+        return None
     return form
 
 
@@ -198,6 +199,25 @@ def _comparable(value: Any, index: dict[torch.fx.Node, int]) -> Any:
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value))
     return value
+
+
+def _as_member(record: Rewrite, table: PlanTable, spec: DynamicSpec) -> Rewrite:
+    """A compile record of the first attention of `table` as `spec`'s own: the buffers it names, `spec`'s."""
+    copied = copy.deepcopy(record)
+    named = copied.detail.get(KNOWN_CONTENTS)
+    if named:
+        own = {table.buffer_names[i][0]: known.name for i, known in enumerate(spec.known) if known is not None}
+        copied.detail[KNOWN_CONTENTS] = {own.get(name, name): band for name, band in named.items()}
+    return copied
+
+
+def _contents(known: KnownInput | None) -> tuple | None:
+    """What an input read as its contents holds (a plan computes its band where the tensor is read: two layers'
+    buffers share plans only where they hold one band, as a layer's local and global masks do not)."""
+    if known is None:
+        return None
+    tensor = known.tensor()
+    return ("contents", band_of(tensor) if tensor is not None else None)
 
 
 def _alike(names: list[str]) -> str:
@@ -322,17 +342,23 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     requires_grad = gradients_reach(module, examples, hints, [bool(n.meta.get("requires_grad")) for n in tensors])
     spec = DynamicSpec(name, module, requires_grad, ctx.options, static_rewrite, [known_input(n) for n in tensors],
                        location=where)
-    _, report, _ = plan_static(spec, examples, hints)
-    records = [r for r in report.rewrites if r.kind == "attention"]
-    if not records:
-        reasons = [h.reason for h in report.hotspots if h.kind in ("attention", "fallback")]
-        raise Unsupported(f"symbolic shapes, and at the sizes seen: {reasons[0] if reasons else 'not rewritten'}")
-    for record in records:
-        record.location = where
-        record.detail["sizes"] = "symbolic: figures at the sizes first seen; planned again at each new size"
+    form = _form(spec, ctx.report)
+    alike = _tables.get(form) if form is not None else None
+    if alike is not None:  # its records at the sizes seen are those of the first attention alike
+        records = [_as_member(r, alike, spec) for r in alike.compile_records]
+    else:
+        _, report, _ = plan_static(spec, examples, hints)
+        records = [r for r in report.rewrites if r.kind == "attention"]
+        if not records:
+            reasons = [h.reason for h in report.hotspots if h.kind in ("attention", "fallback")]
+            raise Unsupported(f"symbolic shapes, and at the sizes seen: {reasons[0] if reasons else 'not rewritten'}")
+        for record in records:
+            record.location = where
+            record.detail["sizes"] = "symbolic: figures at the sizes first seen; planned again at each new size"
     spec.report = ctx.report  # set after the plan above, whose failures its own report records
     spec.records = [r for r in records if r.phase == "forward"]
-    spec.join_alike()
+    if form is not None:
+        spec.join(form, records)
     _specs[name] = spec
     hold(graph.owning_module, spec)
     if ctx.run_kernels:

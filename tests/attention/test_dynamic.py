@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from support import DEVICE, random_tensor, rewrites
 
 import fusepass
+from fusepass.report.records import KNOWN_CONTENTS
 
 
 def padded_gqa(q, k, v, keep):
@@ -166,11 +167,13 @@ class CausalBlock(torch.nn.Module):
     """nanoGPT's attention: q, k, v split from one projection and viewed into heads, its causal mask a
     registered `tril` buffer sliced to the length (the scores scaled by `scale` more: another attention)."""
 
-    def __init__(self, d=32, heads=2, longest=64, scale=1.0):
+    def __init__(self, d=32, heads=2, longest=64, scale=1.0, window=None):
         super().__init__()
         self.heads, self.scale = heads, scale
         self.qkv = torch.nn.Linear(d, 3 * d)
-        self.register_buffer("bias", torch.tril(torch.ones(longest, longest)).view(1, 1, longest, longest))
+        mask = torch.tril(torch.ones(longest, longest)) if window is None else \
+            torch.tril(torch.triu(torch.ones(longest, longest), -window))  # a sliding window's band
+        self.register_buffer("bias", mask.view(1, 1, longest, longest))
 
     def forward(self, x):
         b, t, c = x.shape
@@ -351,13 +354,13 @@ def test_the_sizes_a_plan_reads_are_run_time_values_one_source_at_every_length(f
 
 
 class Stack(torch.nn.Module):
-    """Layers of nanoGPT's block, each with its own `tril` buffer; the last one's scores scaled otherwise where
-    `other_last`."""
+    """Layers of nanoGPT's block, each with its own `tril` buffer; the last one's scores scaled otherwise, or its
+    buffer a sliding window's, as `other_last` says."""
 
-    def __init__(self, layers: int = 3, other_last: bool = False):
+    def __init__(self, layers: int = 3, other_last: str | None = None):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(
-            CausalBlock(scale=0.5 if other_last and i == layers - 1 else 1.0) for i in range(layers))
+        last = {"scale": dict(scale=0.5), "window": dict(window=5), None: {}}[other_last]
+        self.blocks = torch.nn.ModuleList(CausalBlock(**(last if i == layers - 1 else {})) for i in range(layers))
 
     def forward(self, x):
         for block in self.blocks:
@@ -375,7 +378,7 @@ def _planned(monkeypatch) -> list[int]:
     return made
 
 
-@pytest.mark.parametrize("other_last", [False, True], ids=["alike", "the last other"])
+@pytest.mark.parametrize("other_last", [None, "scale", "window"], ids=["alike", "the last scaled", "a window last"])
 def test_layers_alike_share_one_plan_per_new_length(monkeypatch, other_last):
     """A stack's layers cut out the same attention: a new length is planned once for all of them (each layer's own
     buffer guarded as its contents, each layer's gradients its own); a layer whose attention differs, apart."""
@@ -385,10 +388,17 @@ def test_layers_alike_share_one_plan_per_new_length(monkeypatch, other_last):
     compiled = torch.compile(stack, backend=fusepass.backend(strict=True))
     earlier = set(dynamic._specs.keys())
     made = _planned(monkeypatch)
-    for t in (24, 37):  # the second recompiles with symbolic sizes
-        _train_at(compiled, stack, t)
+    _train_at(compiled, stack, 24)
+    made.clear()
+    fusepass.reset()
+    _train_at(compiled, stack, 37)  # recompiles with symbolic sizes: planned at the compile's sizes, then at 37
+    assert len(made) == (4 if other_last else 2)
     specs = _new_specs(earlier)
     assert len(specs) == 3 and len({id(s.table) for s in specs}) == (2 if other_last else 1)
+    records = [r for r in fusepass.last_report().rewrites if r.kind == "attention" and r.phase == "forward"]
+    named = [list(r.detail[KNOWN_CONTENTS]) for r in records]  # each layer's record names its own buffer
+    assert all(len(n) == 1 and "bias" in n[0] and str(i) in n[0] for i, n in enumerate(named)), named
+    assert len({n[0] for n in named}) == 3
     names = [k.name for k in specs[0].known if k is not None]
     assert names and f"or one of the {1 if other_last else 2} alike in the other layers" in names[0]
     for t in (29, 45):
