@@ -20,7 +20,9 @@ from fusepass.compare import _relative
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 BUILD = {"bert": ("BertModel", "readout_loss"), "t5": ("T5ForConditionalGeneration", "next_token_loss"),
-         "gpt2": ("GPT", "next_token_loss"), "llama": ("LlamaForCausalLM", "next_token_loss")}
+         "gpt2": ("GPT", "next_token_loss"), "llama": ("LlamaForCausalLM", "next_token_loss"),
+         "vit": ("VisionTransformer", "classification_loss"), "bloom": ("BloomForCausalLM", "next_token_loss"),
+         "gemma2": ("Gemma2ForCausalLM", "next_token_loss")}
 
 
 def gradients(model: torch.nn.Module, inputs: tuple, loss, backend: object = None) -> dict[str, torch.Tensor]:
