@@ -166,11 +166,12 @@ class PlanTable:
 _tables: weakref.WeakValueDictionary[tuple, PlanTable] = weakref.WeakValueDictionary()
 
 
-def _form(spec: DynamicSpec, report: Report) -> tuple | None:
+def _form(spec: DynamicSpec, report: Report, at_compile: Signature) -> tuple | None:
     """What decides an attention's plans: its module's structure (ops, their constant arguments, the constants it
     holds by identity, which values flow where), which inputs a gradient flows to, what the buffers read as their
-    contents hold, the options, the source line and the compile's `report`. None where a constant argument cannot
-    be compared (its plans are its own)."""
+    contents hold, the options, the source line, the compile's `report`, and the inputs' layouts and sizes at the
+    compile (`DynamicSpec.key`: the compile's records are shared too). None where a constant argument cannot be
+    compared (its plans are its own)."""
     index: dict[torch.fx.Node, int] = {}
     ops = []
     for i, node in enumerate(spec.module.graph.nodes):
@@ -178,7 +179,7 @@ def _form(spec: DynamicSpec, report: Report) -> tuple | None:
         target = id(getattr(spec.module, node.target)) if node.op == "get_attr" else node.target
         ops.append((node.op, target, _comparable(node.args, index), _comparable(node.kwargs, index)))
     form = (tuple(ops), tuple(spec.requires_grad), tuple(map(_contents, spec.known)), spec.options, spec.location,
-            id(report))
+            id(report), at_compile)
     try:
         hash(form)
     except TypeError:
@@ -342,7 +343,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     requires_grad = gradients_reach(module, examples, hints, [bool(n.meta.get("requires_grad")) for n in tensors])
     spec = DynamicSpec(name, module, requires_grad, ctx.options, static_rewrite, [known_input(n) for n in tensors],
                        location=where)
-    form = _form(spec, ctx.report)
+    form = _form(spec, ctx.report, DynamicSpec.key(examples, hints))
     alike = _tables.get(form) if form is not None else None
     if alike is not None:  # its records at the sizes seen are those of the first attention alike
         records = [_as_member(r, alike, spec) for r in alike.compile_records]

@@ -420,3 +420,23 @@ def test_one_layers_buffer_written_is_caught_in_a_shared_plan():
         stack.blocks[1].bias[..., 3, 1] = 0  # no longer the band: position 3 may not see position 1
     with pytest.warns(RuntimeWarning, match="a buffer read as known contents changed"):
         _train_at(compiled, stack, 37)
+
+
+def test_attentions_alike_but_of_other_sizes_keep_their_own_records():
+    """Two attentions of one module's structure on one line, of other head dims: each planned and reported at its
+    own sizes (the compile's records are shared only where the sizes are too)."""
+    from fusepass.attention import dynamic
+
+    def two(*qkvs):
+        return [unmasked(*qkv) for qkv in (qkvs[:3], qkvs[3:])]
+
+    earlier = set(dynamic._specs.keys())
+    fusepass.reset()
+    compiled = torch.compile(two, backend=fusepass.backend(strict=True), dynamic=True)
+    inputs = [random_tensor((1, 2, 21, d), torch.float32) for d in (16, 16, 16, 32, 32, 32)]
+    for out, expected in zip(compiled(*inputs), two(*inputs)):
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    specs = _new_specs(earlier)
+    assert len(specs) == 2 and specs[0].table is not specs[1].table
+    first, second = rewrites(fusepass.last_report(), kind="attention", phase="forward")
+    assert first.bytes_fused < second.bytes_fused
