@@ -15,8 +15,9 @@ the symbolic graph keeps it unfused, with the reason) and gives the report its f
 
 Attentions alike share their plans (`PlanTable`): the layers of a stack cut out the same module (its ops, the
 constants it holds, how values flow), from one source line, in one compile, so a new size is planned once for all
-of them, not once a layer, and the compile plans only the first (the others' records are copies of its). A buffer each layer holds for itself (nanoGPT's `tril`) is guarded per tensor
-(`ContentGuard` tracks each it meets).
+of them, not once a layer, and the compile plans only the first (the others' records are copies of its). A buffer
+each layer holds for itself (nanoGPT's `tril`) is guarded per tensor (`ContentGuard` tracks each it meets), and by
+its layer: one that changes takes that layer out of the shared plans.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.direct_plan import DirectPlan, direct_plan
 from fusepass.attention.kept_forwards import keep_forward, kept_forward
-from fusepass.attention.known_contents import KNOWN, KnownInput, band_of, known_input
+from fusepass.attention.known_contents import KNOWN, ContentGuard, ContentsChanged, KnownInput, band_of, known_input
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module, with_built_from_sizes
@@ -77,6 +78,9 @@ class DynamicSpec:
     location: str = ""  # the user's source line of the attention
     records: list[Rewrite] = field(default_factory=list)  # the compile's records of the attention's forward
     table: PlanTable = field(default_factory=lambda: PlanTable())  # its plans, shared by the attentions alike
+    # Of its buffers read as the band they held at the compile, while it shares its plans: one that changes takes
+    # it out of the table (`_leave_table`), not the layers alike out of their kernels.
+    guards: list[ContentGuard] = field(default_factory=list)
 
     @property
     def plans(self) -> OrderedDict[Signature, StaticPlan]:
@@ -88,6 +92,11 @@ class DynamicSpec:
 
     def static(self, tensors: list[torch.Tensor], sizes: list[int]) -> StaticPlan:
         """The plan at these sizes; one per size, the `PLANS` most recently used kept."""
+        try:
+            for guard in self.guards:
+                guard.check(tensors)
+        except ContentsChanged as error:
+            self._leave_table(error)
         key = self.key(tensors, sizes)
         plan = self.plans.get(key)
         if plan is None:
@@ -104,6 +113,18 @@ class DynamicSpec:
                         self.plans.popitem(last=False)
         self.plans.move_to_end(key)
         return plan
+
+    def _leave_table(self, error: ContentsChanged) -> None:
+        """A buffer read as its contents changed: planned apart from the layers alike from now on (its plans read
+        the buffer as it is), with a warning (`strict`: an error)."""
+        if self.options.strict:
+            raise error
+        reason = f"{error}; planned again apart from the layers alike, reading it as it is"
+        warnings.warn(f"fusepass: {self.name} at {self.location}: {reason}", RuntimeWarning, stacklevel=3)
+        if self.report is not None:
+            self.report.hotspots.append(Hotspot(kind="attention", phase="forward", location=self.location,
+                                                reason=reason))
+        self.table, self.guards = PlanTable(), []
 
     def _share_sdpa_detail(self, report: Report) -> None:
         """What a plan's attention says of SDPA at its size (`sdpa_floor`) is said in the compile's record (the
@@ -125,6 +146,9 @@ class DynamicSpec:
         table.members.append(weakref.ref(self))
         for i, known in enumerate(self.known):  # a guard's message names each layer's buffer
             if known is not None:
+                band = known.tensor() is not None and band_of(known.tensor())
+                if band:
+                    self.guards.append(ContentGuard(i, known, band))
                 table.buffer_names.setdefault(i, []).append(known.name)
                 alike = _alike(table.buffer_names[i])
                 for member in filter(None, (ref() for ref in table.members)):

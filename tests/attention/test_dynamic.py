@@ -411,15 +411,33 @@ def test_layers_alike_share_one_plan_per_new_length(monkeypatch, other_last):
     assert sorted(k[0][0][1] for k in specs[0].plans) == [29, 37, 45]
 
 
-def test_one_layers_buffer_written_is_caught_in_a_shared_plan():
+def test_one_layers_buffer_written_takes_it_out_of_the_shared_plans():
+    """The layer whose buffer no longer holds the band is planned again apart, reading its buffer as it is; the
+    others keep the plans they share."""
+    from fusepass.attention import dynamic
+
     stack = Stack().to(DEVICE)
     compiled = torch.compile(stack, backend=fusepass.backend())
+    earlier = set(dynamic._specs.keys())
     for t in (24, 37):
         _train_at(compiled, stack, t)
+    specs = _new_specs(earlier)
+    shared = specs[0].table
     with torch.no_grad():
         stack.blocks[1].bias[..., 3, 1] = 0  # no longer the band: position 3 may not see position 1
-    with pytest.warns(RuntimeWarning, match="a buffer read as known contents changed"):
+    with pytest.warns(RuntimeWarning, match="no longer holds .* planned again apart from the layers alike"):
         _train_at(compiled, stack, 37)
+    assert specs[0].table is shared and specs[2].table is shared and specs[1].table is not shared
+    assert any("planned again apart" in h.reason for h in fusepass.last_report().hotspots)
+    calls = [c for spec in specs for plan in spec.plans.values() for c in _calls_of(plan.module)]
+    assert calls and not any(c.unfused.failed for c in calls)  # every layer's kernels still run
+    _train_at(compiled, stack, 29)  # a new length: the layers alike plan it once, the other apart
+
+
+def _calls_of(module):
+    from fusepass.attention.call import call_named
+
+    return [call_named(n.args[-1]) for n in module.graph.nodes if n.target is torch.ops.fusepass.attention.default]
 
 
 def test_attentions_alike_but_of_other_sizes_keep_their_own_records():
