@@ -38,7 +38,8 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusepass.attention.direct_plan import DirectPlan, direct_plan
 from fusepass.attention.kept_forwards import keep_forward, kept_forward
-from fusepass.attention.known_contents import KNOWN, ContentGuard, ContentsChanged, KnownInput, band_of, known_input
+from fusepass.attention.known_contents import (KNOWN, Band, ContentGuard, ContentsChanged, KnownInput, band_of,
+                                               known_input)
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module, with_built_from_sizes
@@ -78,8 +79,8 @@ class DynamicSpec:
     location: str = ""  # the user's source line of the attention
     records: list[Rewrite] = field(default_factory=list)  # the compile's records of the attention's forward
     table: PlanTable = field(default_factory=lambda: PlanTable())  # its plans, shared by the attentions alike
-    # Of its buffers read as the band they held at the compile, while it shares its plans: one that changes takes
-    # it out of the table (`_leave_table`), not the layers alike out of their kernels.
+    # Of its buffers read as the band they held at the compile: one that changes takes it out of the table it
+    # shares (`_leave_table`), not the layers alike out of their kernels.
     guards: list[ContentGuard] = field(default_factory=list)
 
     @property
@@ -133,9 +134,9 @@ class DynamicSpec:
         for plan_record, compile_record in zip(planned, self.records):
             plan_record.detail[SDPA] = compile_record.detail.setdefault(SDPA, {})
 
-    def join(self, form: tuple, records: list[Rewrite]) -> None:
+    def join(self, form: tuple, records: list[Rewrite], bands: list[Band | None]) -> None:
         """Share the plans of the attentions alike compiled before it (`PlanTable`), or start their table with its
-        compile `records`."""
+        compile `records`; guard the `bands` its buffers hold (`_held_bands`)."""
         table = _tables.setdefault(form, self.table)
         if table is not self.table:
             self.table = table
@@ -144,11 +145,10 @@ class DynamicSpec:
         else:
             table.records, table.compile_records = self.records, records
         table.members.append(weakref.ref(self))
-        for i, known in enumerate(self.known):  # a guard's message names each layer's buffer
+        for i, (known, band) in enumerate(zip(self.known, bands)):  # a guard's message names each layer's buffer
+            if band is not None:
+                self.guards.append(ContentGuard(i, known, band))
             if known is not None:
-                band = known.tensor() is not None and band_of(known.tensor())
-                if band:
-                    self.guards.append(ContentGuard(i, known, band))
                 table.buffer_names.setdefault(i, []).append(known.name)
                 alike = _alike(table.buffer_names[i])
                 for member in filter(None, (ref() for ref in table.members)):
@@ -190,11 +190,12 @@ class PlanTable:
 _tables: weakref.WeakValueDictionary[tuple, PlanTable] = weakref.WeakValueDictionary()
 
 
-def _form(spec: DynamicSpec, report: Report, at_compile: Signature) -> tuple | None:
+def _form(spec: DynamicSpec, report: Report, at_compile: Signature, bands: list[Band | None]) -> tuple | None:
     """What decides an attention's plans: its module's structure (ops, their constant arguments, the constants it
-    holds by identity, which values flow where), which inputs a gradient flows to, what the buffers read as their
-    contents hold, the options, the source line, the compile's `report`, and the inputs' layouts and sizes at the
-    compile (`DynamicSpec.key`: the compile's records are shared too). None where a constant argument cannot be
+    holds by identity, which values flow where), which inputs a gradient flows to, which are buffers read as their
+    contents and the `bands` they hold (a plan computes a band where the tensor is read: a stack's local and global
+    masks plan apart), the options, the source line, the compile's `report`, and the inputs' layouts and sizes at
+    the compile (`DynamicSpec.key`: the compile's records are shared too). None where a constant argument cannot be
     compared (its plans are its own)."""
     index: dict[torch.fx.Node, int] = {}
     ops = []
@@ -202,8 +203,8 @@ def _form(spec: DynamicSpec, report: Report, at_compile: Signature) -> tuple | N
         index[node] = i
         target = id(getattr(spec.module, node.target)) if node.op == "get_attr" else node.target
         ops.append((node.op, target, _comparable(node.args, index), _comparable(node.kwargs, index)))
-    form = (tuple(ops), tuple(spec.requires_grad), tuple(map(_contents, spec.known)), spec.options, spec.location,
-            id(report), at_compile)
+    form = (tuple(ops), tuple(spec.requires_grad), tuple(k is not None for k in spec.known), tuple(bands),
+            spec.options, spec.location, id(report), at_compile)
     try:
         hash(form)
     except TypeError:
@@ -236,13 +237,10 @@ def _as_member(record: Rewrite, table: PlanTable, spec: DynamicSpec) -> Rewrite:
     return copied
 
 
-def _contents(known: KnownInput | None) -> tuple | None:
-    """What an input read as its contents holds (a plan computes its band where the tensor is read: two layers'
-    buffers share plans only where they hold one band, as a layer's local and global masks do not)."""
-    if known is None:
-        return None
-    tensor = known.tensor()
-    return ("contents", band_of(tensor) if tensor is not None else None)
+def _held_bands(known: list[KnownInput | None]) -> list[Band | None]:
+    """The band each input read as its contents holds at the compile, or None."""
+    tensors = [k.tensor() if k is not None else None for k in known]
+    return [band_of(t) if t is not None else None for t in tensors]
 
 
 def _alike(names: list[str]) -> str:
@@ -367,7 +365,8 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     requires_grad = gradients_reach(module, examples, hints, [bool(n.meta.get("requires_grad")) for n in tensors])
     spec = DynamicSpec(name, module, requires_grad, ctx.options, static_rewrite, [known_input(n) for n in tensors],
                        location=where)
-    form = _form(spec, ctx.report, DynamicSpec.key(examples, hints))
+    bands = _held_bands(spec.known)
+    form = _form(spec, ctx.report, DynamicSpec.key(examples, hints), bands)
     alike = _tables.get(form) if form is not None else None
     if alike is not None:  # its records at the sizes seen are those of the first attention alike
         records = [_as_member(r, alike, spec) for r in alike.compile_records]
@@ -383,7 +382,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     spec.report = ctx.report  # set after the plan above, whose failures its own report records
     spec.records = [r for r in records if r.phase == "forward"]
     if form is not None:
-        spec.join(form, records)
+        spec.join(form, records, bands)
     _specs[name] = spec
     hold(graph.owning_module, spec)
     if ctx.run_kernels:
