@@ -112,12 +112,19 @@ def _relative(actual: Any, expected: Any, floor: float = 0.0) -> float:
     return worst
 
 
+def gradient_distances(grads: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None]
+                       ) -> dict[str, float]:
+    """Each parameter's gradient distance from `expected`'s, relative to its own norm or, where that is tiny, to a
+    thousandth of the largest expected gradient's (see `BackendResult.gradient_error`); parameters both have."""
+    largest = max((g.double().norm().item() for g in expected.values() if g is not None), default=0.0)
+    return {n: _relative(grads[n], g, 1e-3 * largest) for n, g in expected.items()
+            if g is not None and grads.get(n) is not None}
+
+
 def _gradient_error(grads: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None]
                     ) -> tuple[float, str | None]:
     """(the largest of the parameters' gradient distances, `BackendResult.gradient_error`; its parameter)."""
-    largest = max((g.double().norm().item() for g in expected.values() if g is not None), default=0.0)
-    return max(((_relative(grads[n], g, 1e-3 * largest), n) for n, g in expected.items()
-                if g is not None and grads.get(n) is not None), default=(0.0, None))
+    return max(((d, n) for n, d in gradient_distances(grads, expected).items()), default=(0.0, None))
 
 
 def _compiled(model: torch.nn.Module | Callable, backend: str) -> Callable:

@@ -254,8 +254,8 @@ class AttentionCall:
                     key = (self.sdpa, causal, self.mod.mask_functions, self.spec.out_by_position, gradients,
                            *map(layout_class, (q4, k4, v4)), q4.dtype, q4.device)
                     found = decision(key, lambda: self._sdpa_decision(causal, q4, k4, v4, gradients))
-                    self.unfused.forward_record.detail.setdefault(SDPA, {})[shape_named(q4)] = \
-                        found.describe(gradients, shape_named(q4))
+                    where = shape_named(q4)
+                    self.unfused.forward_record.detail.setdefault(SDPA, {})[where] = found.describe(gradients, where)
                     run = SdpaRun(self.sdpa, causal) if found.runs_sdpa else None
             self._sdpa_runs[layouts] = run
         return self._sdpa_runs[layouts]
