@@ -2,7 +2,7 @@
 backward, swept over the programs a multiprocessor runs (`row_kernel.COLUMN_PROGRAMS_PER_SM`) and the elements a
 program holds (`row_kernel.PROGRAM_TILE`) beside Inductor, bf16, device ms per forward+backward.
 
-    PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096]
+    PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096] [--cases bias+gelu,rmsnorm]
 
 Writes bench/results/column-sums-<date>.md and .json; the product's setting is the "as is" column.
 """
@@ -33,18 +33,24 @@ def rmsnorm(x, w):
 
 CASES = [("layernorm 8x1024x768", layer_norm, (8, 1024, 768), 2),
          ("bias+gelu 8x1024x3072", bias_gelu, (8, 1024, 3072), 1),
-         ("rmsnorm 16384x4096", rmsnorm, (16384, 4096), 1)]
+         ("rmsnorm 16384x4096", rmsnorm, (16384, 4096), 1),
+         # rows too long to hold whole: the column sums a block of columns a program (row_kernel.COLUMN_BLOCK)
+         ("bias+gelu 8x1024x5120", bias_gelu, (8, 1024, 5120), 1),
+         ("rmsnorm 8192x5120", rmsnorm, (8192, 5120), 1)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--programs", default="2,4,8")
     parser.add_argument("--tiles", default="2048,4096")
+    parser.add_argument("--cases", help="the cases whose names start so (all by default)")
     args = parser.parse_args()
     settings = [(p, t) for t in map(int, args.tiles.split(",")) for p in map(int, args.programs.split(","))]
     rule = row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE
     rows = []
     for name, fn, shape, weights in CASES:
+        if args.cases and not name.startswith(tuple(args.cases.split(","))):
+            continue
         torch.manual_seed(0)
         x = torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         extra = [torch.randn(shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -15,6 +15,7 @@
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
+#   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them (column blocks)   (not run yet)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     ~250 s (gpt2 alone)
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
@@ -70,6 +71,8 @@ for part in $parts; do
         tail -1 "$OUT_DIR/gpu-tests.log" ;;
     reductions)
         (cd bench && timeout 280 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
+    columns)
+        timeout 240 python bench/column_sums.py --programs 2 --tiles 2048 --cases bias+gelu,rmsnorm 2>&1 | grep "^|" ;;
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
             --budget-s "${MODELS_BUDGET_S:-400}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;

@@ -87,13 +87,20 @@ def reduction_kind(node: torch.fx.Node) -> str | None:
     return "softmax" if node.target in COMPOSITES else ROW_REDUCTIONS[node.target]
 
 
-# Rows up to this long are held whole in a row kernel's registers (row_kernel); a column sum needs its rows whole.
+# Rows up to this long are held whole in a row kernel's registers (row_kernel).
 PERSISTENT_MAX = 4096
 
 
+def held_whole(width: object) -> bool:
+    """Whether a row kernel holds rows of `width` whole (a size known when the graph compiles, PERSISTENT_MAX at
+    most), or walks them."""
+    return isinstance(width, int) and width <= PERSISTENT_MAX
+
+
 def is_column_sum(node: torch.fx.Node) -> bool:
-    """A floating sum over every dimension but the last (a norm's weight gradient, a bias's), of rows short
-    enough to be held whole: a row kernel adds each program's rows, the launcher their partial sums."""
+    """A floating sum over every dimension but the last (a norm's weight gradient, a bias's), of rows of a size
+    known when the graph compiles: a row kernel adds each program's rows (rows too long to hold whole, a block of
+    their columns a program), the launcher their partial sums."""
     if node.op != "call_function" or node.target != aten.sum.dim_IntList or len(node.args) < 2:
         return False
     x, out = val(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None, val(node)
@@ -103,8 +110,7 @@ def is_column_sum(node: torch.fx.Node) -> bool:
     dims = node.args[1]
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     width = x.shape[-1]
-    return sorted(d % x.dim() for d in dims) == list(range(x.dim() - 1)) and isinstance(width, int) and \
-        width <= PERSISTENT_MAX
+    return sorted(d % x.dim() for d in dims) == list(range(x.dim() - 1)) and isinstance(width, int)
 
 
 def is_reduction(node: torch.fx.Node) -> bool:
