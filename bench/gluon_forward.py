@@ -61,9 +61,8 @@ def _loads(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_re
         # A ring's buffers start free: the first wait on each is for the phase before its first.
         mbarrier.wait(done.index(slot), ((j // STAGES) & 1) ^ 1)
         _load(k_desc, head_row + j * BLOCK_N, k_ready.index(slot), k_smem.index(slot), True)
-        # V[j] goes where V[j - STAGES] was, read by tile j - STAGES + 1.
-        freed_by = j + 1 - STAGES
-        mbarrier.wait(done.index(freed_by % STAGES), (freed_by // STAGES) & 1, pred=j >= STAGES)
+        # V[j] goes where V[j - STAGES] was, read by tile j - STAGES + 1 (≡ j + 1 modulo STAGES).
+        mbarrier.wait(done.index((j + 1) % STAGES), ((j + 1 - STAGES) // STAGES) & 1, pred=j >= STAGES)
         _load(v_desc, head_row + j * BLOCK_N, v_ready.index(slot), v_smem.index(slot), True)
 
 
