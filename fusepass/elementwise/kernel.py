@@ -103,8 +103,10 @@ def _load_mask(dims: tuple[bool, ...], even: bool, guards: tuple[int, ...] = ())
     """The mask of a load moving along `dims`: only the bounds of the tile axes it moves along (none where the blocks
     divide the sizes), and the guards it is read under (0 where one fails: a piece read past its place). A load
     broadcast along the tile's rows (or columns) is then a row (column) of the tile, broadcast in registers, not a
-    tile of repeated addresses: fewer load instructions, and vectorized along the columns."""
+    tile of repeated addresses: fewer load instructions, and vectorized along the columns. A load moving along no
+    dim reads one element, in bounds wherever its piece is placed: no guard (a scalar's mask is a scalar)."""
     along_columns, along_rows = dims[-1], any(dims[:-1])
+    guards = guards if any(dims) else ()
     terms = [f"g{i}" for i in guards]
     if not even and (along_columns or along_rows):
         if along_columns and along_rows or len(dims) == 1:

@@ -62,6 +62,16 @@ def test_a_cat_read_at_one_coordinate_takes_the_piece_there():
     assert not hotspot_ops(report) and fused_kernel_count(report, "forward") == 1, report
 
 
+def scalar_in_pieces(x, s):  # each piece reads the one-element tensor: a load moving along no dim, unguarded
+    return torch.cat(((x[4:] + s).sin(), x[:4] * s), dim=0) + s
+
+
+def test_a_one_element_tensor_read_in_each_piece():
+    report = check(scalar_in_pieces, random_tensor((9,), torch.bfloat16), random_tensor((1,), torch.bfloat16),
+                   backward=True, backend=fusepass.backend(strict=True))
+    assert not hotspot_ops(report) and fused_kernel_count(report, "forward") == 1, report
+
+
 def mixed_dtypes(a, b):
     return torch.cat((a.sin(), b.cos()), dim=-1) * 2.0
 
