@@ -87,10 +87,11 @@ def _placed(node: torch.fx.Node, m: Map) -> list[tuple[torch.fx.Node | None, Map
     return placed
 
 
-def _arg_maps(node: torch.fx.Node, m: Map, rank: int) -> list[tuple[torch.fx.Node, Map]]:
+def _arg_maps(node: torch.fx.Node, m: Map, rank: int, members: set[torch.fx.Node]
+              ) -> list[tuple[torch.fx.Node, Map]]:
     if is_mapped_view(node):
         return [(node.args[0], through_view(node, m, rank))]
-    if column_sum_of(node) is not None:  # its input (a sum's: at the root's coordinates) added up by the kernel
+    if column_sum_of(node, members) is not None:  # its input (a sum's, at the root's coordinates) summed by the kernel
         return [(node.args[0], identity(rank))]
     if is_row_reduction(node):
         # Read in the row it reduces: its outer coordinates are the root's own (a softmax's, all of them).
@@ -109,7 +110,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
     reduced = root_shape(group.nodes)
     root = reduced if reduced is not None else tuple(val(group.outputs[0]).shape)
     rank = len(root)
-    spaces = [_space(out, root) for out in group.outputs]
+    spaces = [_space(out, root, members) for out in group.outputs]
 
     # Where each member is needed (`At`), collected from the outputs backwards.
     needed: dict[torch.fx.Node, list[At]] = defaultdict(list)
@@ -121,7 +122,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
                 arg_ats = [(arg, (arg_map, guards | ({guard} if guard else set())))
                            for arg, arg_map, guard in _placed(node, m) if arg is not None]
             else:
-                arg_ats = [(arg, (arg_map, guards)) for arg, arg_map in _arg_maps(node, m, rank)]
+                arg_ats = [(arg, (arg_map, guards)) for arg, arg_map in _arg_maps(node, m, rank, members)]
             for arg, at in arg_ats:
                 if arg in members and at not in needed[arg]:
                     needed[arg].append(at)
@@ -168,7 +169,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
             if is_piecewise(node):
                 refs[(node, at)] = _piecewise(node, m, guards, ref_of, guard_ref, add_step)
                 continue
-            arg_maps = dict(_arg_maps(node, m, rank))
+            arg_maps = dict(_arg_maps(node, m, rank, members))
 
             def operand(a: Any) -> Any:
                 if isinstance(a, torch.fx.Node):
@@ -177,7 +178,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
                     return tuple(operand(x) for x in a)
                 return a
 
-            if column_sum_of(node) is not None:  # not a step: the kernel adds up the sum's input (row_kernel)
+            if column_sum_of(node, members) is not None:  # not a step: the kernel adds up the sum's input
                 refs[(node, at)] = operand(node.args[0])
                 continue
             if is_composite(node):
@@ -221,8 +222,8 @@ def _piecewise(node: torch.fx.Node, m: Map, guards: frozenset[Guard], ref_of: An
     return value
 
 
-def _space(out: torch.fx.Node, root: tuple[Any, ...]) -> str:
-    summed = column_sum_of(out)
+def _space(out: torch.fx.Node, root: tuple[Any, ...], members: set[torch.fx.Node]) -> str:
+    summed = column_sum_of(out, members)
     if summed is not None:
         return "column_kept" if keeps_dim(summed) else "column"
     shape = tuple(val(out).shape)

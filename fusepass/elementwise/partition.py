@@ -190,7 +190,7 @@ def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
         return False
     # A column sum is whole only once every program has added its rows: read outside the group alone (but for
     # its rounding, which the launcher applies).
-    if any(u in members and column_sum_of(u) is not n for n in members if is_column_sum(n) for u in n.users):
+    if any(u in members and column_sum_of(u, members) is not n for n in members if is_column_sum(n) for u in n.users):
         return False
     rows = {_shape_key(root), _shape_key(root[:-1] + (1,)), _shape_key(root[:-1])}
     if any(is_column_sum(n) for n in members) and not held_whole(root[-1]):
@@ -198,9 +198,9 @@ def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
         # row reduction or a row's value written out.
         return not any(is_row_reduction(n) for n in members) and \
             all(_shape_key(_val(_storage(n, members)).shape) == _shape_key(root) for n in _escaping(members)
-                if column_sum_of(n) is None)
+                if column_sum_of(n, members) is None)
     return all(_shape_key(_val(_storage(n, members)).shape) in rows for n in _escaping(members)
-               if column_sum_of(n) is None)
+               if column_sum_of(n, members) is None)
 
 
 def partition(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torch.fx.Node] = frozenset()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 from fusepass.fx_util import val
@@ -118,14 +118,14 @@ def is_reduction(node: torch.fx.Node) -> bool:
     return is_row_reduction(node) or is_column_sum(node)
 
 
-def column_sum_of(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The column sum `node` is, or rounds to another floating dtype (a `_to_copy` its one reader: the launcher
-    rounds the sum once, as eager's cast of it does); None otherwise."""
+def column_sum_of(node: torch.fx.Node, members: Container[torch.fx.Node]) -> torch.fx.Node | None:
+    """The column sum of the group `members` that `node` is, or rounds to another floating dtype (a `_to_copy` its
+    one reader: the launcher rounds the sum once, as eager's cast of it does); None otherwise (a cast of a sum left
+    out of the group is a cast of what it reads)."""
     if is_column_sum(node):
         return node
     if node.op != "call_function" or node.target != aten._to_copy.default or not node.args or \
-            not isinstance(node.args[0], torch.fx.Node) or not is_column_sum(node.args[0]) or \
-            len(node.args[0].users) != 1:
+            node.args[0] not in members or not is_column_sum(node.args[0]) or len(node.args[0].users) != 1:
         return None
     out, summed = val(node), val(node.args[0])
     same_place = node.kwargs.get("device", summed.device) == summed.device and \

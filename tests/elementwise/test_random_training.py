@@ -8,7 +8,7 @@ from unittest import mock
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support import DEVICE, LowPrecisionSeen, check, compare, pointwise_program
 
@@ -119,6 +119,9 @@ def build(program: list[tuple[bool, int, int, int]], n_inputs: int):
 @given(program=steps, layouts=st.lists(st.sampled_from(LAYOUTS), min_size=1, max_size=2),
        dtypes=st.lists(st.sampled_from(DTYPES), min_size=2, max_size=3), walked=st.booleans(),
        seed=st.integers(0, 2**16))
+# fuzz-2026-12-05-1130: a broadcast row's gradient summed by ATen (walked rows), its cast read in a fused group
+@example(program=[(False, 72, 57, 67), (False, 69, 39, 87), (False, 72, 57, 67), (False, 9, 62, 16)], layouts=["row"],
+         dtypes=[torch.bfloat16, torch.float16, torch.bfloat16], walked=True, seed=6719)
 def test_random_pointwise_training_matches_eager(program, layouts, dtypes, walked, seed):
     torch.manual_seed(seed)
     torch._dynamo.reset()  # each program is a new graph of one code object

@@ -419,6 +419,19 @@ def test_a_column_sum_of_rows_too_long_to_hold_is_summed_a_block_of_columns_a_pr
     assert {"aten.sigmoid", "aten.sum"} <= set(summed.ops)
 
 
+def test_a_cast_of_a_column_sum_outside_the_group_is_a_cast_of_what_it_reads():
+    """The launcher rounds a column sum its group holds; one left to ATen is read as a value like any other."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(5, 7, 9, dtype=torch.float16)
+    summed = graph.call_function(aten.sum.dim_IntList, (x, [0, 1], True))
+    summed.meta["val"] = torch.empty(1, 1, 9, dtype=torch.float16)
+    cast = graph.call_function(aten._to_copy.default, (summed,), {"dtype": torch.bfloat16})
+    cast.meta["val"] = torch.empty(1, 1, 9, dtype=torch.bfloat16)
+    assert reduction.column_sum_of(cast, {summed, cast}) is summed
+    assert reduction.column_sum_of(cast, {cast}) is None
+
+
 def test_a_column_sum_of_no_rows_is_zero():
     compiled = torch.compile(lambda x: ((x * 2 + 1).sum(0), torch.exp(x)), backend=STRICT, dynamic=False)
     x = random_tensor((0, 13), torch.float32)
