@@ -15,7 +15,7 @@
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
-#   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them (column blocks)   (not run yet)
+#   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them                  ~30 s (2026-12-05)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     ~250 s (gpt2 alone)
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass

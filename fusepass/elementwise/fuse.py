@@ -18,14 +18,13 @@ from fusepass.elementwise import layer_norm
 from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.lower import Lowered, NotLowerable, lower
 from fusepass.elementwise.pieces import is_piecewise
-from fusepass.elementwise.partition import Group, is_constant, is_pointwise, partition, root_shape
-from fusepass.elementwise.reduction import held_whole, is_column_sum, is_reduction, reduced_input
+from fusepass.elementwise.reduction import is_reduction
+from fusepass.elementwise.partition import Group, is_constant, partition, root_shape
 from fusepass.elementwise.row_kernel import RowLauncher, walked_bytes
 from fusepass.elementwise.views import move_views
 from fusepass.fx_util import op_name
 from fusepass.report import attribution, profile, roofline
-from fusepass.report.ledger import (elementwise_rewrite, fused_bytes, op_bytes, op_flops, unfused_bytes,
-                                   value_bytes)
+from fusepass.report.ledger import elementwise_rewrite, op_bytes, op_flops, unfused_bytes, value_bytes
 from fusepass.report.records import Hotspot, Rewrite
 from fusepass.source import first_location, keep_location, location
 
@@ -44,22 +43,8 @@ def lowerable_partition(graph: torch.fx.Graph, device: torch.device, reductions:
                         ) -> tuple[list[Group], list]:
     """`partition`, with the row reductions, column sums, cats and slice_backwards of a group that cannot be lowered
     (one read in another row than it reduces, a cat read along another dim than one of the group's) left as ATen
-    ops, and the rest grouped again; without `reductions`, every reduction. A column sum over rows too long to hold
-    whole takes a kernel without row reductions: where that splits the ops around it so that more bytes move than
-    with the sum left to ATen (a norm's weight gradient beside its input's), it is left to ATen."""
+    ops, and the rest grouped again; without `reductions`, every reduction."""
     apart = frozenset() if reductions else frozenset(n for n in graph.nodes if is_reduction(n))
-    groups, declined = _lowered_groups(graph, device, apart)
-    blocked = frozenset(n for group in groups for n in group.nodes if is_column_sum(n) and
-                        not held_whole(reduced_input(n).meta["val"].shape[-1]))
-    if blocked:
-        without = _lowered_groups(graph, device, apart | blocked)
-        if _moved_bytes(graph, without[0]) < _moved_bytes(graph, groups):
-            return without
-    return groups, declined
-
-
-def _lowered_groups(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torch.fx.Node]
-                    ) -> tuple[list[Group], list]:
     while True:
         groups, declined = partition(graph, device, apart)
         unlowerable = set()
@@ -73,14 +58,6 @@ def _lowered_groups(graph: torch.fx.Graph, device: torch.device, apart: frozense
         if not unlowerable:
             return groups, declined
         apart |= unlowerable
-
-
-def _moved_bytes(graph: torch.fx.Graph, groups: list[Group]) -> int:
-    """HBM bytes of the graph's pointwise ops and reductions: each group's inputs and outputs once, each op left
-    out of every group on its own."""
-    grouped = {n for group in groups for n in group.nodes}
-    return sum(fused_bytes(group.inputs, group.outputs) for group in groups) + \
-        sum(op_bytes(n) for n in graph.nodes if n not in grouped and (is_pointwise(n) or is_reduction(n)))
 
 
 def write_out_layer_norms(graph: torch.fx.Graph, device: torch.device) -> None:

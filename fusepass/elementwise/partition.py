@@ -29,8 +29,7 @@ from fusepass.codegen.translate import CONSTANTS, constant_value, packet_of, tra
 from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
 from fusepass.elementwise.pieces import is_piecewise, piece_gap
-from fusepass.elementwise.reduction import (column_sum_of, held_whole, is_column_sum, is_reduction, is_row_reduction,
-                                           reduced_input)
+from fusepass.elementwise.reduction import column_sum_of, is_column_sum, is_reduction, reduced_input
 
 
 @dataclass
@@ -193,12 +192,6 @@ def _one_iteration_space(members: set[torch.fx.Node]) -> bool:
     if any(u in members and column_sum_of(u, members) is not n for n in members if is_column_sum(n) for u in n.users):
         return False
     rows = {_shape_key(root), _shape_key(root[:-1] + (1,)), _shape_key(root[:-1])}
-    if any(is_column_sum(n) for n in members) and not held_whole(root[-1]):
-        # Rows too long to hold whole: each program adds up a block of the columns, which holds no whole row for a
-        # row reduction or a row's value written out.
-        return not any(is_row_reduction(n) for n in members) and \
-            all(_shape_key(_val(_storage(n, members)).shape) == _shape_key(root) for n in _escaping(members)
-                if column_sum_of(n, members) is None)
     return all(_shape_key(_val(_storage(n, members)).shape) in rows for n in _escaping(members)
                if column_sum_of(n, members) is None)
 

@@ -87,7 +87,7 @@ def reduction_kind(node: torch.fx.Node) -> str | None:
     return "softmax" if node.target in COMPOSITES else ROW_REDUCTIONS[node.target]
 
 
-# Rows up to this long are held whole in a row kernel's registers (row_kernel).
+# Rows up to this long are held whole in a row kernel's registers (row_kernel); a column sum needs its rows whole.
 PERSISTENT_MAX = 4096
 
 
@@ -98,9 +98,8 @@ def held_whole(width: object) -> bool:
 
 
 def is_column_sum(node: torch.fx.Node) -> bool:
-    """A floating sum over every dimension but the last (a norm's weight gradient, a bias's), of rows of a size
-    known when the graph compiles: a row kernel adds each program's rows (rows too long to hold whole, a block of
-    their columns a program), the launcher their partial sums."""
+    """A floating sum over every dimension but the last (a norm's weight gradient, a bias's), of rows short
+    enough to be held whole: a row kernel adds each program's rows, the launcher their partial sums."""
     if node.op != "call_function" or node.target != aten.sum.dim_IntList or len(node.args) < 2:
         return False
     x, out = val(node.args[0]) if isinstance(node.args[0], torch.fx.Node) else None, val(node)
@@ -110,7 +109,7 @@ def is_column_sum(node: torch.fx.Node) -> bool:
     dims = node.args[1]
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     width = x.shape[-1]
-    return sorted(d % x.dim() for d in dims) == list(range(x.dim() - 1)) and isinstance(width, int)
+    return sorted(d % x.dim() for d in dims) == list(range(x.dim() - 1)) and held_whole(width)
 
 
 def is_reduction(node: torch.fx.Node) -> bool:

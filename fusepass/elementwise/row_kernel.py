@@ -55,7 +55,6 @@ COLUMN_SPACES = ("column", "column_kept")  # a column sum's outputs (lower.Outpu
 # A column sum's program walks its rows one tile at a time, each tile's loads waited for before the next: more
 # programs a multiprocessor keep more bytes in flight, and write more partial sums (bench/column_sums.py).
 COLUMN_PROGRAMS_PER_SM = 2
-COLUMN_BLOCK = 1024  # the columns a program of a `column_blocked` group adds up
 
 
 def _neutral(kind: str, dtype: torch.dtype) -> str:
@@ -73,9 +72,6 @@ class RowVariant:
     output_dims: tuple[tuple[bool, ...], ...]
     wide: bool
     looped: bool
-    # A group of column sums and pointwise ops alone over rows too long to hold whole: each program takes a block
-    # of RBLOCK columns (the grid's second axis) of its rows.
-    column_blocked: bool = False
 
 
 def _row_values(program: Program, variant: RowVariant) -> tuple[dict[Ref, bool], dict[Ref, int]]:
@@ -266,10 +262,8 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                     emit(ref, "", body)
                     done.add(ref)
 
-    first_column = "tl.program_id(1) * RBLOCK + " if variant.column_blocked else ""
     if not variant.looped:
-        body += [f"{col} = {first_column}tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}",
-                 "mask = row_mask & col_mask"]
+        body += [f"{col} = tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}", "mask = row_mask & col_mask"]
         for ref in order:
             if ref in reductions:
                 body.append(f"t{ref.index} = {reduce(ref, reduced_input(ref))}")
@@ -363,7 +357,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         assert not variant.looped, "a column sum's rows are held whole"
         body = [f"col{i} = tl.zeros([XBLOCK, RBLOCK], {TRITON_DTYPE[_column_dtype(program, i)]})" for i in columns] + \
             ["for rs in range(0, row_steps):"] + [f"    {line}" for line in body] + \
-            [f"{col} = {first_column}tl.arange(0, RBLOCK)[None, :]"] + \
+            [f"{col} = tl.arange(0, RBLOCK)[None, :]"] + \
             [f"tl.store(o{i}_ptr + tl.program_id(0) * o{i}_s0 + {col} * o{i}_s{last}, "
              f"tl.sum(col{i}, axis=0, keep_dims=True), mask={col} < n{last})" for i in columns]
     # The leading sizes (rows, a sequence's length among them) and the row steps count rows only: no load or store
@@ -381,32 +375,28 @@ def walked_bytes(lowered: Lowered, input_bytes: list[int], device: torch.device)
     q, length, rows = len(root), root[-1], math.prod(root[:-1])
     spaces = tuple(out.space for out in lowered.outputs)
     extra = 0
-    columns = [i for i, space in enumerate(spaces) if space in COLUMN_SPACES]
-    if length > reduction.PERSISTENT_MAX and not columns:
+    if length > reduction.PERSISTENT_MAX:
         load_dims = tuple(tuple(any(row[d] for row in a.map) for d in range(q)) for a in lowered.accesses)
         variant = RowVariant(q, load_dims, (False,) * len(load_dims),
                              tuple((True,) * q for _ in spaces), False, True)
         passes: dict[int, int] = {}
         row_kernel_source("counted", lowered.program, spaces, variant, passes)
         extra += sum((n - 1) * input_bytes[lowered.accesses[k].input] for k, n in passes.items())
+    columns = [i for i, space in enumerate(spaces) if space in COLUMN_SPACES]
     if columns:
-        _, _, programs, _ = _row_grid(rows, length, True, device)
+        _, _, programs = _row_grid(rows, length, True, device)
         extra += sum(2 * programs * length * _column_dtype(lowered.program, i).itemsize for i in columns)
     return extra
 
 
-def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tuple[int, int, int, int]:
+def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tuple[int, int, int]:
     """Rows a program takes at once (XBLOCK), the times it does (a group with column sums: each program adds up
-    several blocks of rows), the programs along the rows, and the blocks of columns (a group with column sums over
-    rows too long to hold whole: `column_blocked`)."""
-    blocked = columns and length > reduction.PERSISTENT_MAX
-    width = COLUMN_BLOCK if blocked else length
-    column_blocks = cdiv(length, COLUMN_BLOCK) if blocked else 1
-    xblock = 1 if width > reduction.PERSISTENT_MAX else \
-        min(next_power_of_2(max(rows, 1)), max(1, PROGRAM_TILE // next_power_of_2(max(width, 1))))
+    several blocks of rows), and the programs."""
+    xblock = 1 if length > reduction.PERSISTENT_MAX else \
+        min(next_power_of_2(max(rows, 1)), max(1, PROGRAM_TILE // next_power_of_2(max(length, 1))))
     row_blocks = cdiv(rows, xblock)
-    row_steps = max(1, cdiv(row_blocks, cdiv(column_programs(device), column_blocks))) if columns else 1
-    return xblock, row_steps, cdiv(row_blocks, row_steps), column_blocks
+    row_steps = max(1, cdiv(row_blocks, column_programs(device))) if columns else 1
+    return xblock, row_steps, cdiv(row_blocks, row_steps)
 
 
 def row_warps(xblock: int, rblock: int) -> int:
@@ -451,10 +441,9 @@ class RowLauncher(PointwiseLauncher):
         columns = [i for i, space in enumerate(spaces) if space in COLUMN_SPACES]
         shapes = tuple(_space_shape(root, out.space) for out in lowered.outputs)
         rows, length = math.prod(root[:-1]), root[-1]
-        blocked = bool(columns) and length > reduction.PERSISTENT_MAX
-        looped = length > reduction.PERSISTENT_MAX and not blocked
-        rblock = LOOP_BLOCK if looped else COLUMN_BLOCK if blocked else next_power_of_2(max(length, 1))
-        xblock, row_steps, programs, column_blocks = _row_grid(rows, length, bool(columns), self.device)
+        looped = length > reduction.PERSISTENT_MAX
+        rblock = LOOP_BLOCK if looped else next_power_of_2(max(length, 1))
+        xblock, row_steps, programs = _row_grid(rows, length, bool(columns), self.device)
         # A column sum's output is contiguous; the kernel writes its programs' partial sums (`ColumnSums`).
         out_strides = tuple(contiguous_strides(shape, range(len(shape)) if i in columns else out.stride_order)
                             for i, (shape, out) in enumerate(zip(shapes, lowered.outputs)))
@@ -490,12 +479,12 @@ class RowLauncher(PointwiseLauncher):
             int_args.append(row_steps)
         num_warps = row_warps(xblock, rblock)
         variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims),
-                             max(extents) > INT32_MAX, looped, blocked)
+                             max(extents) > INT32_MAX, looped)
         kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),
                                  lambda: row_kernel_source(self.__name__, lowered.program, spaces, variant))
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,
                              RBLOCK=rblock, num_warps=num_warps)
-        return LaunchPlan(launch, shapes, out_strides, (programs, column_blocks), scratch=scratch)
+        return LaunchPlan(launch, shapes, out_strides, (programs,), scratch=scratch)
 
 
 @dataclass(frozen=True)

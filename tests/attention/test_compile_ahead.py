@@ -273,7 +273,7 @@ def test_attentions_lifted_alike_share_their_cached_block_maps(monkeypatch):
         for g, e in zip(grads, torch.autograd.grad(expected.sum(), (q, k, v))):
             assert_close(g, e, rtol=1e-4, atol=1e-4)
         by_count[count] = list(built)
-    assert by_count[1] and by_count[3] == by_count[1]
+    assert by_count[1] and sorted(by_count[3]) == sorted(by_count[1])  # built in either order (compiles ahead)
 
 
 def test_compiles_ahead_allocate_nothing_on_the_device(monkeypatch):

@@ -89,13 +89,12 @@ def layout_input(layout: str, dtype: torch.dtype) -> torch.Tensor:
 
 @contextlib.contextmanager
 def rows_walked(walked: bool):
-    """Rows walked in chunks of 4, the long rows' kernels at the programs' width of 9 (a last chunk part empty; a
-    column sum's blocks of columns as wide), or held whole."""
+    """Rows walked in chunks of 4, the long rows' kernels at the programs' width of 9 (a last chunk part empty),
+    or held whole."""
     if not walked:
         yield
         return
-    with mock.patch.object(reduction, "PERSISTENT_MAX", 4), mock.patch.object(row_kernel, "LOOP_BLOCK", 4), \
-            mock.patch.object(row_kernel, "COLUMN_BLOCK", 4):
+    with mock.patch.object(reduction, "PERSISTENT_MAX", 4), mock.patch.object(row_kernel, "LOOP_BLOCK", 4):
         yield
 
 
