@@ -49,8 +49,7 @@ def _eligible_backward(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or node.target != aten.native_layer_norm_backward.default or \
             not _over_last_dim(node, node.args[1], node.args[2], 2):
         return False
-    width = val(node.args[1]).shape[-1]
-    return isinstance(width, int) and width <= reduction.PERSISTENT_MAX
+    return reduction.held_whole(val(node.args[1]).shape[-1])
 
 
 def _backward(w: Writer, node: torch.fx.Node) -> list[torch.fx.Node | None]:
