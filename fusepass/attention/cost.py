@@ -215,9 +215,8 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
     flops = unfused_flops(compute)
     elementwise_flops = flops - sum(op_flops(n) for n in compute if is_matmul(n))
     # A half-precision output's rounding residual, kept for the backward's row term (`forward.keeps_residual`: fp16
-    # and bf16, the 2-byte outputs), and the weights' product with V taken in two parts for it: one more product.
+    # and bf16, the 2-byte outputs).
     residual = gradient_flows and shape.out_itemsize == 2
-    forward_flops = flops + (2 * shape.scores * shape.head_dim if residual else 0)
     parts, ideal = attention_forward_bytes(shape, forward_tiles, aux, residual)
     row_stats = shape.rows * (2 * STAT_BYTES + (1 if shape.masked else 0))
     activation = 0
@@ -228,7 +227,7 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
     forward = Rewrite(
         kind="attention", phase="forward", location=location, ops=tuple(op_name(n) for n in compute),
         bytes_unfused=unfused_bytes(compute), bytes_fused=round(sum(parts.values())), bytes_ideal=ideal,
-        flops=flops, flops_fused=round(forward_flops * forward_tiles.density), activation_bytes_saved=activation,
+        flops=flops, flops_fused=round(flops * forward_tiles.density), activation_bytes_saved=activation,
         features=features, detail={**detail, **_model_detail(forward_tiles, parts)})
     if not gradient_flows:
         return [forward]

@@ -45,13 +45,19 @@ from fusepass.runtime.sizes import cdiv
 
 
 @triton.jit
-def _row_stats(Lse, LogSum, bh, rows, Nq):
-    """Per query row: the shift m and log2 of the denominator that recompute the forward's weights. Rows past
-    Nq get m = +inf, hence weight 0."""
+def _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS: tl.constexpr):
+    """Per query row, (m, a, c) that recompute the forward's weights as 2^((x - m) · log2(e) - a), times c where
+    EXACT_WEIGHTS (rounded first: `_tile_weights`). Without it m is the row's max and a log2 of its denominator,
+    c unused. With it, from the forward's (shift, ±1 / l) (`forward.FlashForwardExtra`): m = 0 and a the whole
+    shift, or where the forward recomputed the row's block the exact way (its -1 / l) m its max and a = 0; c = 1 / l.
+    Rows past Nq weigh 0."""
     row_in = rows < Nq
     lse = tl.load(Lse + bh * Nq + rows, mask=row_in, other=float("inf"))
     log_sum = tl.load(LogSum + bh * Nq + rows, mask=row_in, other=0.0)
-    return lse - log_sum, log_sum * LOG2E
+    if EXACT_WEIGHTS:
+        exact_form = log_sum < 0.0
+        return tl.where(exact_form, lse, 0.0), tl.where(exact_form, 0.0, lse), tl.abs(log_sum)
+    return lse - log_sum, log_sum * LOG2E, log_sum
 
 
 @triton.jit
@@ -70,12 +76,15 @@ def _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCOR
 
 
 @triton.jit
-def _tile_weights(s, shift, log2_sum, b, h, bh, rows, cols, block, Nq, Nk, aux, seed, dropout_p,
+def _tile_weights(s, stats, like, b, h, bh, rows, cols, block, Nq, Nk, aux, seed, dropout_p,
                   SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, PARTIAL: tl.constexpr,
-                  DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
-    """The weights of one tile from its products s: (p, p_dropped, kept, dropped), and the index tiles the
-    score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held) stands in as kv_in on tiles that
-    are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
+                  DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+                  EXACT_WEIGHTS: tl.constexpr):
+    """The weights of one tile from its products s and its rows' `stats` (`_row_statistics`): (p, p_dropped,
+    kept, dropped), and the index tiles the score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held)
+    stands in as kv_in on tiles that are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
+    With EXACT_WEIGHTS, the forward's weights: rounded to `like`'s dtype, as their product with V took them, then
+    divided by the sum of the rounded weights.
 
     The tiles are [q, kv], or [kv, q] when TRANSPOSED (the dK/dV kernel: its dots then take pᵀ and d sᵀ as
     they are, where transposing a tile in registers goes through shared memory); the score functions see
@@ -87,18 +96,20 @@ def _tile_weights(s, shift, log2_sum, b, h, bh, rows, cols, block, Nq, Nk, aux, 
         q_idx = q_idx[None, :]
         kv_idx = tl.minimum(cols, Nk - 1)[:, None]
         kv_in = (cols < Nk)[:, None]
-        shift, log2_sum = shift[None, :], log2_sum[None, :]
+        subtracted, shift2, scale = stats[0][None, :], stats[1][None, :], stats[2][None, :]
     else:
         q_idx = tl.minimum(rows, Nq - 1)[:, None]
         _, kv_idx, kv_in = tile_positions(block, Nk, BLOCK, TAIL)
         kv_idx, kv_in = kv_idx[None, :], kv_in[None, :]
-        shift, log2_sum = shift[:, None], log2_sum[:, None]
+        subtracted, shift2, scale = stats[0][:, None], stats[1][:, None], stats[2][:, None]
     if PARTIAL:
         x, kept = masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE, KEEP, FILL)
     else:
         kept = kv_in
         x = SCORE(s, b, h, q_idx, kv_idx, aux)
-    p = tl.math.exp2((x - shift) * LOG2E - log2_sum)
+    p = tl.math.exp2(tl.math.fma(x - subtracted, LOG2E, -shift2))
+    if EXACT_WEIGHTS:
+        p = p.to(like.dtype).to(tl.float32) * scale
     if DROPOUT:
         if TRANSPOSED:
             dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[None, :], cols[:, None])
@@ -132,17 +143,17 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr,
                FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               DESCRIPTORS: tl.constexpr, Q_TAIL: tl.constexpr):
+               DESCRIPTORS: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
                        DESCRIPTORS)
     do = do.to(q.dtype)
-    shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
+    stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
     # dV's product takes the weights before dp = dO · Vᵀ is computed: fewer tiles live at once.
     s = dot(k, tl.trans(q))
     p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, shift, log2_sum, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
-        DROPOUT, True, BLOCK_M, Q_TAIL)
+        s, stats, k, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
+        DROPOUT, True, BLOCK_M, Q_TAIL, EXACT_WEIGHTS)
     dv = dot(p_dropped.to(do.dtype), do, dv)
     dp = dot(v, tl.trans(do))
     delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
@@ -178,7 +189,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
                aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, Q_TAIL: tl.constexpr):
+               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
     """dK and dV of the kv block after the tiles of `n_heads` query heads from `first_head` (of the kv head's
     group): with FLAT, heads that share one block map, in one walk over (query head, q block) pairs for each tile
     kind, the map's lists of the first head repeated for each head; else one head (n_heads 1). A loop over the
@@ -233,7 +244,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                                 first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE,
                                 KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                DESCRIPTORS, Q_TAIL)
+                                DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS)
     first_block = walk_start(full_blocks, n_full, KEEP is not None)
     next_block = first_block
     for j in range(0, n_heads * n_full):
@@ -244,7 +255,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
         dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                             first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP,
                             FILL, SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS,
-                            Q_TAIL)
+                            Q_TAIL, EXACT_WEIGHTS)
     return dk, dv
 
 
@@ -273,7 +284,7 @@ def _flash_backward_dkdv_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
-    PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr, Q_TAIL: tl.constexpr,
+    PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr,
 ):
     # First kv blocks first: under a causal mask they hold the most tiles.
     kv_block, kv_head, b = grouped_program(HEAD_GROUP)
@@ -293,14 +304,14 @@ def _flash_backward_dkdv_kernel(
                             cols, 0, group, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                             fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
                             FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS, PARTIAL_TILES,
-                            True, Q_TAIL)
+                            True, Q_TAIL, EXACT_WEIGHTS)
     else:
         for g in range(0, group):
             dk, dv = _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head,
                                 kv_block, cols, g, 1, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                                 fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
                                 FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                PARTIAL_TILES, False, Q_TAIL)
+                                PARTIAL_TILES, False, Q_TAIL, EXACT_WEIGHTS)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
                dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
@@ -309,19 +320,19 @@ def _flash_backward_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh, rows,
+def _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh, rows,
              Nq, Nk, aux, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
              SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-             KV_TAIL: tl.constexpr):
+             KV_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
     """Add one kv tile's share to dQ."""
     cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
                               PARTIAL, DESCRIPTORS, KV_TAIL)
     s = dot(q, tl.trans(k))
     dp = dot(do, tl.trans(v))
     p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, shift, log2_sum, b, h, bh, rows, cols, kv_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL,
-        PARTIAL, DROPOUT, False, BLOCK_N, KV_TAIL)
+        s, stats, k, b, h, bh, rows, cols, kv_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL,
+        PARTIAL, DROPOUT, False, BLOCK_N, KV_TAIL, EXACT_WEIGHTS)
     grad = _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, None,
                              dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
     return dot(grad.to(k.dtype), k, dq)
@@ -336,6 +347,7 @@ def _flash_backward_dq_kernel(
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
     HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr, DELTA_BY_DOT: tl.constexpr,
+    EXACT_WEIGHTS: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -364,7 +376,7 @@ def _flash_backward_dq_kernel(
                              DESCRIPTORS)
         delta += tl.sum(residual.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
-    shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
+    stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
 
     if KEEP is None:
         n_full, full_blocks = Nk // BLOCK_N, None
@@ -390,18 +402,18 @@ def _flash_backward_dq_kernel(
     next_block = walk_start(full_blocks, n_full, KEEP is not None)
     for i in range(0, n_full):
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
-        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
+        dq = _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
-                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
+                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL, EXACT_WEIGHTS)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial + n_all):  # one of the two is 0
             kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
             if KEEP is not None:
                 kv_block = tl.where(n_all > 0, i, kv_block)
-            dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head,
+            dq = _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head,
                           bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
-                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
+                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL, EXACT_WEIGHTS)
 
     store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
@@ -442,7 +454,8 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
                     FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, HEAD_GROUP=config.head_group,
-                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, config.block_n), num_warps=config.num_warps,
+                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, config.block_n), EXACT_WEIGHTS=residual is not None,
+                    num_warps=config.num_warps,
                     num_stages=config.num_stages)
 
     config = configs.dq

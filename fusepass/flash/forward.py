@@ -55,7 +55,7 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
                  KV_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
     """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below;
-    `EXACT_WEIGHTS`: see the product with V below)."""
+    `EXACT_WEIGHTS`: the weights the backward recomputes, see `row_statistics`)."""
     cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
                               PARTIAL, DESCRIPTORS, KV_TAIL)
     s = dot(q, tl.trans(k))
@@ -72,7 +72,15 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
     x_max = tl.max(x, 1)
     tile_max = x_max * x_scale
     m_new = tl.maximum(m, tile_max)
-    if FUSED_EXP:
+    if FUSED_EXP and EXACT_WEIGHTS:
+        # Shifts by whole powers of two (base 2: the ceiling of the max), so that every rescale is exact and each
+        # weight is, as rounded to V's dtype, round(2^(x·c - M)) · 2^(M - shift) for the row's last shift M: the
+        # weight the backward recomputes from M. Rows whose max is not tame shift by 0 and are recomputed.
+        shift2 = tl.math.ceil(tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E)
+        p = tl.math.exp2(tl.math.fma(x, x_scale * LOG2E, -shift2[:, None]))
+        old_shift2 = tl.math.ceil(tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E)
+        alpha = tl.where(m == float("-inf"), 0.0, _power_of_two(old_shift2 - shift2))
+    elif FUSED_EXP:
         # Rows whose max is not tame shift by 0: their weights so far are 0 or garbage, and they are
         # recomputed (see the kernel's fallback).
         shift2 = tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E
@@ -92,19 +100,24 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
         # Subtract before scaling by log2(e): finfo.min * log2(e) would overflow to -inf.
         p = tl.math.exp2((x - shift[:, None]) * LOG2E)
         alpha = tl.math.exp2((m - shift) * LOG2E)
-    l = l * alpha + tl.sum(p, 1)
+    weights = p.to(v.dtype)  # as their product with V takes them
+    if EXACT_WEIGHTS:  # l sums the weights the output is made of: the backward's recomputed ones sum to 1
+        l = l * alpha + tl.sum(weights.to(tl.float32), 1)
+    else:
+        l = l * alpha + tl.sum(p, 1)
     if DROPOUT:
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows[:, None], cols[None, :]), p, 0.0)
-    if EXACT_WEIGHTS:
-        # The weights' product with V in two parts, their value in V's dtype and what that rounding left: the
-        # output as float32 weights give it (to ~2^-16 of a weight), which the backward's recomputed weights match
-        # (`keeps_residual`). Where the weights are rounded, a row's score gradients sum to its dO · (rounded
-        # weights - weights) · V, not 0: in bf16 that is most of a key bias's gradient (exactly 0 in eager's).
-        p_part = p.to(v.dtype)
-        acc = dot((p - p_part.to(tl.float32)).to(v.dtype), v, dot(p_part, v, acc * alpha[:, None]))
-    else:
-        acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        weights = p.to(v.dtype)
+    acc = dot(weights, v, acc * alpha[:, None])
     return acc, m_new, l, excess
+
+
+@triton.jit
+def _power_of_two(e):
+    """2^e for whole e, exactly (0 below float32's normal range)."""
+    e = tl.minimum(tl.maximum(e, -127.0), 127.0)
+    bits = (e.to(tl.int32) + 127) << 23
+    return tl.where(e > -127.0, bits.to(tl.float32, bitcast=True), 0.0)
 
 
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
@@ -171,11 +184,14 @@ def _flash_forward_kernel(
     # block where most rows are so (scores of 1e4 and more), those roundings are the block's whole gradient: its
     # saturated rows are recomputed the exact way, whose weight is 1 and output that V exactly, so that the
     # backward's delta (a dot as dp's) cancels. Elsewhere they are a rounding among the others' gradients.
-    weighted = row_in & (l > 0.0)  # rows without a kept key (l = 0) are the fallback's already
-    saturated = (l == tl.math.exp2(excess)) & weighted
-    most = 2 * tl.sum(saturated.to(tl.int32), 0) > tl.sum(weighted.to(tl.int32), 0)
-    fallback = fallback | (saturated & most)
-    if tl.max(fallback.to(tl.int32), 0) > 0:
+    # With EXACT_WEIGHTS, l is that element's rounded weight, the same in O and in the backward: none is needed.
+    if Residual is None:
+        weighted = row_in & (l > 0.0)  # rows without a kept key (l = 0) are the fallback's already
+        saturated = (l == tl.math.exp2(excess)) & weighted
+        most = 2 * tl.sum(saturated.to(tl.int32), 0) > tl.sum(weighted.to(tl.int32), 0)
+        fallback = fallback | (saturated & most)
+    recomputed = tl.max(fallback.to(tl.int32), 0) > 0
+    if recomputed:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -199,9 +215,16 @@ def _flash_forward_kernel(
         residual = o - o.to(Out.dtype.element_ty).to(tl.float32)
         store_rows(Residual + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1], residual, rows, Nq,
                    out_strides[2], offs_d, out_strides[3], HEAD_DIM)
-    log_sum = tl.log(l) - excess * LN2
-    tl.store(Lse + bh * Nq + rows, m + log_sum, mask=row_in)
-    tl.store(LogSum + bh * Nq + rows, log_sum, mask=row_in)
+    if Residual is not None:
+        # (the shift, ±1 / l), `row_statistics`: a block recomputed the exact way shifts by its maxima m
+        exact_form = tl.zeros([BLOCK_M], tl.int1) | recomputed
+        shift2 = tl.math.ceil(tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E)
+        tl.store(Lse + bh * Nq + rows, tl.where(exact_form, m, shift2), mask=row_in)
+        tl.store(LogSum + bh * Nq + rows, tl.where(exact_form, -1.0, 1.0) / l, mask=row_in)
+    else:
+        log_sum = tl.log(l) - excess * LN2
+        tl.store(Lse + bh * Nq + rows, m + log_sum, mask=row_in)
+        tl.store(LogSum + bh * Nq + rows, log_sum, mask=row_in)
 
 
 @dataclass(frozen=True)
@@ -212,6 +235,12 @@ class FlashForwardExtra:
     recomputes weights as exp(x - m - log_sum) with m = lse - log_sum, because exp(x - lse) loses log_sum
     when |lse| is huge (a row masked with finfo.min has lse == finfo.min in fp32, and would get weight 1
     instead of 1/Nk).
+
+    Where the forward kept its output's residual (`keeps_residual`, its EXACT_WEIGHTS), the two row statistics
+    are instead the ones the backward recomputes the forward's very weights from, P = round(2^(x · log2(e) - M)) / l
+    with round to V's dtype (`backward.row_statistics`): "lse" holds the row's last shift M (a whole number) and
+    "log_sum" 1 / l, l the sum of the rounded weights. A block recomputed the exact way holds its maxima m in
+    score units and -1 / l, its weights round(e^(x - m)) / l.
     """
 
     log_sum: torch.Tensor  # [B, Hq, Nq] fp32
@@ -288,10 +317,11 @@ def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | Non
 
 
 def keeps_residual(out_dtype: torch.dtype) -> bool:
-    """Whether a forward whose backward follows keeps its output's rounding residual, and takes the weights' product
-    with V in two parts (`EXACT_WEIGHTS`): in half precision, where the backward's row term delta = dO · O taken from
-    the rounded output, or from weights rounded for the product, would leave each row's score gradients summing to
-    a rounding of the output's, not 0 (a key projection's bias gradient, exactly 0, is their sum over every row)."""
+    """Whether a forward whose backward follows keeps its output's rounding residual, and weights the backward can
+    recompute exactly (`EXACT_WEIGHTS`: whole shifts, l summed from the weights as rounded for their product with V):
+    in half precision, where the backward's row term delta = dO · O taken from the rounded output, or from weights
+    other than the ones O was made of, would leave each row's score gradients summing to a rounding of the output's,
+    not 0 (a key projection's bias gradient, exactly 0, is their sum over every row)."""
     return out_dtype in (torch.float16, torch.bfloat16)
 
 
