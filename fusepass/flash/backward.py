@@ -83,8 +83,8 @@ def _tile_weights(s, stats, like, b, h, bh, rows, cols, block, Nq, Nk, aux, seed
     """The weights of one tile from its products s and its rows' `stats` (`_row_statistics`): (p, p_dropped,
     kept, dropped), and the index tiles the score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held)
     stands in as kv_in on tiles that are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
-    With EXACT_WEIGHTS, the forward's weights: rounded to `like`'s dtype, as their product with V took them, then
-    divided by the sum of the rounded weights.
+    With EXACT_WEIGHTS, p is the forward's weights: rounded to `like`'s dtype, as their product with V took them,
+    then divided by the sum of the rounded weights; p_dropped (dV's) is not rounded first.
 
     The tiles are [q, kv], or [kv, q] when TRANSPOSED (the dK/dV kernel: its dots then take pᵀ and d sᵀ as
     they are, where transposing a tile in registers goes through shared memory); the score functions see
@@ -108,17 +108,19 @@ def _tile_weights(s, stats, like, b, h, bh, rows, cols, block, Nq, Nk, aux, seed
         kept = kv_in
         x = SCORE(s, b, h, q_idx, kv_idx, aux)
     p = tl.math.exp2(tl.math.fma(x - subtracted, LOG2E, -shift2))
+    weights = p  # for dV's product, which rounds them once more, as eager's rounds its weights once
     if EXACT_WEIGHTS:
+        weights = p * scale
         p = p.to(like.dtype).to(tl.float32) * scale
     if DROPOUT:
         if TRANSPOSED:
             dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[None, :], cols[:, None])
         else:
             dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[:, None], cols[None, :])
-        p_dropped = tl.where(dropped, p * (1.0 / (1.0 - dropout_p)), 0.0)
+        p_dropped = tl.where(dropped, weights * (1.0 / (1.0 - dropout_p)), 0.0)
     else:
         dropped = kv_in
-        p_dropped = p
+        p_dropped = weights
     return p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in
 
 
