@@ -302,8 +302,8 @@ class AttentionCall:
 
     def _no_residual(self, out: torch.Tensor) -> torch.Tensor:
         """The residual of a forward whose backward does not read it (SDPA's, the replaced ops'): laid out as the
-        fake lays it out."""
-        return torch.zeros_like(out) if self.keeps_residual() else out.new_empty(0)
+        fake lays it out, never written."""
+        return torch.empty_like(out) if self.keeps_residual() else out.new_empty(0)
 
     def _out_strides(self) -> tuple[int, ...]:
         """Of the op's output, as `forward_outputs` lays it out."""
