@@ -132,6 +132,20 @@ def test_shared_kv_heads_and_one_projections_gradient_buffer(times, sdpa_calls):
     assert ran(report)[0].startswith("SDPA ran")
 
 
+def test_a_kernel_failing_while_timed_runs_the_replaced_ops(times, monkeypatch):
+    """The floor's timing runs the fused kernels: one that fails there warns and the replaced ops run, as a kernel
+    failing in a call does (it raised out of the model's forward)."""
+    from fusepass.flash import backward as flash_backward
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("backward kernel failed")
+
+    times["steps run"] = True
+    monkeypatch.setattr(flash_backward, "backward_launches", failing)
+    with pytest.warns(RuntimeWarning, match="backward kernel failed"):
+        check(causal, *qkv(), backward=True)
+
+
 def test_the_fused_kernels_run_where_sdpa_is_slower(times, sdpa_calls):
     times["sdpa"] = 3.0
     report = check(causal, *qkv(), backward=True)
