@@ -39,7 +39,7 @@ from fusepass.flash.distance_table import add_distance_gradients, distance_gradi
 from fusepass.flash.forward import LOG2E, FlashForwardExtra, has_partial_tiles
 from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, grouped_program, load_kv_tile, load_tile,
                                   load_tiles, masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
-                                  tile_positions)
+                                  tile_positions, truncated)
 from fusepass.flash.score_mod import ScoreMod
 from fusepass.runtime.sizes import cdiv
 
@@ -47,7 +47,7 @@ from fusepass.runtime.sizes import cdiv
 @triton.jit
 def _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS: tl.constexpr):
     """Per query row, (m, a, c) that recompute the forward's weights as 2^((x - m) · log2(e) - a), times c where
-    EXACT_WEIGHTS (rounded first: `_tile_weights`). Without it m is the row's max and a log2 of its denominator,
+    EXACT_WEIGHTS (cut to the inputs' dtype first: `_tile_weights`). Without it m is the row's max and a log2 of its denominator,
     c unused. With it, from the forward's (shift, ±1 / l) (`forward.FlashForwardExtra`): m = 0 and a the whole
     shift, or where the forward recomputed the row's block the exact way (its -1 / l) m its max and a = 0; c = 1 / l.
     Rows past Nq weigh 0."""
@@ -83,8 +83,10 @@ def _tile_weights(s, stats, like, b, h, bh, rows, cols, block, Nq, Nk, aux, seed
     """The weights of one tile from its products s and its rows' `stats` (`_row_statistics`): (p, p_dropped,
     kept, dropped), and the index tiles the score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held)
     stands in as kv_in on tiles that are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
-    With EXACT_WEIGHTS, p is the forward's weights: rounded to `like`'s dtype, as their product with V took them,
-    then divided by the sum of the rounded weights; p_dropped (dV's) is not rounded first.
+    With EXACT_WEIGHTS, p is the forward's weights times their sum l: cut to `like`'s dtype as their product with V
+    took them (`tiles.truncated`); p_dropped (dV's) the forward's weights themselves, divided by l (rounded once
+    more by dV's product: from the uncut 2^(…) / l instead, dV took their cut's mean, ~2^-9 of a weight, as a bias:
+    1.5x eager's distance for a value projection's weight under near-uniform weights, 1.0x as it is).
 
     The tiles are [q, kv], or [kv, q] when TRANSPOSED (the dK/dV kernel: its dots then take pᵀ and d sᵀ as
     they are, where transposing a tile in registers goes through shared memory); the score functions see
@@ -108,10 +110,10 @@ def _tile_weights(s, stats, like, b, h, bh, rows, cols, block, Nq, Nk, aux, seed
         kept = kv_in
         x = SCORE(s, b, h, q_idx, kv_idx, aux)
     p = tl.math.exp2(tl.math.fma(x - subtracted, LOG2E, -shift2))
-    weights = p  # for dV's product, which rounds them once more, as eager's rounds its weights once
+    weights = p  # for dV's product
     if EXACT_WEIGHTS:
+        p = truncated(p, like)  # the forward's weight times l (`_weights_gradient` takes the 1 / l)
         weights = p * scale
-        p = p.to(like.dtype).to(tl.float32) * scale
     if DROPOUT:
         if TRANSPOSED:
             dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[None, :], cols[:, None])
@@ -125,17 +127,27 @@ def _tile_weights(s, stats, like, b, h, bh, rows, cols, block, Nq, Nk, aux, seed
 
 
 @triton.jit
-def _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, dropout_p,
+def _weights_gradient(s, p, dp, kept, dropped, delta, scale, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, dropout_p,
                       SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
-                      DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The score-side gradient d s of a tile, from its weights (see `_tile_weights`) and dp = dO · Vᵀ."""
-    if TRANSPOSED:
+                      DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
+    """The score-side gradient d s of a tile, from its weights (see `_tile_weights`) and dp = dO · Vᵀ; with
+    EXACT_WEIGHTS p is l times the weights and `scale` the rows' 1 / l, taken in the row term's fused multiply-add."""
+    if EXACT_WEIGHTS:
+        scaled_delta = delta * scale
+        if TRANSPOSED:
+            scale, scaled_delta = scale[None, :], scaled_delta[None, :]
+        else:
+            scale, scaled_delta = scale[:, None], scaled_delta[:, None]
+    elif TRANSPOSED:
         delta = delta[None, :]
     else:
         delta = delta[:, None]
     if DROPOUT:
         dp = tl.where(dropped, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    ds = p * (dp - delta)
+    if EXACT_WEIGHTS:
+        ds = p * tl.math.fma(dp, scale, -scaled_delta)
+    else:
+        ds = p * (dp - delta)
     return _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCORE_GRAD, FILL_GRAD,
                            PARTIAL)
 
@@ -159,8 +171,8 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
     dv = dot(p_dropped.to(do.dtype), do, dv)
     dp = dot(v, tl.trans(do))
     delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
-    grad = _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
-                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True)
+    grad = _weights_gradient(s, p, dp, kept, dropped, delta, stats[2], b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
+                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True, EXACT_WEIGHTS)
     dk = dot(grad.to(q.dtype), q, dk)
     return dk, dv
 
@@ -335,8 +347,8 @@ def _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h
     p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
         s, stats, k, b, h, bh, rows, cols, kv_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL,
         PARTIAL, DROPOUT, False, BLOCK_N, KV_TAIL, EXACT_WEIGHTS)
-    grad = _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, None,
-                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
+    grad = _weights_gradient(s, p, dp, kept, dropped, delta, stats[2], b, h, q_idx, kv_idx, kv_in, aux, None,
+                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False, EXACT_WEIGHTS)
     return dot(grad.to(k.dtype), k, dq)
 
 

@@ -34,7 +34,7 @@ from fusepass.flash.config import FlashConfig, forward_config, head_block, kind_
 from fusepass.flash.distance_table import distance_tables
 from fusepass.flash.score_mod import ScoreMod
 from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, load_kv_tile, load_tile, masked_scores,
-                                  q_block_program, store_rows, tail_placement, tile_operands, tile_positions)
+                                  q_block_program, store_rows, tail_placement, tile_operands, tile_positions, truncated)
 from fusepass.runtime.sizes import cdiv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -74,7 +74,7 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
     m_new = tl.maximum(m, tile_max)
     if FUSED_EXP and EXACT_WEIGHTS:
         # Shifts by whole powers of two (base 2: the ceiling of the max), so that every rescale is exact and each
-        # weight is, as rounded to V's dtype, round(2^(x·c - M)) · 2^(M - shift) for the row's last shift M: the
+        # weight is, as cut to V's dtype, cut(2^(x·c - M)) · 2^(M - shift) for the row's last shift M: the
         # weight the backward recomputes from M. Rows whose max is not tame shift by 0 and are recomputed.
         shift2 = tl.math.ceil(tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E)
         p = tl.math.exp2(tl.math.fma(x, x_scale * LOG2E, -shift2[:, None]))
@@ -100,11 +100,12 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
         # Subtract before scaling by log2(e): finfo.min * log2(e) would overflow to -inf.
         p = tl.math.exp2((x - shift[:, None]) * LOG2E)
         alpha = tl.math.exp2((m - shift) * LOG2E)
-    weights = p.to(v.dtype)  # as their product with V takes them
-    if EXACT_WEIGHTS:  # l sums the weights the output is made of: the backward's recomputed ones sum to 1
-        l = l * alpha + tl.sum(weights.to(tl.float32), 1)
-    else:
-        l = l * alpha + tl.sum(p, 1)
+    if EXACT_WEIGHTS:
+        # The weights cut to V's dtype (toward zero: one bitwise and, no conversion back for their sum), and l their
+        # sum: the output is made of weights that sum to 1, the same the backward recomputes.
+        p = truncated(p, v)
+    l = l * alpha + tl.sum(p, 1)
+    weights = p.to(v.dtype)  # as their product with V takes them (exactly, where truncated)
     if DROPOUT:
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows[:, None], cols[None, :]), p, 0.0)
         weights = p.to(v.dtype)
@@ -184,7 +185,7 @@ def _flash_forward_kernel(
     # block where most rows are so (scores of 1e4 and more), those roundings are the block's whole gradient: its
     # saturated rows are recomputed the exact way, whose weight is 1 and output that V exactly, so that the
     # backward's delta (a dot as dp's) cancels. Elsewhere they are a rounding among the others' gradients.
-    # With EXACT_WEIGHTS, l is that element's rounded weight, the same in O and in the backward: none is needed.
+    # With EXACT_WEIGHTS, l is that element's cut weight, the same in O and in the backward: none is needed.
     if Residual is None:
         weighted = row_in & (l > 0.0)  # rows without a kept key (l = 0) are the fallback's already
         saturated = (l == tl.math.exp2(excess)) & weighted
@@ -237,10 +238,10 @@ class FlashForwardExtra:
     instead of 1/Nk).
 
     Where the forward kept its output's residual (`keeps_residual`, its EXACT_WEIGHTS), the two row statistics
-    are instead the ones the backward recomputes the forward's very weights from, P = round(2^(x · log2(e) - M)) / l
-    with round to V's dtype (`backward.row_statistics`): "lse" holds the row's last shift M (a whole number) and
-    "log_sum" 1 / l, l the sum of the rounded weights. A block recomputed the exact way holds its maxima m in
-    score units and -1 / l, its weights round(e^(x - m)) / l.
+    are instead the ones the backward recomputes the forward's very weights from, P = cut(2^(x · log2(e) - M)) / l
+    with cut to V's dtype toward zero (`tiles.truncated`, `backward._row_statistics`): "lse" holds the row's last
+    shift M (a whole number) and "log_sum" 1 / l, l the sum of the cut weights. A block recomputed the exact way holds
+    its maxima m in score units and -1 / l, its weights cut(e^(x - m)) / l.
     """
 
     log_sum: torch.Tensor  # [B, Hq, Nq] fp32
@@ -318,7 +319,7 @@ def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | Non
 
 def keeps_residual(out_dtype: torch.dtype) -> bool:
     """Whether a forward whose backward follows keeps its output's rounding residual, and weights the backward can
-    recompute exactly (`EXACT_WEIGHTS`: whole shifts, l summed from the weights as rounded for their product with V):
+    recompute exactly (`EXACT_WEIGHTS`: whole shifts, l summed from the weights as cut for their product with V):
     in half precision, where the backward's row term delta = dO · O taken from the rounded output, or from weights
     other than the ones O was made of, would leave each row's score gradients summing to a rounding of the output's,
     not 0 (a key projection's bias gradient, exactly 0, is their sum over every row)."""
