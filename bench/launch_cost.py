@@ -73,9 +73,9 @@ def op_layers(q, k, v) -> dict:
     spec = list(call._calls)[-1]
     seed = torch.empty(0, dtype=torch.int64, device=q.device)
     detached = [t.detach() for t in (q, k, v)]
-    out, lse, log_sum, fallback, block_map = torch.ops.fusepass.attention(*detached, [], seed, spec)
+    out, lse, log_sum, fallback, residual, block_map = torch.ops.fusepass.attention(*detached, [], seed, spec)
     grad_out = torch.randn_like(out)
-    backward_args = (grad_out, *detached, out, lse, log_sum, fallback, block_map, [], seed, spec)
+    backward_args = (grad_out, *detached, out, lse, log_sum, fallback, residual, block_map, [], seed, spec)
     return {"op fwd µs": host_us(lambda: torch.ops.fusepass.attention(*detached, [], seed, spec)),
             "python fwd µs": host_us(lambda: op.run_attention(*detached, [], seed, spec)),
             "op bwd µs": host_us(lambda: torch.ops.fusepass.attention_backward(*backward_args)),

@@ -25,7 +25,7 @@ from fusepass.flash.ahead import compile_attention_ahead
 from fusepass.flash.backward import flash_attention_backward
 from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
 from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles
-from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs
+from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs, keeps_residual
 from fusepass.flash import hopper_forward
 from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 from fusepass.report import profile
@@ -33,7 +33,8 @@ from fusepass.report.records import FORWARD_KERNEL, SDPA
 from fusepass.runtime.replay import attention_replays
 from fusepass.runtime.timing import random_like
 
-Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]
+# out, lse, log_sum, the fallback rows, the output's rounding residual (`keeps_residual`; empty where none), the map
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]
 
 
 class AttentionCall:
@@ -155,7 +156,7 @@ class AttentionCall:
         try:
             # Everything the call returns is allocated here, outside the launches a replay repeats (the map's
             # views are made inside: a replayed call needs only its buffer).
-            outputs = forward_outputs(q4, self.mod, s.out_dtype, q.device, s.out_by_position)
+            outputs = forward_outputs(q4, self.mod, s.out_dtype, q.device, s.out_by_position, self.keeps_residual())
             packed_map = [torch.empty(shape, dtype=torch.int32, device=q.device) for shape in self.map_shapes(q)]
             if s.replay and attention_replays.can_replay(q):
                 # The outputs' layouts follow from the spec (named by the values) and q, k, v: keyed by pointer.
@@ -164,7 +165,7 @@ class AttentionCall:
                                       [t for t in (*outputs, *packed_map) if t is not None])
             else:
                 forward(outputs, packed_map)
-            out, lse, log_sum, fallback_rows = outputs
+            out, lse, log_sum, fallback_rows, residual = outputs
         except Exception as error:  # a kernel that fails to build or run must not break the model
             unfused.fail(error, "forward")
             return self._unfused_forward((q, k, v, *aux), seed_value)
@@ -174,11 +175,11 @@ class AttentionCall:
             profile.measure(unfused.forward_record, lambda: forward(outputs, packed_map),
                             lambda: unfused.forward((q, k, v, *aux), seed_value))
         fallback = fallback_rows if fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
-        return out, lse, log_sum, fallback, packed_map
+        return out, lse, log_sum, fallback, residual if residual is not None else out.new_empty(0), packed_map
 
     def backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor, fallback: torch.Tensor,
-                 block_map: list[torch.Tensor], aux: list[torch.Tensor], seed: torch.Tensor
+                 residual: torch.Tensor, block_map: list[torch.Tensor], aux: list[torch.Tensor], seed: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """Gradients of the sources of q, k, v (empty for one that another's buffer holds: `gradient_owners`) and of
         every aux tensor (zeros where none flows, empty where the spec says none does)."""
@@ -204,7 +205,8 @@ class AttentionCall:
         def backward(aux_grad: tuple[torch.Tensor, ...]) -> None:
             # The forward's map, where the op returned one, viewed here: a replayed call needs only its buffer.
             extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None,
-                                      self.block_map(block_map[0], q) if block_map else None)
+                                      self.block_map(block_map[0], q) if block_map else None,
+                                      residual if residual.numel() else None)
             flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, s.kernel_aux(read),
                                      s.kernel_aux_grad(aux_grad), dropout_p=s.dropout_p, seed=seed_value,
                                      grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
@@ -213,7 +215,7 @@ class AttentionCall:
         try:
             if s.replay and attention_replays.can_replay(q):
                 # The gradients' layouts follow from q, k, v's (seen through the spec's views) and the aux tensors'.
-                attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, *block_map, *read),
+                attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, residual, *block_map, *read),
                                       (s.name, seed_value), lambda: backward(aux_grad), (*aux_grad, *grads))
             else:
                 backward(aux_grad)
@@ -247,7 +249,7 @@ class AttentionCall:
         """The fused forward into `outputs` (`forward_outputs`): the sm_90 kernel's where `hopper` says it serves
         (and whether causal), else the Triton kernel's."""
         if hopper is not None:
-            out, lse, log_sum, fallback_rows = outputs
+            out, lse, log_sum, fallback_rows, _ = outputs  # no residual: `_choice` takes it where none is kept
             hopper_forward.hopper_forward(q4, k4, v4, out, lse, log_sum, fallback_rows, self.sdpa.scale, hopper)
             return
         s = self.spec
@@ -269,8 +271,9 @@ class AttentionCall:
                                                           k4.shape[2], q4.device)
                 if causal is not None:
                     where = shape_named(q4)
-                    # The forward's map, where the op returns it, is the Triton forward's to build.
-                    if not s.passes_map and hopper_forward.serves(q4, k4, v4, causal):
+                    # The forward's map, where the op returns it, is the Triton forward's to build, as are the exact
+                    # weights and the residual of a half-precision forward with a backward (`keeps_residual`).
+                    if not s.passes_map and not self.keeps_residual() and hopper_forward.serves(q4, k4, v4, causal):
                         hopper = causal
                     if s.sdpa:
                         gradients = any(self.unfused.requires_grad)
@@ -305,12 +308,13 @@ class AttentionCall:
                 in_a_backward(lambda: run.backward(grad_out, lse, grads), q.device)
 
         def fused_step() -> None:
-            outputs = forward_outputs(q, self.mod, s.out_dtype, q.device, s.out_by_position)
+            outputs = forward_outputs(q, self.mod, s.out_dtype, q.device, s.out_by_position, gradients)
             self._fused_forward(q, k, v, aux, 0, outputs, None, hopper)
             if gradients:
-                out, lse, log_sum, fallback_rows = outputs
-                flash_attention_backward(grad_out, q, k, v, out, lse, FlashForwardExtra(log_sum, fallback_rows, None),
-                                         self.mod, aux, s.kernel_aux_grad(()), grads=grads)
+                out, lse, log_sum, fallback_rows, residual = outputs
+                flash_attention_backward(grad_out, q, k, v, out, lse,
+                                         FlashForwardExtra(log_sum, fallback_rows, None, residual), self.mod, aux,
+                                         s.kernel_aux_grad(()), grads=grads)
 
         return Decision(causal, *sdpa_floor.timed(sdpa_step, fused_step), measured_at=shape_named(q4))
 
@@ -319,7 +323,17 @@ class AttentionCall:
         s = self.spec
         lse = q4.new_empty(s.out_shape[:3], dtype=torch.float32)
         out = run.forward(q4, k4, v4, self._out_strides(), lse, any(self.unfused.requires_grad))
-        return out, lse, torch.empty_like(lse), lse.new_empty(s.fallback_shape, dtype=torch.int8), []
+        fallback = lse.new_empty(s.fallback_shape, dtype=torch.int8)
+        return out, lse, torch.empty_like(lse), fallback, self._no_residual(out), []
+
+    def keeps_residual(self) -> bool:
+        """Whether the op returns its output's rounding residual (`forward.keeps_residual`): for a backward."""
+        return any(self.unfused.requires_grad) and keeps_residual(self.spec.out_dtype)
+
+    def _no_residual(self, out: torch.Tensor) -> torch.Tensor:
+        """The residual of a forward whose backward does not read it (SDPA's, the replaced ops'): laid out as the
+        fake lays it out, never written."""
+        return torch.empty_like(out) if self.keeps_residual() else out.new_empty(0)
 
     def _out_strides(self) -> tuple[int, ...]:
         """Of the op's output, as `forward_outputs` lays it out."""
@@ -338,7 +352,7 @@ class AttentionCall:
         fallback = out.new_zeros(s.fallback_shape, dtype=torch.int8)
         block_map = [out.new_zeros(shape, dtype=torch.int32) for shape in self.map_shapes(inputs[0])]
         return (out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback,
-                block_map)
+                self._no_residual(out), block_map)
 
     def _unfused_backward(self, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, seed: int):
         """The op's gradients from the replaced ops, differentiated by autograd, laid out as the kernels' are."""

@@ -147,21 +147,23 @@ DKDV_KERNEL, DQ_KERNEL = "_flash_backward_dkdv_kernel", "_flash_backward_dq_kern
 TORCH_OPS = "torch ops around the kernels"  # aux gradient buffers: zero-filled fp32, then cast
 
 
-def attention_forward_bytes(shape: AttentionShape, tiles: Tiles, aux: Sequence[AuxRead]
+def attention_forward_bytes(shape: AttentionShape, tiles: Tiles, aux: Sequence[AuxRead], residual: bool = False
                             ) -> tuple[dict[str, float], int]:
-    """(bytes the forward moves, by kernel; ideal bytes: Q, K, V and aux read once, O written once)."""
+    """(bytes the forward moves, by kernel; ideal bytes: Q, K, V and aux read once, O written once). `residual`:
+    whether it writes its output's rounding residual too (`forward.keeps_residual`)."""
     d, es, oes = shape.head_dim, shape.itemsize, shape.out_itemsize
-    q_and_out = shape.rows * d * (es + oes)
+    q_and_out = shape.rows * d * (es + oes * (2 if residual else 1))
     stats = shape.rows * (2 * STAT_BYTES + (1 if shape.masked else 0))
     kernel = q_and_out + _kv_reads(shape, tiles) + stats + _aux_tiles(shape, tiles, aux)
     ideal = q_and_out + 2 * shape.kv_rows * d * es + sum(a.bytes for a in aux)
     return {FORWARD_KERNEL: kernel}, ideal
 
 
-def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles: Tiles, aux: Sequence[AuxRead]
-                             ) -> tuple[dict[str, float], int]:
+def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles: Tiles, aux: Sequence[AuxRead],
+                             residual: bool = False) -> tuple[dict[str, float], int]:
     """(bytes the backward moves, by kernel; ideal bytes: Q, K, V, O, dO and aux read once, dQ, dK, dV and
-    aux gradients written once). Each kernel at its own tiles."""
+    aux gradients written once). Each kernel at its own tiles; `residual`: whether dQ reads the output's rounding
+    residual for its row term."""
     d, es, oes = shape.head_dim, shape.itemsize, shape.out_itemsize
     q_rows, kv_rows = shape.rows, shape.kv_rows
     row = d * (es + oes) + 3 * STAT_BYTES  # a query row of Q and dO, and its lse, log_sum, delta
@@ -175,7 +177,7 @@ def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles:
         DKDV_KERNEL: 4 * kv_rows * d * es + q_rows * row * dkdv_tiles.waves(dkdv_tiles.kv_blocks(shape))
         + _aux_tiles(shape, dkdv_tiles, aux) + atomics,
         # dQ also reads O, for delta = rowsum(dO · O), which it writes for dK/dV (in `row`, read there).
-        DQ_KERNEL: q_rows * (row + d * oes) + _kv_reads(shape, dq_tiles) + q_rows * d * es
+        DQ_KERNEL: q_rows * (row + d * oes * (2 if residual else 1)) + _kv_reads(shape, dq_tiles) + q_rows * d * es
         + _aux_tiles(shape, dq_tiles, aux),
     }
     if buffers:
@@ -212,12 +214,15 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
     compute = [n for n in replaced if not moves_no_bytes(n)]
     flops = unfused_flops(compute)
     elementwise_flops = flops - sum(op_flops(n) for n in compute if is_matmul(n))
-    parts, ideal = attention_forward_bytes(shape, forward_tiles, aux)
+    # A half-precision output's rounding residual, kept for the backward's row term (`forward.keeps_residual`: fp16
+    # and bf16, the 2-byte outputs).
+    residual = gradient_flows and shape.out_itemsize == 2
+    parts, ideal = attention_forward_bytes(shape, forward_tiles, aux, residual)
     row_stats = shape.rows * (2 * STAT_BYTES + (1 if shape.masked else 0))
     activation = 0
     if gradient_flows:
-        # The fused op keeps its output and row statistics instead.
-        kept_instead = shape.rows * shape.head_dim * shape.out_itemsize + row_stats
+        # The fused op keeps its output (and its residual) and row statistics instead.
+        kept_instead = shape.rows * shape.head_dim * shape.out_itemsize * (2 if residual else 1) + row_stats
         activation = _saved_bytes(compute, set(kept_by_kernel)) - kept_instead
     forward = Rewrite(
         kind="attention", phase="forward", location=location, ops=tuple(op_name(n) for n in compute),
@@ -229,7 +234,7 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
     backward = [op for n in reversed(compute) for op in backward_ops(n)]
     backward_elementwise = sum(op.flops for op in backward if not op.matmul)
     dkdv_tiles, dq_tiles = backward_tiles
-    parts, ideal = attention_backward_bytes(shape, dkdv_tiles, dq_tiles, aux)
+    parts, ideal = attention_backward_bytes(shape, dkdv_tiles, dq_tiles, aux, residual)
     # Both backward kernels recompute the scores and weights of each tile they visit; dK/dV adds dP, dV, dK
     # (8 flops per score per head-dim element in all), dQ adds dP and dQ (6).
     per_kernel = elementwise_flops + backward_elementwise

@@ -38,10 +38,10 @@ class DirectPlan:
                  ) -> list[torch.Tensor | None]:
         """The gradient of each of the dynamic op's tensors (None where none flows), a tensor read twice (one
         source of Q and K) summed."""
-        out, lse, log_sum, fallback, block_map = outputs  # the map the forward returned is the one its backward reads
+        out, lse, log_sum, fallback, residual, block_map = outputs  # the map the forward returned is its backward's
         aux = [tensors[i] for i in self.aux]
         dq, dk, dv, daux = run_attention_backward(grad, tensors[self.q], tensors[self.k], tensors[self.v], out, lse,
-                                                  log_sum, fallback, list(block_map), aux, seed, self.spec)
+                                                  log_sum, fallback, residual, list(block_map), aux, seed, self.spec)
         grads: list[torch.Tensor | None] = [None] * len(tensors)
         flowing = [(i, g) for i, g in zip((self.q, self.k, self.v, *self.aux), (dq, dk, dv, *daux)) if g.numel()]
         for i, g in flowing:  # empty: an aux gradient none needs, or a gradient another's buffer holds

@@ -23,9 +23,10 @@ def run_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, aux: list[t
 
 def run_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor, fallback: torch.Tensor,
-                           block_map: list[torch.Tensor], aux: list[torch.Tensor], seed: torch.Tensor, spec: str
+                           residual: torch.Tensor, block_map: list[torch.Tensor], aux: list[torch.Tensor],
+                           seed: torch.Tensor, spec: str
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return call_named(spec).backward(grad_out, q, k, v, out, lse, log_sum, fallback, block_map, aux, seed)
+    return call_named(spec).backward(grad_out, q, k, v, out, lse, log_sum, fallback, residual, block_map, aux, seed)
 
 
 # The ops' implementations are also called directly by the compiled graphs (fusepass/runnable.py).
@@ -45,11 +46,12 @@ def _attention_fake(q, k, v, aux, seed, spec):
     lse = q.new_empty(shape[:3], dtype=torch.float32)
     fallback = q.new_empty(s.fallback_shape, dtype=torch.int8)
     block_map = [q.new_empty(shape, dtype=torch.int32) for shape in call.map_shapes(q)]
-    return out, lse, q.new_empty(shape[:3], dtype=torch.float32), fallback, block_map
+    residual = torch.empty_like(out) if call.keeps_residual() else out.new_empty(0)
+    return out, lse, q.new_empty(shape[:3], dtype=torch.float32), fallback, residual, block_map
 
 
 @attention_backward.register_fake
-def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, block_map, aux, seed, spec):
+def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, residual, block_map, aux, seed, spec):
     s = call_named(spec).spec
     needs = s.aux_needs_grad(len(aux))
     # As `AttentionCall.backward` lays them out: the sources' strides (the kernels write through the op's views of
@@ -62,19 +64,19 @@ def _attention_backward_fake(grad_out, q, k, v, out, lse, log_sum, fallback, blo
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, v, aux, seed, spec = inputs
-    out, lse, log_sum, fallback, block_map = output
-    ctx.save_for_backward(q, k, v, out, lse, log_sum, fallback, seed, *block_map, *aux)
+    out, lse, log_sum, fallback, residual, block_map = output
+    ctx.save_for_backward(q, k, v, out, lse, log_sum, fallback, residual, seed, *block_map, *aux)
     ctx.spec = spec
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor, *unused: Any):
-    q, k, v, out, lse, log_sum, fallback, seed, *rest = ctx.saved_tensors
+    q, k, v, out, lse, log_sum, fallback, residual, seed, *rest = ctx.saved_tensors
     n_map = 1 if call_named(ctx.spec).spec.passes_map else 0
     block_map, aux = rest[:n_map], rest[n_map:]
     s = call_named(ctx.spec).spec
     # The output's gradient laid out as the output (the kernels read both alike): no copy where it arrives so.
     dq, dk, dv, daux = attention_backward(with_strides(grad_out, out.stride()), q, k, v, out, lse, log_sum, fallback,
-                                          list(block_map), list(aux), seed, ctx.spec)
+                                          residual, list(block_map), list(aux), seed, ctx.spec)
     # A source read by several of Q, K and V whose views tile it has its gradient in its first reader's place.
     dq, dk, dv = (g if owner == i else None for i, (g, owner) in enumerate(zip((dq, dk, dv), s.gradient_owners)))
     return dq, dk, dv, [g if g.numel() else None for g in daux], None, None

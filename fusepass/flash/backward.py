@@ -39,19 +39,25 @@ from fusepass.flash.distance_table import add_distance_gradients, distance_gradi
 from fusepass.flash.forward import LOG2E, FlashForwardExtra, has_partial_tiles
 from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, grouped_program, load_kv_tile, load_tile,
                                   load_tiles, masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
-                                  tile_positions)
+                                  tile_positions, truncated)
 from fusepass.flash.score_mod import ScoreMod
 from fusepass.runtime.sizes import cdiv
 
 
 @triton.jit
-def _row_stats(Lse, LogSum, bh, rows, Nq):
-    """Per query row: the shift m and log2 of the denominator that recompute the forward's weights. Rows past
-    Nq get m = +inf, hence weight 0."""
+def _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS: tl.constexpr):
+    """Per query row, (m, a, c) that recompute the forward's weights as 2^((x - m) · log2(e) - a), times c where
+    EXACT_WEIGHTS (cut to the inputs' dtype first: `_tile_weights`). Without it m is the row's max and a log2 of its denominator,
+    c unused. With it, from the forward's (shift, ±1 / l) (`forward.FlashForwardExtra`): m = 0 and a the whole
+    shift, or where the forward recomputed the row's block the exact way (its -1 / l) m its max and a = 0; c = 1 / l.
+    Rows past Nq weigh 0."""
     row_in = rows < Nq
     lse = tl.load(Lse + bh * Nq + rows, mask=row_in, other=float("inf"))
     log_sum = tl.load(LogSum + bh * Nq + rows, mask=row_in, other=0.0)
-    return lse - log_sum, log_sum * LOG2E
+    if EXACT_WEIGHTS:
+        exact_form = log_sum < 0.0
+        return tl.where(exact_form, lse, 0.0), tl.where(exact_form, 0.0, lse), tl.abs(log_sum)
+    return lse - log_sum, log_sum * LOG2E, log_sum
 
 
 @triton.jit
@@ -70,12 +76,17 @@ def _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCOR
 
 
 @triton.jit
-def _tile_weights(s, shift, log2_sum, b, h, bh, rows, cols, block, Nq, Nk, aux, seed, dropout_p,
+def _tile_weights(s, stats, like, b, h, bh, rows, cols, block, Nq, Nk, aux, seed, dropout_p,
                   SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, PARTIAL: tl.constexpr,
-                  DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr):
-    """The weights of one tile from its products s: (p, p_dropped, kept, dropped), and the index tiles the
-    score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held) stands in as kv_in on tiles that
-    are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
+                  DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
+                  EXACT_WEIGHTS: tl.constexpr):
+    """The weights of one tile from its products s and its rows' `stats` (`_row_statistics`): (p, p_dropped,
+    kept, dropped), and the index tiles the score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held)
+    stands in as kv_in on tiles that are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
+    With EXACT_WEIGHTS, p is the forward's weights times their sum l: cut to `like`'s dtype as their product with V
+    took them (`tiles.truncated`); p_dropped (dV's) the forward's weights themselves, divided by l (rounded once
+    more by dV's product: from the uncut 2^(…) / l instead, dV took their cut's mean, ~2^-9 of a weight, as a bias:
+    1.5x eager's distance for a value projection's weight under near-uniform weights, 1.0x as it is).
 
     The tiles are [q, kv], or [kv, q] when TRANSPOSED (the dK/dV kernel: its dots then take pᵀ and d sᵀ as
     they are, where transposing a tile in registers goes through shared memory); the score functions see
@@ -87,42 +98,56 @@ def _tile_weights(s, shift, log2_sum, b, h, bh, rows, cols, block, Nq, Nk, aux, 
         q_idx = q_idx[None, :]
         kv_idx = tl.minimum(cols, Nk - 1)[:, None]
         kv_in = (cols < Nk)[:, None]
-        shift, log2_sum = shift[None, :], log2_sum[None, :]
+        subtracted, shift2, scale = stats[0][None, :], stats[1][None, :], stats[2][None, :]
     else:
         q_idx = tl.minimum(rows, Nq - 1)[:, None]
         _, kv_idx, kv_in = tile_positions(block, Nk, BLOCK, TAIL)
         kv_idx, kv_in = kv_idx[None, :], kv_in[None, :]
-        shift, log2_sum = shift[:, None], log2_sum[:, None]
+        subtracted, shift2, scale = stats[0][:, None], stats[1][:, None], stats[2][:, None]
     if PARTIAL:
         x, kept = masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE, KEEP, FILL)
     else:
         kept = kv_in
         x = SCORE(s, b, h, q_idx, kv_idx, aux)
-    p = tl.math.exp2((x - shift) * LOG2E - log2_sum)
+    p = tl.math.exp2(tl.math.fma(x - subtracted, LOG2E, -shift2))
+    weights = p  # for dV's product
+    if EXACT_WEIGHTS:
+        p = truncated(p, like)  # the forward's weight times l (`_weights_gradient` takes the 1 / l)
+        weights = p * scale
     if DROPOUT:
         if TRANSPOSED:
             dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[None, :], cols[:, None])
         else:
             dropped = dropout_kept(seed, dropout_p, ((bh * Nq + rows) * Nk)[:, None], cols[None, :])
-        p_dropped = tl.where(dropped, p * (1.0 / (1.0 - dropout_p)), 0.0)
+        p_dropped = tl.where(dropped, weights * (1.0 / (1.0 - dropout_p)), 0.0)
     else:
         dropped = kv_in
-        p_dropped = p
+        p_dropped = weights
     return p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in
 
 
 @triton.jit
-def _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, dropout_p,
+def _weights_gradient(s, p, dp, kept, dropped, delta, scale, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, dropout_p,
                       SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
-                      DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr):
-    """The score-side gradient d s of a tile, from its weights (see `_tile_weights`) and dp = dO · Vᵀ."""
-    if TRANSPOSED:
+                      DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
+    """The score-side gradient d s of a tile, from its weights (see `_tile_weights`) and dp = dO · Vᵀ; with
+    EXACT_WEIGHTS p is l times the weights and `scale` the rows' 1 / l, taken in the row term's fused multiply-add."""
+    if EXACT_WEIGHTS:
+        scaled_delta = delta * scale
+        if TRANSPOSED:
+            scale, scaled_delta = scale[None, :], scaled_delta[None, :]
+        else:
+            scale, scaled_delta = scale[:, None], scaled_delta[:, None]
+    elif TRANSPOSED:
         delta = delta[None, :]
     else:
         delta = delta[:, None]
     if DROPOUT:
         dp = tl.where(dropped, dp * (1.0 / (1.0 - dropout_p)), 0.0)
-    ds = p * (dp - delta)
+    if EXACT_WEIGHTS:
+        ds = p * tl.math.fma(dp, scale, -scaled_delta)
+    else:
+        ds = p * (dp - delta)
     return _score_gradient(s, ds, kept, b, h, q_idx, kv_idx, kv_in, aux, aux_grad, SCORE_GRAD, FILL_GRAD,
                            PARTIAL)
 
@@ -132,22 +157,22 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum,
                cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr,
                FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               DESCRIPTORS: tl.constexpr, Q_TAIL: tl.constexpr):
+               DESCRIPTORS: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
                        DESCRIPTORS)
     do = do.to(q.dtype)
-    shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
+    stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
     # dV's product takes the weights before dp = dO · Vᵀ is computed: fewer tiles live at once.
     s = dot(k, tl.trans(q))
     p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, shift, log2_sum, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
-        DROPOUT, True, BLOCK_M, Q_TAIL)
+        s, stats, k, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
+        DROPOUT, True, BLOCK_M, Q_TAIL, EXACT_WEIGHTS)
     dv = dot(p_dropped.to(do.dtype), do, dv)
     dp = dot(v, tl.trans(do))
     delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
-    grad = _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
-                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True)
+    grad = _weights_gradient(s, p, dp, kept, dropped, delta, stats[2], b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
+                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True, EXACT_WEIGHTS)
     dk = dot(grad.to(q.dtype), q, dk)
     return dk, dv
 
@@ -178,7 +203,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
                aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, Q_TAIL: tl.constexpr):
+               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
     """dK and dV of the kv block after the tiles of `n_heads` query heads from `first_head` (of the kv head's
     group): with FLAT, heads that share one block map, in one walk over (query head, q block) pairs for each tile
     kind, the map's lists of the first head repeated for each head; else one head (n_heads 1). A loop over the
@@ -233,7 +258,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                                 first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE,
                                 KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                DESCRIPTORS, Q_TAIL)
+                                DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS)
     first_block = walk_start(full_blocks, n_full, KEEP is not None)
     next_block = first_block
     for j in range(0, n_heads * n_full):
@@ -244,7 +269,7 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
         dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                             first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP,
                             FILL, SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS,
-                            Q_TAIL)
+                            Q_TAIL, EXACT_WEIGHTS)
     return dk, dv
 
 
@@ -273,7 +298,7 @@ def _flash_backward_dkdv_kernel(
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
-    PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr, Q_TAIL: tl.constexpr,
+    PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr,
 ):
     # First kv blocks first: under a causal mask they hold the most tiles.
     kv_block, kv_head, b = grouped_program(HEAD_GROUP)
@@ -293,14 +318,14 @@ def _flash_backward_dkdv_kernel(
                             cols, 0, group, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                             fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
                             FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS, PARTIAL_TILES,
-                            True, Q_TAIL)
+                            True, Q_TAIL, EXACT_WEIGHTS)
     else:
         for g in range(0, group):
             dk, dv = _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head,
                                 kv_block, cols, g, 1, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                                 fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
                                 FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                PARTIAL_TILES, False, Q_TAIL)
+                                PARTIAL_TILES, False, Q_TAIL, EXACT_WEIGHTS)
 
     store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
                dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
@@ -309,33 +334,34 @@ def _flash_backward_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh, rows,
+def _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh, rows,
              Nq, Nk, aux, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
              SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-             KV_TAIL: tl.constexpr):
+             KV_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
     """Add one kv tile's share to dQ."""
     cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
                               PARTIAL, DESCRIPTORS, KV_TAIL)
     s = dot(q, tl.trans(k))
     dp = dot(do, tl.trans(v))
     p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, shift, log2_sum, b, h, bh, rows, cols, kv_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL,
-        PARTIAL, DROPOUT, False, BLOCK_N, KV_TAIL)
-    grad = _weights_gradient(s, p, dp, kept, dropped, delta, b, h, q_idx, kv_idx, kv_in, aux, None,
-                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False)
+        s, stats, k, b, h, bh, rows, cols, kv_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL,
+        PARTIAL, DROPOUT, False, BLOCK_N, KV_TAIL, EXACT_WEIGHTS)
+    grad = _weights_gradient(s, p, dp, kept, dropped, delta, stats[2], b, h, q_idx, kv_idx, kv_in, aux, None,
+                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False, EXACT_WEIGHTS)
     return dot(grad.to(k.dtype), k, dq)
 
 
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_backward_dq_kernel(
-    Q, K, V, Out, DO, Lse, LogSum, Delta, DQ,
+    Q, K, V, Out, Residual, DO, Lse, LogSum, Delta, DQ,
     q_strides, k_strides, v_strides, out_strides, do_strides, dq_strides,
     Nq, Nk, group, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
     HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr, DELTA_BY_DOT: tl.constexpr,
+    EXACT_WEIGHTS: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -357,8 +383,14 @@ def _flash_backward_dq_kernel(
         delta = tl.sum(tl.where(diagonal, square, 0.0), 1)
     else:
         delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
+    if Residual is not None:
+        # What rounding O left out (`keeps_residual`): without it a row's score gradients sum to dO · (O - round(O)),
+        # not 0. A row whose weight is all on one key has O = V exactly, residual 0: the cancellation above stays.
+        residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
+                             DESCRIPTORS)
+        delta += tl.sum(residual.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
-    shift, log2_sum = _row_stats(Lse, LogSum, bh, rows, Nq)
+    stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
 
     if KEEP is None:
         n_full, full_blocks = Nk // BLOCK_N, None
@@ -384,18 +416,18 @@ def _flash_backward_dq_kernel(
     next_block = walk_start(full_blocks, n_full, KEEP is not None)
     for i in range(0, n_full):
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
-        dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
+        dq = _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
-                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
+                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL, EXACT_WEIGHTS)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial + n_all):  # one of the two is 0
             kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
             if KEEP is not None:
                 kv_block = tl.where(n_all > 0, i, kv_block)
-            dq = _dq_tile(dq, q, do, shift, log2_sum, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head,
+            dq = _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head,
                           bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
-                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
+                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL, EXACT_WEIGHTS)
 
     store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
                dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
@@ -415,8 +447,8 @@ def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.
 def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, mod: ScoreMod,
                       aux: tuple, aux_grad: tuple | None, delta: torch.Tensor, grads: tuple, dropout_p: float,
-                      seed: int, map_at: Callable[[FlashConfig, bool], BlockMap], device: torch.device | None = None
-                      ) -> Iterator[tuple[Any, tuple, tuple, dict]]:
+                      seed: int, map_at: Callable[[FlashConfig, bool], BlockMap], device: torch.device | None = None,
+                      residual: torch.Tensor | None = None) -> Iterator[tuple[Any, tuple, tuple, dict]]:
     """(kernel, grid, arguments, keywords) of the dQ kernel's launch, then of the dK/dV kernel's: in that order,
     each map (`map_at` a kernel's config and whether it reads the cols lists, masks only) asked for just before
     its launch. `aux` includes the distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum`
@@ -436,7 +468,8 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         return dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
                     FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, HEAD_GROUP=config.head_group,
-                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, config.block_n), num_warps=config.num_warps,
+                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, config.block_n), EXACT_WEIGHTS=residual is not None,
+                    num_warps=config.num_warps,
                     num_stages=config.num_stages)
 
     config = configs.dq
@@ -444,11 +477,13 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if mod.has_mask:
         block_map = map_at(config, False)
         kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides)
-    (q_operand, k_operand, v_operand, out_operand, do_operand), descriptors = tile_operands(
-        ((q, config.block_m), (k, config.block_n), (v, config.block_n), (out, config.block_m), (do, config.block_m)),
-        block_d, config.descriptors)
+    tiled = ((q, config.block_m), (k, config.block_n), (v, config.block_n), (out, config.block_m), (do, config.block_m))
+    operands, descriptors = tile_operands(tiled + (((residual, config.block_m),) if residual is not None else ()),
+                                          block_d, config.descriptors)
+    q_operand, k_operand, v_operand, out_operand, do_operand, *residual_operand = operands
     yield (_flash_backward_dq_kernel, (cdiv(q_len, config.block_m), q_heads, batch),
-           (q_operand, k_operand, v_operand, out_operand, do_operand, lse, log_sum, delta, dq,
+           (q_operand, k_operand, v_operand, out_operand, *(residual_operand or [None]), do_operand, lse, log_sum,
+            delta, dq,
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p),
            dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m,
@@ -505,7 +540,8 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     for kernel, grid, args, keywords in backward_launches(
             do, q, k, v, out, lse.contiguous(), extra.log_sum.contiguous(), extra.fallback_rows, mod, aux,
-            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed, map_at):
+            aux_grad + by_distance if mod.has_aux_grad else None, delta, (dq, dk, dv), dropout_p, seed, map_at,
+            residual=extra.residual):
         launch_fitting(kernel, grid, *args, **keywords)
     if by_distance:
         add_distance_gradients(mod, aux, aux_grad, by_distance)

@@ -34,7 +34,7 @@ from fusepass.flash.config import FlashConfig, forward_config, head_block, kind_
 from fusepass.flash.distance_table import distance_tables
 from fusepass.flash.score_mod import ScoreMod
 from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, load_kv_tile, load_tile, masked_scores,
-                                  q_block_program, store_rows, tail_placement, tile_operands, tile_positions)
+                                  q_block_program, store_rows, tail_placement, tile_operands, tile_positions, truncated)
 from fusepass.runtime.sizes import cdiv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -53,8 +53,9 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                  SCALE: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-                 KV_TAIL: tl.constexpr):
-    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below)."""
+                 KV_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
+    """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below;
+    `EXACT_WEIGHTS`: the weights the backward recomputes, see `row_statistics`)."""
     cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
                               PARTIAL, DESCRIPTORS, KV_TAIL)
     s = dot(q, tl.trans(k))
@@ -71,7 +72,15 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
     x_max = tl.max(x, 1)
     tile_max = x_max * x_scale
     m_new = tl.maximum(m, tile_max)
-    if FUSED_EXP:
+    if FUSED_EXP and EXACT_WEIGHTS:
+        # Shifts by whole powers of two (base 2: the ceiling of the max), so that every rescale is exact and each
+        # weight is, as cut to V's dtype, cut(2^(x·c - M)) · 2^(M - shift) for the row's last shift M: the
+        # weight the backward recomputes from M. Rows whose max is not tame shift by 0 and are recomputed.
+        shift2 = tl.math.ceil(tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E)
+        p = tl.math.exp2(tl.math.fma(x, x_scale * LOG2E, -shift2[:, None]))
+        old_shift2 = tl.math.ceil(tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E)
+        alpha = tl.where(m == float("-inf"), 0.0, _power_of_two(old_shift2 - shift2))
+    elif FUSED_EXP:
         # Rows whose max is not tame shift by 0: their weights so far are 0 or garbage, and they are
         # recomputed (see the kernel's fallback).
         shift2 = tl.where(tl.abs(m_new) < TAME, m_new, 0.0) * LOG2E
@@ -91,16 +100,30 @@ def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, 
         # Subtract before scaling by log2(e): finfo.min * log2(e) would overflow to -inf.
         p = tl.math.exp2((x - shift[:, None]) * LOG2E)
         alpha = tl.math.exp2((m - shift) * LOG2E)
+    if EXACT_WEIGHTS:
+        # The weights cut to V's dtype (toward zero: one bitwise and, no conversion back for their sum), and l their
+        # sum: the output is made of weights that sum to 1, the same the backward recomputes.
+        p = truncated(p, v)
     l = l * alpha + tl.sum(p, 1)
+    weights = p.to(v.dtype)  # as their product with V takes them (exactly, where truncated)
     if DROPOUT:
         p = tl.where(dropout_kept(seed, dropout_p, drop_rows[:, None], cols[None, :]), p, 0.0)
-    acc = dot(p.to(v.dtype), v, acc * alpha[:, None])
+        weights = p.to(v.dtype)
+    acc = dot(weights, v, acc * alpha[:, None])
     return acc, m_new, l, excess
+
+
+@triton.jit
+def _power_of_two(e):
+    """2^e for whole e, exactly (0 below float32's normal range)."""
+    e = tl.minimum(tl.maximum(e, -127.0), 127.0)
+    bits = (e.to(tl.int32) + 127) << 23
+    return tl.where(e > -127.0, bits.to(tl.float32, bitcast=True), 0.0)
 
 
 @triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
 def _flash_forward_kernel(
-    Q, K, V, Out, Lse, LogSum, Fallback,
+    Q, K, V, Out, Residual, Lse, LogSum, Fallback,
     q_strides, k_strides, v_strides, out_strides,
     Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
@@ -136,7 +159,8 @@ def _flash_forward_kernel(
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
         acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
                                          q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False,
-                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL)
+                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL,
+                                         Residual is not None)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial):
@@ -144,7 +168,7 @@ def _flash_forward_kernel(
             acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
                                              SCALE, True, DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                             KV_TAIL)
+                                             KV_TAIL, Residual is not None)
 
     # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
     # whose max stands SKIP_MARGIN above every fill value: not for rows without a kept element, or with
@@ -161,11 +185,14 @@ def _flash_forward_kernel(
     # block where most rows are so (scores of 1e4 and more), those roundings are the block's whole gradient: its
     # saturated rows are recomputed the exact way, whose weight is 1 and output that V exactly, so that the
     # backward's delta (a dot as dp's) cancels. Elsewhere they are a rounding among the others' gradients.
-    weighted = row_in & (l > 0.0)  # rows without a kept key (l = 0) are the fallback's already
-    saturated = (l == tl.math.exp2(excess)) & weighted
-    most = 2 * tl.sum(saturated.to(tl.int32), 0) > tl.sum(weighted.to(tl.int32), 0)
-    fallback = fallback | (saturated & most)
-    if tl.max(fallback.to(tl.int32), 0) > 0:
+    # With EXACT_WEIGHTS, l is that element's cut weight, the same in O and in the backward: none is needed.
+    if Residual is None:
+        weighted = row_in & (l > 0.0)  # rows without a kept key (l = 0) are the fallback's already
+        saturated = (l == tl.math.exp2(excess)) & weighted
+        most = 2 * tl.sum(saturated.to(tl.int32), 0) > tl.sum(weighted.to(tl.int32), 0)
+        fallback = fallback | (saturated & most)
+    recomputed = tl.max(fallback.to(tl.int32), 0) > 0
+    if recomputed:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -173,7 +200,7 @@ def _flash_forward_kernel(
             acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
                                              SCALE, True, DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                             KV_TAIL)
+                                             KV_TAIL, Residual is not None)
         excess = tl.zeros([BLOCK_M], tl.float32)  # the exact form's weights carry no common factor
     if KEEP is not None:
         tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
@@ -183,11 +210,22 @@ def _flash_forward_kernel(
     else:
         l_out = l
     Out_bh = Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1]
-    store_rows(Out_bh, acc / l_out[:, None], rows, Nq, out_strides[2], offs_d, out_strides[3],
-               HEAD_DIM)
-    log_sum = tl.log(l) - excess * LN2
-    tl.store(Lse + bh * Nq + rows, m + log_sum, mask=row_in)
-    tl.store(LogSum + bh * Nq + rows, log_sum, mask=row_in)
+    o = acc / l_out[:, None]
+    store_rows(Out_bh, o, rows, Nq, out_strides[2], offs_d, out_strides[3], HEAD_DIM)
+    if Residual is not None:  # what rounding the output to its dtype left out, laid out as it
+        residual = o - o.to(Out.dtype.element_ty).to(tl.float32)
+        store_rows(Residual + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1], residual, rows, Nq,
+                   out_strides[2], offs_d, out_strides[3], HEAD_DIM)
+    if Residual is not None:
+        # (the shift, ±1 / l), `row_statistics`: a block recomputed the exact way shifts by its maxima m
+        exact_form = tl.zeros([BLOCK_M], tl.int1) | recomputed
+        shift2 = tl.math.ceil(tl.where(tl.abs(m) < TAME, m, 0.0) * LOG2E)
+        tl.store(Lse + bh * Nq + rows, tl.where(exact_form, m, shift2), mask=row_in)
+        tl.store(LogSum + bh * Nq + rows, tl.where(exact_form, -1.0, 1.0) / l, mask=row_in)
+    else:
+        log_sum = tl.log(l) - excess * LN2
+        tl.store(Lse + bh * Nq + rows, m + log_sum, mask=row_in)
+        tl.store(LogSum + bh * Nq + rows, log_sum, mask=row_in)
 
 
 @dataclass(frozen=True)
@@ -198,11 +236,20 @@ class FlashForwardExtra:
     recomputes weights as exp(x - m - log_sum) with m = lse - log_sum, because exp(x - lse) loses log_sum
     when |lse| is huge (a row masked with finfo.min has lse == finfo.min in fp32, and would get weight 1
     instead of 1/Nk).
+
+    Where the forward kept its output's residual (`keeps_residual`, its EXACT_WEIGHTS), the two row statistics
+    are instead the ones the backward recomputes the forward's very weights from, P = cut(2^(x · log2(e) - M)) / l
+    with cut to V's dtype toward zero (`tiles.truncated`, `backward._row_statistics`): "lse" holds the row's last
+    shift M (a whole number) and "log_sum" 1 / l, l the sum of the cut weights. A block recomputed the exact way holds
+    its maxima m in score units and -1 / l, its weights cut(e^(x - m)) / l.
     """
 
     log_sum: torch.Tensor  # [B, Hq, Nq] fp32
     fallback_rows: torch.Tensor | None  # [B, Hq, Nq] int8, 1 where the row was recomputed over all tiles
     block_map: BlockMap | None  # the forward's block map (the backward reuses it if its tiles match)
+    # [B, Hq, Nq, D] as `out`: out's fp32 value minus out (`keeps_residual`), or None; the backward's row term reads
+    # both
+    residual: torch.Tensor | None = None
 
 
 def forward_tile_configs(mod: ScoreMod, head_dim: int, dtype: torch.dtype, device: torch.device
@@ -225,10 +272,11 @@ def has_partial_tiles(mod: ScoreMod, kv_len: int, block_n: int) -> bool:
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, config: FlashConfig,
                    block_map: BlockMap | None, out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor,
-                   fallback_rows: torch.Tensor | None, seed: int, dropout_p: float
-                   ) -> tuple[Any, tuple, tuple, dict]:
+                   fallback_rows: torch.Tensor | None, seed: int, dropout_p: float,
+                   residual: torch.Tensor | None = None) -> tuple[Any, tuple, tuple, dict]:
     """(kernel, grid, arguments, keywords) of the forward kernel's launch at `config`'s warps and stages and the map's
-    tiles (`config`'s where no mask). `aux` includes the distance tables."""
+    tiles (`config`'s where no mask). `aux` includes the distance tables; `residual`: where to write the output's
+    rounding residual (laid out as `out`), or None."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
@@ -238,7 +286,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
     grid = (cdiv(q_len, block_m), q_heads, batch)
     (q_operand, k_operand, v_operand), descriptors = tile_operands(((q, block_m), (k, block_n), (v, block_n)),
                                                                     head_block(head_dim), config.descriptors)
-    args = (q_operand, k_operand, v_operand, out, lse, log_sum, fallback_rows,
+    args = (q_operand, k_operand, v_operand, out, residual, lse, log_sum, fallback_rows,
             q.stride(), k.stride(), v.stride(), out.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p)
     keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
@@ -251,17 +299,31 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
 
 
 def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | None, device: torch.device | str,
-                    by_position: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The forward kernel's outputs for `q`, on `device`: out, lse, log_sum and the fallback rows (masks only).
-    `out` is [B, H, N, D], laid out [B, N, H, D] where `by_position` (the kernel writes through its strides)."""
+                    by_position: bool = False, backward: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The forward kernel's outputs for `q`, on `device`: out, lse, log_sum, the fallback rows (masks only) and,
+    where a `backward` will read it, the output's rounding residual (`keeps_residual`). `out` is [B, H, N, D], laid
+    out [B, N, H, D] where `by_position` (the kernel writes through its strides); the residual as `out`."""
     b, h, n, d = q.shape
-    out = torch.empty((b, n, h, d) if by_position else (b, h, n, d), dtype=out_dtype or q.dtype, device=device)
-    if by_position:
-        out = out.transpose(1, 2)
+    dtype = out_dtype or q.dtype
+
+    def output() -> torch.Tensor:
+        laid_out = torch.empty((b, n, h, d) if by_position else (b, h, n, d), dtype=dtype, device=device)
+        return laid_out.transpose(1, 2) if by_position else laid_out
+
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
     log_sum = torch.empty_like(lse)
     fallback_rows = torch.empty(q.shape[:3], dtype=torch.int8, device=device) if mod.has_mask else None
-    return out, lse, log_sum, fallback_rows
+    return output(), lse, log_sum, fallback_rows, output() if backward and keeps_residual(dtype) else None
+
+
+def keeps_residual(out_dtype: torch.dtype) -> bool:
+    """Whether a forward whose backward follows keeps its output's rounding residual, and weights the backward can
+    recompute exactly (`EXACT_WEIGHTS`: whole shifts, l summed from the weights as cut for their product with V):
+    in half precision, where the backward's row term delta = dO · O taken from the rounded output, or from weights
+    other than the ones O was made of, would leave each row's score gradients summing to a rounding of the output's,
+    not 0 (a key projection's bias gradient, exactly 0, is their sum over every row)."""
+    return out_dtype in (torch.float16, torch.bfloat16)
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, *,
@@ -291,8 +353,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         kinds_at = kind_block_m(config, head_dim, q.dtype, q.device) if mod.keep_reads_aux else None
         block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
                                   q.device, map_into, kinds_at)
-    out, lse, log_sum, fallback_rows = outputs or forward_outputs(q, mod, out_dtype, q.device)
+    out, lse, log_sum, fallback_rows, residual = outputs or forward_outputs(q, mod, out_dtype, q.device)
     kernel, grid, args, keywords = forward_launch(q, k, v, mod, aux, config, block_map, out, lse, log_sum,
-                                                  fallback_rows, seed, dropout_p)
+                                                  fallback_rows, seed, dropout_p, residual)
     launch_fitting(kernel, grid, *args, **keywords)
-    return out, lse, FlashForwardExtra(log_sum, fallback_rows, block_map)
+    return out, lse, FlashForwardExtra(log_sum, fallback_rows, block_map, residual)

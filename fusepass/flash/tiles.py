@@ -30,6 +30,18 @@ def dot(a, b, acc=None):
 
 
 @triton.jit
+def truncated(x, like):
+    """float32 `x` cut to the mantissa of `like`'s dtype (fp16 or bf16): the value that dtype holds, rounded toward
+    zero, by one bitwise and (for weights in [2^-14, 1], fp16's normal range, where it holds every such value). The
+    forward's weights for their product with V, and the backward's same weights, without a conversion each way."""
+    if like.dtype == tl.bfloat16:
+        kept = 0xFFFF0000
+    else:
+        kept = 0xFFFFE000
+    return (x.to(tl.uint32, bitcast=True) & kept).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def load_rows(base, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr,
               CHECK_ROWS: tl.constexpr):
     """A [len(rows), BLOCK_D] tile of an [n_rows, HEAD_DIM] matrix: zeros past HEAD_DIM and, when

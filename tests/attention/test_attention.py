@@ -369,7 +369,7 @@ def test_a_mask_reading_tensors_is_mapped_once_per_forward_and_backward(monkeypa
     out = compiled(q, k, v, segments)
     assert len(built) == 1  # the forward's map, which the op returns for the backward
     spec = last_attention()
-    returned = op.run_attention(q.detach(), k.detach(), v.detach(), [segments], torch.empty(0), spec.spec.name)[4]
+    returned = op.run_attention(q.detach(), k.detach(), v.detach(), [segments], torch.empty(0), spec.spec.name)[5]
     assert [tuple(t.shape) for t in returned] == spec.map_shapes(q)
     built.clear()
     torch.autograd.grad(out, (q, k, v), torch.randn_like(out))

@@ -4,7 +4,6 @@ every call's values: forward and backward, a cached block map dropped from its c
 graphs that read it), a map built per call, dropout (a new seed per call: nothing to replay)."""
 from __future__ import annotations
 
-import gc
 import math
 
 import pytest
@@ -64,10 +63,7 @@ def test_replayed_calls_compute_what_launched_calls_compute(case):
                 t.copy_(value)
 
     # The replayed calls one after another, nothing else allocated between them: each starts from the same
-    # free memory, so its outputs land where the last call's did. The blocks earlier tests left cached would decide
-    # where the first calls' outputs land: released first.
-    gc.collect()
-    torch.cuda.empty_cache()
+    # free memory, so its outputs land where the last call's did.
     blockmap._cache.clear()  # the maps cached from here on are the replayed function's
     replayed_by_call = []
     for call in range(calls):

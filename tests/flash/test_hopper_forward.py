@@ -1,6 +1,7 @@
 """The sm_90 forward (`fusepass.flash.hopper_forward`): its output, lse and log_sum against float64 at the layouts it
 serves (contiguous, by position, a fused projection's slices, shared K/V heads), where it runs under torch.compile
-(the report names it; gradients through the Triton backward), and where it does not (the Triton kernel runs).
+(the report names it), and where it does not (the Triton kernel runs: a half-precision forward with a backward among
+them).
 The kernel runs asynchronous products and TMA rings: on an sm_90 GPU only; elsewhere `serves` says no."""
 from __future__ import annotations
 
@@ -96,13 +97,24 @@ def causal_attention(x, wq, wk, wv):
 
 @on_hopper
 @pytest.mark.parametrize("n", [256, 384])  # a second call at another length compiles again
-def test_a_compiled_attention_runs_it_and_trains(n):
+def test_a_compiled_attention_without_gradients_runs_it(n):
     x = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
     weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
-    report = check(causal_attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
+    report = check(causal_attention, x, *weights, backend=fusepass.backend(sdpa=False))
     detail = last_attention().unfused.forward_record.detail
     assert list(detail.get(FORWARD_KERNEL, {}).values()) == [hopper_forward.DESCRIBED], detail
     assert "sm_90" in str(report)
+
+
+@on_hopper
+def test_a_training_forward_is_the_triton_kernels():
+    """A half-precision forward with a backward keeps its output's residual and the weights the backward recomputes
+    (`forward.keeps_residual`), which this kernel does not write."""
+    x = torch.randn(2, 256, 256, device=DEVICE, dtype=torch.bfloat16)
+    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
+    check(causal_attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
+    assert last_attention().keeps_residual()
+    assert FORWARD_KERNEL not in last_attention().unfused.forward_record.detail
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd", "qkv"])
