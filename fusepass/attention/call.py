@@ -249,8 +249,9 @@ class AttentionCall:
         """The fused forward into `outputs` (`forward_outputs`): the sm_90 kernel's where `hopper` says it serves
         (and whether causal), else the Triton kernel's."""
         if hopper is not None:
-            out, lse, log_sum, fallback_rows, _ = outputs  # no residual: `_choice` takes it where none is kept
-            hopper_forward.hopper_forward(q4, k4, v4, out, lse, log_sum, fallback_rows, self.sdpa.scale, hopper)
+            out, lse, log_sum, fallback_rows, residual = outputs
+            hopper_forward.hopper_forward(q4, k4, v4, out, lse, log_sum, fallback_rows, self.sdpa.scale, hopper,
+                                          residual)
             return
         s = self.spec
         flash_attention_forward(q4, k4, v4, self.mod, aux, dropout_p=s.dropout_p, seed=seed, out_dtype=s.out_dtype,
@@ -271,9 +272,8 @@ class AttentionCall:
                                                           k4.shape[2], q4.device)
                 if causal is not None:
                     where = shape_named(q4)
-                    # The forward's map, where the op returns it, is the Triton forward's to build, as are the exact
-                    # weights and the residual of a half-precision forward with a backward (`keeps_residual`).
-                    if not s.passes_map and not self.keeps_residual() and hopper_forward.serves(q4, k4, v4, causal):
+                    # The forward's map, where the op returns it, is the Triton forward's to build.
+                    if not s.passes_map and hopper_forward.serves(q4, k4, v4, causal):
                         hopper = causal
                     if s.sdpa:
                         gradients = any(self.unfused.requires_grad)

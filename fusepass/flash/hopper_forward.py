@@ -12,7 +12,10 @@ tiles (no tail tile), and Q, K, V and the output each rows of one matrix (`_Rows
 `exp2((s - m) · scale · log2(e))` with m the running max of the raw products: exact at any magnitude (the fused
 form's Triton kernel recomputes rows whose max is not tame; this form has none). It writes lse and log_sum as
 Triton's forward does (`forward.FlashForwardExtra`), so the Triton backward follows it, and zeros into the fallback
-rows (none is recomputed). The Triton kernel runs everything else, every other GPU and the interpreter.
+rows (none is recomputed). In half precision with a backward (`forward.keeps_residual`) it takes the Triton
+forward's exact weights instead (whole-power-of-two shifts, each weight cut toward zero to V's dtype, l their sum),
+writes their statistics and the output's rounding residual (docs/flash-kernel-interface.md). The Triton kernel runs
+everything else, every other GPU and the interpreter.
 """
 from __future__ import annotations
 
@@ -38,15 +41,32 @@ HEAD_DIMS = (64, 128)
 
 if gluon is not None:
     @gluon.jit
-    def _tile_weights(s, m_i, l_i, c, q_pos, k_pos, MASKED: gl.constexpr):
-        """One tile's online softmax: its weights, the accumulator's rescale, the new running max (of the raw
-        products) and sum."""
+    def _tile_weights(s, m_i, sub_i, shift_i, l_i, c, q_pos, k_pos, dtype: gl.constexpr, MASKED: gl.constexpr,
+                      EXACT: gl.constexpr):
+        """One tile's online softmax: its weights in `dtype`, the accumulator's rescale, the new running max (of
+        the raw products), the weights' (subtracted, shift) and sum. Without EXACT the weights are 2^((s - m) · c)
+        (sub and shift unused). With it (`forward.keeps_residual`), the Triton forward's exact weights: while a row's
+        max is tame, 2^(s · c - shift) for the whole shift ceil(m · c), every rescale exact; past that, 2^((s - m) · c)
+        (the row's statistics say which, `backward._row_statistics`); each cut toward zero to `dtype` by a bitwise
+        and (`tiles.truncated`), and l their sum."""
         if MASKED:
             s = gl.where(q_pos[:, None] >= k_pos[None, :], s, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1))
+        if EXACT:
+            tame = gl.abs(m_new * c) < 16777216.0  # 2^24, the Triton forward's TAME
+            sub = gl.where(tame, 0.0, m_new)
+            shift = gl.where(tame, gl.ceil(m_new * c), 0.0)
+            p = gl.exp2(gl.fma(s - sub[:, None], c, -shift[:, None]))
+            if dtype == gl.bfloat16:
+                p = (p.to(gl.uint32, bitcast=True) & 0xFFFF0000).to(gl.float32, bitcast=True)
+            else:
+                p = (p.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
+            # From the shift before; a whole power of two while the row stays tame (rows start at m = -inf).
+            alpha = gl.exp2(gl.fma(sub_i - sub, c, shift_i - shift))
+            return p.to(dtype), alpha, m_new, sub, shift, l_i * alpha + gl.sum(p, 1)
         p = gl.exp2((s - m_new[:, None]) * c)
         alpha = gl.exp2((m_i - m_new) * c)
-        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+        return p.to(dtype), alpha, m_new, sub_i, shift_i, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
     def _load(desc, row, col, bar, dest):
@@ -71,9 +91,9 @@ if gluon is not None:
             _load(v_desc, v_row + j * BLOCK_N, v_col, v_ready.index(slot), v_smem.index(slot))
 
     @gluon.jit
-    def _step(j, p_prev, alpha_prev, acc, m_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready, done,
-              S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-              MASKED: gl.constexpr):
+    def _step(j, p_prev, alpha_prev, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready,
+              v_ready, done, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, MASKED: gl.constexpr, EXACT: gl.constexpr):
         """Tile j's scores, then tile j - 1's product with V beside tile j's softmax (neither the accumulator nor
         the weights' registers are touched while a product that reads them runs)."""
         slot = j % STAGES
@@ -86,18 +106,19 @@ if gluon is not None:
         acc = warpgroup_mma(p_prev, v_smem.index(before), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
-        p, alpha, m_i, l_i = _tile_weights(s, m_i, l_i, c, q_pos, k_pos, MASKED)
+        p, alpha, m_i, sub_i, shift_i, l_i = _tile_weights(s, m_i, sub_i, shift_i, l_i, c, q_pos, k_pos,
+                                                           v_smem.dtype, MASKED, EXACT)
         # The weights as a dependency of the wait: computed before it, not sunk past it to their use.
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
         mbarrier.arrive(done.index(slot))  # K[j] and V[j - 1] read
-        p = gl.convert_layout(p.to(v_smem.dtype), gl.DotOperandLayout(0, O_LAYOUT, 2))
-        return p, alpha, acc, m_i, l_i
+        p = gl.convert_layout(p, gl.DotOperandLayout(0, O_LAYOUT, 2))
+        return p, alpha, acc, m_i, sub_i, shift_i, l_i
 
     @gluon.jit
-    def _partition(o_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                   done, o_row, o_col, stat_row, start_m, n_tiles, scale, part, HEAD_DIM: gl.constexpr,
+    def _partition(o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
+                   v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, scale, part, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                   ROWS: gl.constexpr):
+                   ROWS: gl.constexpr, EXACT: gl.constexpr):
         """A computing partition (one warpgroup): its `ROWS` query rows' products and softmax, then their output
         (by TMA, staged where its Q was), lse and log_sum."""
         warps: gl.constexpr = gl.num_warps()
@@ -111,6 +132,8 @@ if gluon is not None:
         q_pos = start_m * BLOCK_M + part * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
+        sub_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)  # EXACT's (see _tile_weights)
+        shift_i = gl.zeros([ROWS], gl.float32, s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
         mbarrier.wait(q_bar, 0)
@@ -121,14 +144,17 @@ if gluon is not None:
         # A causal program's masked tiles are its last BLOCK_M // BLOCK_N.
         n_full = n_tiles - BLOCK_M // BLOCK_N if CAUSAL else n_tiles
         k_pos = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        p, alpha, m_i, l_i = _tile_weights(s, m_i, l_i, c, q_pos, k_pos, CAUSAL)
-        p = gl.convert_layout(p.to(v_smem.dtype), gl.DotOperandLayout(0, o_layout, 2))
+        p, alpha, m_i, sub_i, shift_i, l_i = _tile_weights(s, m_i, sub_i, shift_i, l_i, c, q_pos, k_pos,
+                                                           v_smem.dtype, CAUSAL, EXACT)
+        p = gl.convert_layout(p, gl.DotOperandLayout(0, o_layout, 2))
         for j in range(1, n_full):
-            p, alpha, acc, m_i, l_i = _step(j, p, alpha, acc, m_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready,
-                                            v_ready, done, s_layout, o_layout, BLOCK_N, STAGES, False)
+            p, alpha, acc, m_i, sub_i, shift_i, l_i = _step(
+                j, p, alpha, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready, done,
+                s_layout, o_layout, BLOCK_N, STAGES, False, EXACT)
         for j in range(gl.maximum(n_full, 1), n_tiles):
-            p, alpha, acc, m_i, l_i = _step(j, p, alpha, acc, m_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready,
-                                            v_ready, done, s_layout, o_layout, BLOCK_N, STAGES, CAUSAL)
+            p, alpha, acc, m_i, sub_i, shift_i, l_i = _step(
+                j, p, alpha, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready, done,
+                s_layout, o_layout, BLOCK_N, STAGES, CAUSAL, EXACT)
         last = n_tiles - 1
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -137,22 +163,37 @@ if gluon is not None:
         acc = acc / gl.convert_layout(l_i, o_rows)[:, None]
         stat_layout: gl.constexpr = gl.BlockedLayout([1], [32], [warps], [0])
         rows = stat_row + part * ROWS + gl.arange(0, ROWS, layout=stat_layout)
-        # As the Triton forward's: log_sum the log of the row's sum relative to its max m (in score units), lse
-        # m + log_sum.
-        log_sum = gl.convert_layout(gl.log(l_i), stat_layout)
-        gl.store(log_sum_ptr + rows, log_sum)
-        gl.store(lse_ptr + rows, gl.convert_layout(m_i * scale, stat_layout) + log_sum)
+        if EXACT:
+            # As the Triton forward's exact weights (`forward.FlashForwardExtra`): (the whole shift, 1 / l) while
+            # tame, else (the max in score units, -1 / l).
+            tame = gl.convert_layout(sub_i == 0.0, stat_layout)
+            gl.store(lse_ptr + rows, gl.where(tame, gl.convert_layout(shift_i, stat_layout),
+                                              gl.convert_layout(m_i * scale, stat_layout)))
+            gl.store(log_sum_ptr + rows, gl.where(tame, 1.0, -1.0) / gl.convert_layout(l_i, stat_layout))
+        else:
+            # As the Triton forward's: log_sum the log of the row's sum relative to its max m (in score units), lse
+            # m + log_sum.
+            log_sum = gl.convert_layout(gl.log(l_i), stat_layout)
+            gl.store(log_sum_ptr + rows, log_sum)
+            gl.store(lse_ptr + rows, gl.convert_layout(m_i * scale, stat_layout) + log_sum)
         if fallback_ptr is not None:
             gl.store(fallback_ptr + rows, gl.zeros([ROWS], gl.int8, stat_layout))
-        q_smem.store(acc.to(q_smem.dtype))  # Q is read no more: its buffer stages the output for one TMA store
+        rounded = acc.to(q_smem.dtype)
+        q_smem.store(rounded)  # Q is read no more: its buffer stages the output for one TMA store
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [o_row + part * ROWS, o_col], q_smem)
         tma.store_wait(0)
+        if EXACT:  # the output's rounding residual, laid out as it (`forward.keeps_residual`), staged alike
+            q_smem.store((acc - rounded.to(gl.float32)).to(q_smem.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(r_desc, [o_row + part * ROWS, o_col], q_smem)
+            tma.store_wait(0)
 
     @gluon.jit
-    def _hopper_forward(q_desc, k_desc, v_desc, o_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_strides, k_strides,
-                        v_strides, o_strides, n_heads, group, q_len, kv_len, scale, HEAD_DIM: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    def _hopper_forward(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_strides,
+                        k_strides, v_strides, o_strides, n_heads, group, q_len, kv_len, scale, HEAD_DIM: gl.constexpr,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                        EXACT: gl.constexpr):
         """Program (q block, batch · head). Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
         in the matrix its descriptor covers (`_Rows`)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -191,12 +232,12 @@ if gluon is not None:
         stat_row = bh * q_len + start_m * BLOCK_M
         o_col = (o_base % o_strides[2]).to(gl.int32)
         gl.warp_specialize([
-            (_partition, (o_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(0), k_smem, v_smem,
+            (_partition, (o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(0), k_smem, v_smem,
                           q_bars.index(0), k_ready, v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, scale, 0,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS)),
-            (_partition, (o_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(1), k_smem, v_smem,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS, EXACT)),
+            (_partition, (o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(1), k_smem, v_smem,
                           q_bars.index(1), k_ready, v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, scale, 1,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS)),
+                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS, EXACT)),
             (_loads, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, done, q_row,
                       (q_base % q_strides[2]).to(gl.int32), k_row, (k_base % k_strides[2]).to(gl.int32), v_row,
                       (v_base % v_strides[2]).to(gl.int32), n_tiles, BLOCK_N, STAGES, PARTS))], [4, 1], [240, 24])
@@ -258,13 +299,18 @@ DESCRIBED = "the forward ran the sm_90 kernel (warp-specialized, Gluon)"  # in t
 
 
 def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, scale: float, causal: bool) -> None:
+                   log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, scale: float, causal: bool,
+                   residual: torch.Tensor | None = None) -> None:
     """The forward into `out` ([B, H, N, D] view), `lse` and `log_sum` ([B, H, N] contiguous fp32) and zeros into
-    `fallback_rows` ([B, H, N] int8, a mask's; None without), where `serves`."""
+    `fallback_rows` ([B, H, N] int8, a mask's; None without), where `serves`. With `residual` (laid out as `out`),
+    the Triton forward's exact weights and their statistics, and the output's rounding residual
+    (`forward.keeps_residual`)."""
     batch, q_heads, q_len, d = q.shape
     described = [_Rows.of(t).described(t, rows) for t, rows in
                  ((q, BLOCK_M // PARTS), (k, BLOCK_N), (v, BLOCK_N), (out, BLOCK_M // PARTS))]
+    residual_described = described[3] if residual is None else _Rows.of(residual).described(residual, BLOCK_M // PARTS)
     strides = [t.stride()[:3] for t in (q, k, v, out)]
     _hopper_forward[(q_len // BLOCK_M, batch * q_heads)](
-        *described, lse, log_sum, fallback_rows, *strides, q_heads, q_heads // k.shape[1], q_len,
-        k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)
+        *described, residual_described, lse, log_sum, fallback_rows, *strides, q_heads, q_heads // k.shape[1],
+        q_len, k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
+        EXACT=residual is not None, num_warps=4)

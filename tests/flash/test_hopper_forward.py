@@ -1,7 +1,7 @@
 """The sm_90 forward (`fusepass.flash.hopper_forward`): its output, lse and log_sum against float64 at the layouts it
 serves (contiguous, by position, a fused projection's slices, shared K/V heads), where it runs under torch.compile
-(the report names it), and where it does not (the Triton kernel runs: a half-precision forward with a backward among
-them).
+(the report names it; with a backward in half precision, the exact weights and the output's residual the Triton
+backward reads), and where it does not (the Triton kernel runs).
 The kernel runs asynchronous products and TMA rings: on an sm_90 GPU only; elsewhere `serves` says no."""
 from __future__ import annotations
 
@@ -107,14 +107,15 @@ def test_a_compiled_attention_without_gradients_runs_it(n):
 
 
 @on_hopper
-def test_a_training_forward_is_the_triton_kernels():
+def test_a_training_forward_runs_it_with_the_exact_weights():
     """A half-precision forward with a backward keeps its output's residual and the weights the backward recomputes
-    (`forward.keeps_residual`), which this kernel does not write."""
+    (`forward.keeps_residual`): the kernel writes both, and the gradients are eager's (`check`)."""
     x = torch.randn(2, 256, 256, device=DEVICE, dtype=torch.bfloat16)
     weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
     check(causal_attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
     assert last_attention().keeps_residual()
-    assert FORWARD_KERNEL not in last_attention().unfused.forward_record.detail
+    detail = last_attention().unfused.forward_record.detail
+    assert list(detail.get(FORWARD_KERNEL, {}).values()) == [hopper_forward.DESCRIBED], detail
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd", "qkv"])
@@ -144,3 +145,33 @@ def test_it_serves_only_what_it_computes():
     q, k, v = tensors(256, 64)
     assert not hopper_forward.serves(q, k[:, :, :128], v[:, :, :128], True)  # causal over unequal lengths
     assert hopper_forward.serves(q, k, v, True) == hopper_forward.available(q.device)
+
+
+def key_bias_attention(x, wq, wk, bk, wv):  # BERT's: a key projection with a bias, 4 heads of 64
+    b, n, _ = x.shape
+    q, k, v = ((x @ w + bias).view(b, n, 4, 64).transpose(1, 2) for w, bias in ((wq, 0), (wk, bk), (wv, 0)))
+    return (torch.softmax(q @ k.transpose(-1, -2) / 8.0, -1) @ v).transpose(1, 2).reshape(b, n, 256)
+
+
+@on_hopper
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_its_exact_weights_keep_a_key_bias_gradient_at_eagers_distance(dtype):
+    """With a half-precision backward the kernel takes the Triton forward's exact weights and keeps the output's
+    residual (tests/attention/test_row_term.py): a key bias's gradient, 0 in float64, as near 0 as eager's."""
+    inputs = [torch.randn(2, 256, 256, device=DEVICE)] + [torch.randn(256, 256, device=DEVICE) * 0.06
+                                                           for _ in range(2)]
+    inputs += [torch.randn(256, device=DEVICE), torch.randn(256, 256, device=DEVICE) * 0.06]
+    grad = torch.randn(2, 256, 256, device=DEVICE)
+
+    def gradients(fn, dtype):
+        xs = [x.detach().to(dtype).requires_grad_() for x in inputs]
+        return torch.autograd.grad(fn(*xs), xs, grad.to(dtype))
+
+    wide = gradients(key_bias_attention, torch.float64)
+    eager = gradients(key_bias_attention, dtype)
+    fused = gradients(torch.compile(key_bias_attention, backend=fusepass.backend(sdpa=False)), dtype)
+    assert list(last_attention().unfused.forward_record.detail.get(FORWARD_KERNEL, {}).values()) == \
+        [hopper_forward.DESCRIBED]
+    scale = max(g.norm() for g in wide)
+    ours, eagers = ((g[3].double() - wide[3]).norm() / scale for g in (fused, eager))
+    assert ours <= 1.25 * eagers, (ours, eagers)
