@@ -13,9 +13,11 @@ in exact arithmetic) its distance over ‖dK_float64‖. The ratio column is fus
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 
 import torch
+import triton
 from harness import relative_error
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -67,7 +69,7 @@ def main() -> None:
             rows.append((case, "causal" if causal else "unmasked", errors, ratio))
             torch._dynamo.reset()
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton's interpreter)"
-    lines = [f"{where}, torch {torch.__version__}, B{b} H{h} N{n} D{d} bf16, fusepass "
+    lines = [f"{datetime.date.today()}, {where}, torch {torch.__version__}, triton {triton.__version__}, B{b} H{h} N{n} D{d} bf16, fusepass "
              f"at {fusepass.__file__}", "",
              "| case | mask | tensor | eager | sdpa | fusepass | fusepass / eager |", "|---|---|---|---|---|---|---|"]
     for case, mask, errors, ratio in rows:

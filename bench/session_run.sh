@@ -19,6 +19,8 @@
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     ~250 s (gpt2 alone)
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
+#   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
+#                a key bias's among them, beside eager and SDPA (B1 H4 N4096 D128)
 #   lengths      bench/new_lengths.py: a GPT-2 block trained at new lengths beside Inductor      ~66 s (2026-12-04)
 #   lengths-bert the same for a padded BERT layer (a mask the kernels load)       (not run yet)
 #   lengths-stack the GPT-2 blocks 12 deep (the layers share each length's plan)   (not run yet)
@@ -81,6 +83,9 @@ for part in $parts; do
             echo "$model"
             timeout 150 python bench/gradient_by_parameter.py --model "$model" --top 6 2>&1 | grep -E "^\||worst|Error"
         done ;;
+    accuracy)
+        (cd bench && timeout 120 python gradient_accuracy.py --shape 1,4,4096,128 \
+            --out "results/gradient-accuracy-$(date -u +%Y-%m-%d-%H%M).md" 2>&1 | grep -E "^\||worst|Error") ;;
     lengths)
         timeout 200 python bench/new_lengths.py 2>&1 | grep "^|" | cut -c1-300 ;;
     lengths-bert)
