@@ -9,6 +9,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from interpreter_rounding import round_to_nearest
+
+    round_to_nearest()  # bf16 conversions as the GPU rounds them
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
