@@ -5,6 +5,11 @@
 
 TFLOP/s count only the unmasked work (4·B·H·Nq·Nk·D per forward, × 2.5 for forward+backward).
 
+"error vs peer" is the distance of fusepass's output from the peer's (SDPA's, else FlexAttention's), not from
+float64: with a backward in half precision fusepass cuts its weights toward zero (docs/flash-kernel-interface.md)
+where the peers round them, so the two carry different roundings, each about as far from float64
+(`bench/gradient_accuracy.py` measures that).
+
 Shapes are B, H, N, D and the kv heads: with fewer kv heads than query heads (GQA) the hand-written code
 repeats k and v for each query head (``repeat_interleave``), SDPA is given the repeated k and v as well, and
 FlexAttention reads the kv heads as they are (``enable_gqa``). ``odd`` is the large shape one position short,
