@@ -5,10 +5,12 @@ a normed input's mean gives them (a row's gradient sum then reaches dQ times tha
 
     PYTHONPATH=. python bench/gradient_accuracy.py [--shape 1,4,4096,128] [--out bench/results/...md]
 
-Without a GPU it runs on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`, e.g. `--shape 1,2,300,32`).
+Without a GPU it runs on the CPU through Triton's interpreter (`TRITON_INTERPRET=1`, e.g.
+`--shape 1,2,300,32`).
 
 Each cell is ‖x − x_float64‖ / ‖x_float64‖ for x in out, dQ, dK, dV, and for Σ_j dK_j (a key bias's gradient, 0
-in exact arithmetic) its distance over ‖dK_float64‖. The ratio column is fusepass's against eager's for the same tensor.
+in exact arithmetic) its distance over ‖dK_float64‖. The ratio column is fusepass's against eager's for the same
+tensor.
 """
 from __future__ import annotations
 
@@ -69,8 +71,8 @@ def main() -> None:
             rows.append((case, "causal" if causal else "unmasked", errors, ratio))
             torch._dynamo.reset()
     where = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton's interpreter)"
-    lines = [f"{datetime.date.today()}, {where}, torch {torch.__version__}, triton {triton.__version__}, B{b} H{h} N{n} D{d} bf16, fusepass "
-             f"at {fusepass.__file__}", "",
+    lines = [f"{datetime.date.today()}, {where}, torch {torch.__version__}, triton {triton.__version__}, "
+             f"B{b} H{h} N{n} D{d} bf16, fusepass at {fusepass.__file__}", "",
              "| case | mask | tensor | eager | sdpa | fusepass | fusepass / eager |", "|---|---|---|---|---|---|---|"]
     for case, mask, errors, ratio in rows:
         for i, tensor in enumerate(("out", "dQ", "dK", "dV", "Σ_j dK_j")):

@@ -47,10 +47,10 @@ from fusepass.runtime.sizes import cdiv
 @triton.jit
 def _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS: tl.constexpr):
     """Per query row, (m, a, c) that recompute the forward's weights as 2^((x - m) · log2(e) - a), times c where
-    EXACT_WEIGHTS (cut to the inputs' dtype first: `_tile_weights`). Without it m is the row's max and a log2 of its denominator,
-    c unused. With it, from the forward's (shift, ±1 / l) (`forward.FlashForwardExtra`): m = 0 and a the whole
-    shift, or where the forward recomputed the row's block the exact way (its -1 / l) m its max and a = 0; c = 1 / l.
-    Rows past Nq weigh 0."""
+    EXACT_WEIGHTS (cut to the inputs' dtype first: `_tile_weights`). Without it m is the row's max and a log2 of its
+    denominator, c unused. With it, from the forward's (shift, ±1 / l) (`forward.FlashForwardExtra`): m = 0 and a the
+    whole shift, or where the forward recomputed the row's block the exact way (its -1 / l) m its max and a = 0;
+    c = 1 / l. Rows past Nq weigh 0."""
     row_in = rows < Nq
     lse = tl.load(Lse + bh * Nq + rows, mask=row_in, other=float("inf"))
     log_sum = tl.load(LogSum + bh * Nq + rows, mask=row_in, other=0.0)
