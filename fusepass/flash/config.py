@@ -149,7 +149,11 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> Backwa
         # stages, the best before dV's product took the weights ahead of dp, has been slower since; 64 × 64 at 3
         # stages spills more under triton 3.6 and runs slower.
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(128, 64, 8, 3))
-    return BackwardConfigs(FlashConfig(16, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
+    # D256 (Gemma 2): dK and dV alone take 128 registers a thread at 64 kv rows and 8 warps. Compiled for sm_90
+    # (bench/kernel_resources.py), the tiles below spill nothing with or without a mask or grouped heads, where
+    # dK/dV at 16 × 32 and 4 warps kept 32 registers and a 2960-byte stack, and dQ's 32-row tiles (unpipelined)
+    # spilled 600-850 bytes at 4 or 8 warps.
+    return BackwardConfigs(FlashConfig(16, 64, num_warps=8, num_stages=2), FlashConfig(64, 64, 8, 2))
 
 
 def kind_block_m(forward: FlashConfig, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
