@@ -1,7 +1,7 @@
 """Which kernels one training step of an example model runs, and for how long, under Inductor and fusepass.
 
     PYTHONPATH=. python bench/profile_models.py [--models t5,bert] [--size small] [--batch 8] [--seq 512] [--rows 14]
-                                                [--forward] [--host] [--records]
+                                                [--forward] [--host] [--records] [--options JSON]
 
 Builds each model at its size (``small`` unless given) in bf16, runs its step (forward, loss, backward) warm under both backends,
 profiles three steps with torch.profiler and prints each backend's kernels by device time: a model row of
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import importlib
+import json
 import os
 import pstats
 import sys
@@ -37,13 +38,14 @@ def main() -> None:
     parser.add_argument("--forward", action="store_true", help="profile the forward under no_grad, not the step")
     parser.add_argument("--host", action="store_true", help="where fusepass's call spends its host time")
     parser.add_argument("--records", action="store_true", help="fusepass.profile's table")
+    parser.add_argument("--options", default="{}", help='fusepass.backend\'s options as JSON, e.g. \'{"replay": false}\'')
     args = parser.parse_args()
     for name in args.models.split(","):
         example = importlib.import_module(name)
         batch, seq = args.batch or example.BATCH[args.size], args.seq or example.SEQ[args.size]
         losses = {"bert": "readout_loss", "vit": "classification_loss"}
         loss = getattr(example, losses.get(name, "next_token_loss"))
-        for backend in ("inductor", fusepass.backend()):
+        for backend in ("inductor", fusepass.backend(**json.loads(args.options))):
             torch.manual_seed(0)
             torch._dynamo.reset()
             built = _build(example, args.size, seq).cuda().to(torch.bfloat16)
