@@ -18,7 +18,7 @@ import time
 
 import torch
 from harness import device_ms
-from profile_models import _build
+from profile_models import LOSSES, build
 
 import fusepass
 from fusepass.runtime.replay import attention_replays, pointwise_replays
@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     example = importlib.import_module(args.model)
     batch, seq = example.BATCH[args.size], example.SEQ[args.size]
-    loss = getattr(example, {"bert": "readout_loss", "vit": "classification_loss"}.get(args.model, "next_token_loss"))
+    loss = getattr(example, LOSSES.get(args.model, "next_token_loss"))
     print("before:", plain_calls(), flush=True)
     backends = [("inductor", "inductor"), ("fusepass", fusepass.backend())]
     if not args.calls:  # which replays matter: --calls turns them off one kind at a time
@@ -121,7 +121,7 @@ def main() -> None:
     for label, backend in backends:
         torch.manual_seed(0)
         torch._dynamo.reset()
-        model = _build(example, args.size, seq).cuda().to(torch.bfloat16)
+        model = build(example, args.size, seq).cuda().to(torch.bfloat16)
         inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in example.inputs(model, batch, seq))
         compiled = torch.compile(model, backend=backend)
 

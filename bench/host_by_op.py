@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.fx
-from profile_models import _build
+from profile_models import LOSSES, build
 
 import fusepass
 from fusepass import pipeline
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20)
     args = parser.parse_args()
     example = importlib.import_module(args.model)
-    loss = getattr(example, {"bert": "readout_loss", "vit": "classification_loss"}.get(args.model, "next_token_loss"))
+    loss = getattr(example, LOSSES.get(args.model, "next_token_loss"))
     graphs: list[list] = []  # [runnable graph, its last inputs]
 
     def keeping_inputs(module: torch.fx.GraphModule, annotate=None) -> torch.fx.GraphModule:
@@ -93,7 +93,7 @@ def main() -> None:
 
     runnable, pipeline.runnable = pipeline.runnable, keeping_inputs
     torch.manual_seed(0)
-    model = _build(example, args.size, args.seq).to(DEVICE, torch.bfloat16)
+    model = build(example, args.size, args.seq).to(DEVICE, torch.bfloat16)
     inputs = tuple((x.to(torch.bfloat16) if x.is_floating_point() else x).to(DEVICE)
                    for x in example.inputs(model, args.batch, args.seq))
     compiled = torch.compile(model, backend=fusepass.backend())

@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
 
     PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|packed|alibi|none] [--head-dim 128]
-        [--group 4] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1] [--dq 128,64,8,3,1]
+        [--group 4] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1] [--dq 128,64,8,3,1] [--forward-only]
 
 Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
 through Triton's own compiler and ptxas, no GPU needed: a stand-in driver names the target, and every launch
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--forward")
     parser.add_argument("--dkdv")
     parser.add_argument("--dq")
+    parser.add_argument("--forward-only", action="store_true", help="the forward without gradients alone")
     args = parser.parse_args()
     mod = MASKS[args.mask]
     flash_config.has_tma = lambda device: True
@@ -150,8 +151,12 @@ def main() -> None:
     q = torch.randn(1, 2 * args.group, args.seq, args.head_dim, dtype=dtype)
     k, v = (torch.randn(1, 2, args.seq, args.head_dim, dtype=dtype) for _ in range(2))
     aux = AUX[args.mask](args.seq, 2 * args.group) if args.mask in AUX else ()
-    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux)
-    flash_bwd.flash_attention_backward(q, q, k, v, out, lse, extra, mod, aux, None)
+    # A training forward in bf16 (the backward follows) computes the exact weights and keeps the output's residual,
+    # as the backward kernels read them (`forward.keeps_residual`); a forward without gradients does neither.
+    outputs = flash_fwd.forward_outputs(q, mod, None, q.device, backward=not args.forward_only)
+    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux, outputs=outputs)
+    if not args.forward_only:
+        flash_bwd.flash_attention_backward(q, q, k, v, out, lse, extra, mod, aux, None)
     print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}, group {args.group}: forward {forward}, "
           f"dK/dV {backward.dkdv}, dQ {backward.dq}")
     for name, kernel in compiled:

@@ -26,6 +26,8 @@ from harness import device_ms, kernels_by_device_time, median_ms
 import fusepass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+# Each example's loss where it is not next-token prediction.
+LOSSES = {"bert": "readout_loss", "vit": "classification_loss"}
 
 
 def main() -> None:
@@ -43,12 +45,11 @@ def main() -> None:
     for name in args.models.split(","):
         example = importlib.import_module(name)
         batch, seq = args.batch or example.BATCH[args.size], args.seq or example.SEQ[args.size]
-        losses = {"bert": "readout_loss", "vit": "classification_loss"}
-        loss = getattr(example, losses.get(name, "next_token_loss"))
+        loss = getattr(example, LOSSES.get(name, "next_token_loss"))
         for backend in ("inductor", fusepass.backend(**json.loads(args.options))):
             torch.manual_seed(0)
             torch._dynamo.reset()
-            built = _build(example, args.size, seq).cuda().to(torch.bfloat16)
+            built = build(example, args.size, seq).cuda().to(torch.bfloat16)
             inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x
                            for x in example.inputs(built, batch, seq))
             compiled = torch.compile(built, backend=backend)
@@ -79,7 +80,7 @@ def main() -> None:
             torch.cuda.empty_cache()
 
 
-def _build(example, size: str, seq: int) -> torch.nn.Module:
+def build(example, size: str, seq: int) -> torch.nn.Module:
     """The example's model at `size`, as its main builds it (run_model's `build`)."""
     captured = {}
 
