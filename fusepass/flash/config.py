@@ -87,7 +87,11 @@ def _forward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> FlashCo
         # loads), 128 × 128 ran faster than 128 × 64. Masks whose q blocks list few kv tiles take half-width
         # tiles instead (see `narrow_kv_tiles`).
         return FlashConfig(128, 128, num_warps=8, num_stages=3)
-    return FlashConfig(32 if wide else 64, 32 if wide else 64, num_warps=4, num_stages=2)
+    if wide:
+        return FlashConfig(32, 32, num_warps=4, num_stages=2)
+    # D256: at 4 warps the training forward (the exact weights) spilled 112-120 bytes (sm_90, offline); at 8, 169-176
+    # registers and no stack, the forward without gradients 175.
+    return FlashConfig(64, 64, num_warps=8, num_stages=2)
 
 
 # Forward programs of masked attention walking fewer kv tiles than this (on average over the q blocks, at
