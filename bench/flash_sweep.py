@@ -122,6 +122,7 @@ def main() -> None:
                         help="block_m,block_n,num_warps,num_stages[,head_group] (tiles.grouped_program)")
     parser.add_argument("--mask", choices=MASKS, default="causal")
     args = parser.parse_args()
+    chosen_forward = flash_fwd.forward_config  # flash_config's, before the sweep replaces it
     masked = args.mask != "plain"
     mod, linear_mod = MASKS[args.mask]
     forward, backward = FORWARD, BACKWARD
@@ -174,8 +175,11 @@ def main() -> None:
         except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
             rows.append({"kernel": kernel, "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
-    flash_fwd.forward_config = lambda *a: FlashConfig(128, 128, 8, 3, descriptors=True)
-    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux)
+    # The backward follows a training forward at the tiles flash_config chooses: in half precision it keeps the exact
+    # weights' statistics and its output's residual, which the backward kernels read (`forward.keeps_residual`).
+    flash_fwd.forward_config = chosen_forward
+    outputs = flash_fwd.forward_outputs(q, mod, None, q.device, backward=True)
+    out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux, outputs=outputs)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
     sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, scale=SCALE, **sdpa_mask)
     sdpa_bwd = median_ms(lambda: torch.autograd.grad(sdpa_out, (qr, kr, vr), do, retain_graph=True))
