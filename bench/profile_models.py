@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python bench/profile_models.py [--models t5,bert] [--size small] [--batch 8] [--seq 512] [--rows 14]
                                                 [--forward] [--host] [--records] [--options JSON]
+                                                [--backends inductor,fusepass]
 
 Builds each model at its size (``small`` unless given) in bf16, runs its step (forward, loss, backward) warm under both backends,
 profiles three steps with torch.profiler and prints each backend's kernels by device time: a model row of
@@ -41,12 +42,14 @@ def main() -> None:
     parser.add_argument("--host", action="store_true", help="where fusepass's call spends its host time")
     parser.add_argument("--records", action="store_true", help="fusepass.profile's table")
     parser.add_argument("--options", default="{}", help='fusepass.backend\'s options as JSON, e.g. \'{"replay": false}\'')
+    parser.add_argument("--backends", default="inductor,fusepass")
     args = parser.parse_args()
     for name in args.models.split(","):
         example = importlib.import_module(name)
         batch, seq = args.batch or example.BATCH[args.size], args.seq or example.SEQ[args.size]
         loss = getattr(example, LOSSES.get(name, "next_token_loss"))
-        for backend in ("inductor", fusepass.backend(**json.loads(args.options))):
+        backends = {"inductor": "inductor", "fusepass": fusepass.backend(**json.loads(args.options))}
+        for backend in (backends[chosen] for chosen in args.backends.split(",")):
             torch.manual_seed(0)
             torch._dynamo.reset()
             built = build(example, args.size, seq).cuda().to(torch.bfloat16)
