@@ -160,6 +160,14 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> Backwa
     return BackwardConfigs(FlashConfig(16, 64, num_warps=8, num_stages=2), FlashConfig(64, 64, 8, 2))
 
 
+def warps_for(config: FlashConfig, reads_tables: bool) -> int:
+    """The warps a kernel at `config` runs: twice its 4 where the score functions read a value per score from a table
+    (`ScoreMod.tables`, T5's relative bias), at the same tiles, each thread then holding half the accumulators.
+    Compiled for sm_90 (offline, triton 3.6), T5-base's kernels at 4 warps spilled: the unmasked forward (128 × 128)
+    552 bytes a thread, dK/dV with the table's gradient 520 (32 × 128) and 320 (64 × 64, causal); at 8 none did."""
+    return 8 if reads_tables and config.num_warps == 4 else config.num_warps
+
+
 def kind_block_m(forward: FlashConfig, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
     """The q extent of the kinds and cols lists of the block map a forward at `forward`'s tiles builds for a
     mask that reads tensors (mapped on every call, and passed to the backward): the dK/dV kernel's q blocks
