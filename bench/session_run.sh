@@ -30,6 +30,8 @@
 #   host         where a small-shape forward+backward call spends its host time,    (~40 s before --floor)
 #                beside the floor of torch's layers and FlexAttention's call
 #   replay       small-shape calls replayed as CUDA graphs, beside FlexAttention's  (not run yet)
+#   replay-steps bench/replay_steps.py: the sequences replayed per training step of T5 and BERT, and the step   (not run yet)
+#                with replays on and off
 #   sweep        the kernels at flash_config's tiles, causal B2 H16 N8192 D128,     (not run yet)
 #                forward and backward beside SDPA's, with registers and spills
 #   order        the same kernels with their programs in groups of 1, 4 and 8       (not run yet)
@@ -106,6 +108,8 @@ for part in $parts; do
     replay)
         (cd bench && timeout 150 python graph_replay.py --cases window,document,causal,alibi --shape small 2>&1 \
             | grep "^|") ;;
+    replay-steps)
+        (cd bench && timeout 200 python replay_steps.py --models t5,bert --steps 12 2>&1 | grep "^|") ;;
     sweep)
         (cd bench && timeout 150 python flash_sweep.py --chosen 2>&1 | grep "^|") ;;
     order)
