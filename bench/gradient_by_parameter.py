@@ -14,15 +14,12 @@ import os
 import sys
 
 import torch
+from profile_models import EXAMPLES
 
 import fusepass
 from fusepass.compare import gradient_distances
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-BUILD = {"bert": ("BertModel", "readout_loss"), "t5": ("T5ForConditionalGeneration", "next_token_loss"),
-         "gpt2": ("GPT", "next_token_loss"), "llama": ("LlamaForCausalLM", "next_token_loss"),
-         "vit": ("VisionTransformer", "classification_loss"), "bloom": ("BloomForCausalLM", "next_token_loss"),
-         "gemma2": ("Gemma2ForCausalLM", "next_token_loss")}
 
 
 def gradients(model: torch.nn.Module, inputs: tuple, loss, backend: object = None) -> dict[str, torch.Tensor]:
@@ -41,7 +38,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
     example = importlib.import_module(args.model)
-    cls, loss_name = BUILD[args.model]
+    cls, loss_name = EXAMPLES[args.model]
     torch.manual_seed(0)
     wide = getattr(example, cls)(example.SIZES[args.size]).to("cuda" if torch.cuda.is_available() else "cpu")
     inputs = example.inputs(wide, args.batch, args.seq)

@@ -18,7 +18,7 @@ import time
 
 import torch
 from harness import device_ms
-from profile_models import LOSSES, build
+from profile_models import EXAMPLES, build
 
 import fusepass
 from fusepass.runtime.replay import attention_replays, pointwise_replays
@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     example = importlib.import_module(args.model)
     batch, seq = example.BATCH[args.size], example.SEQ[args.size]
-    loss = getattr(example, LOSSES.get(args.model, "next_token_loss"))
+    loss = getattr(example, EXAMPLES[args.model][1])
     print("before:", plain_calls(), flush=True)
     backends = [("inductor", "inductor"), ("fusepass", fusepass.backend())]
     if not args.calls:  # which replays matter: --calls turns them off one kind at a time

@@ -21,7 +21,7 @@ import time
 
 import torch
 import torch.fx
-from profile_models import LOSSES, build
+from profile_models import EXAMPLES, build
 
 import fusepass
 from fusepass import pipeline
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20)
     args = parser.parse_args()
     example = importlib.import_module(args.model)
-    loss = getattr(example, LOSSES.get(args.model, "next_token_loss"))
+    loss = getattr(example, EXAMPLES[args.model][1])
     graphs: list[list] = []  # [runnable graph, its last inputs]
 
     def keeping_inputs(module: torch.fx.GraphModule, annotate=None) -> torch.fx.GraphModule:

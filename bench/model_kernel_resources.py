@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 from kernel_resources import CompileOnlyDriver, resources
 from launch_cost import replace_attention_launches
-from profile_models import LOSSES
+from profile_models import EXAMPLES
 from triton.runtime import driver
 
 from fusepass import pipeline
@@ -31,9 +31,7 @@ from fusepass.flash import config as flash_config
 from fusepass.runtime import launch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-# Each example's model class, at its `small` config with 2 layers
-MODELS = {"bert": "BertModel", "bloom": "BloomForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT",
-          "llama": "LlamaForCausalLM", "t5": "T5ForConditionalGeneration", "vit": "VisionTransformer"}
+# Each example's config field of its number of layers
 LAYERS = {"bert": "num_hidden_layers", "bloom": "n_layer", "vit": "depth"}  # the others': `layers`
 
 
@@ -54,7 +52,7 @@ def gpu_tiles() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True, choices=sorted(MODELS))
+    parser.add_argument("--model", required=True, choices=sorted(EXAMPLES))
     parser.add_argument("--seq", type=int)
     parser.add_argument("--batch", type=int, default=2)
     args = parser.parse_args()
@@ -63,11 +61,11 @@ def main() -> None:
     os.environ.pop("TRITON_INTERPRET", None)  # examples/common.py sets it where there is no GPU
     config = example.SIZES["small"]
     layers = LAYERS.get(args.model, "layers")
-    model = getattr(example, MODELS[args.model])(replace(config, **{layers: 2})).to(torch.bfloat16)
+    model = getattr(example, EXAMPLES[args.model][0])(replace(config, **{layers: 2})).to(torch.bfloat16)
     seq = args.seq or (config.img_size if args.model == "vit" else 128)
     inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x
                    for x in example.inputs(model, args.batch, seq))
-    loss = getattr(example, LOSSES.get(args.model, "next_token_loss"))
+    loss = getattr(example, EXAMPLES[args.model][1])
 
     recorded = []
     replace_attention_launches(lambda kernel, grid, *arguments, **keywords:

@@ -27,8 +27,11 @@ from harness import device_ms, kernels_by_device_time, median_ms
 import fusepass
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-# Each example's loss where it is not next-token prediction.
-LOSSES = {"bert": "readout_loss", "vit": "classification_loss"}
+# Each example's model class and the loss its training step takes.
+EXAMPLES = {"bert": ("BertModel", "readout_loss"), "t5": ("T5ForConditionalGeneration", "next_token_loss"),
+            "gpt2": ("GPT", "next_token_loss"), "llama": ("LlamaForCausalLM", "next_token_loss"),
+            "vit": ("VisionTransformer", "classification_loss"), "bloom": ("BloomForCausalLM", "next_token_loss"),
+            "gemma2": ("Gemma2ForCausalLM", "next_token_loss")}
 
 
 def main() -> None:
@@ -47,7 +50,7 @@ def main() -> None:
     for name in args.models.split(","):
         example = importlib.import_module(name)
         batch, seq = args.batch or example.BATCH[args.size], args.seq or example.SEQ[args.size]
-        loss = getattr(example, LOSSES.get(name, "next_token_loss"))
+        loss = getattr(example, EXAMPLES[name][1])
         backends = {"inductor": "inductor", "fusepass": fusepass.backend(**json.loads(args.options))}
         for backend in (backends[chosen] for chosen in args.backends.split(",")):
             torch.manual_seed(0)

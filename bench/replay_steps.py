@@ -23,7 +23,7 @@ import fusepass
 from fusepass.runtime.replay import attention_replays, pointwise_replays
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-from profile_models import LOSSES, build  # noqa: E402
+from profile_models import EXAMPLES, build  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         example = importlib.import_module(name)
-        loss = getattr(example, LOSSES.get(name, "next_token_loss"))
+        loss = getattr(example, EXAMPLES[name][1])
         batch, seq = example.BATCH[args.size], example.SEQ[args.size]
         for replay in (True, False):
             torch.manual_seed(0)
