@@ -34,7 +34,7 @@ import triton.language as tl
 
 from fusepass.flash.blockmap import (EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, list_entry,
                                      row_lists, walk_start, walk_step)
-from fusepass.flash.config import FlashConfig, backward_configs, head_block, launch_fitting, warps_for
+from fusepass.flash.config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.flash.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.flash.forward import LOG2E, FlashForwardExtra, has_partial_tiles
 from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, grouped_program, load_kv_tile, load_tile,
@@ -469,7 +469,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
                     BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, HEAD_GROUP=config.head_group,
                     PARTIAL_TILES=has_partial_tiles(mod, kv_len, config.block_n), EXACT_WEIGHTS=residual is not None,
-                    num_warps=warps_for(config, bool(mod.tables)),
+                    num_warps=config.num_warps,
                     num_stages=config.num_stages)
 
     config = configs.dq

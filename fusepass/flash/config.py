@@ -153,18 +153,17 @@ def _backward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> Backwa
         # stages, the best before dV's product took the weights ahead of dp, has been slower since; 64 × 64 at 3
         # stages spills more under triton 3.6 and runs slower.
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(128, 64, 8, 3))
-    # D256 (Gemma 2): dK and dV alone take 128 registers a thread at 64 kv rows and 8 warps. Compiled for sm_90
-    # (bench/kernel_resources.py), the tiles below spill nothing with or without a mask or grouped heads, where
-    # dK/dV at 16 × 32 and 4 warps kept 32 registers and a 2960-byte stack, and dQ's 32-row tiles (unpipelined)
-    # spilled 600-850 bytes at 4 or 8 warps.
-    return BackwardConfigs(FlashConfig(16, 64, num_warps=8, num_stages=2), FlashConfig(64, 64, 8, 2))
+    # D256 (Gemma 2): dK and dV alone take 128 registers a thread at 64 kv rows and 8 warps. Timed at Gemma 2's
+    # shape (bench/flash_sweep.py), dK/dV's 32 q rows a step ran faster than 16 despite a few spilled bytes, and
+    # dQ's 128 × 32 faster than 64 × 64; 4 warps spilled hundreds of bytes in either kernel.
+    return BackwardConfigs(FlashConfig(32, 64, num_warps=8, num_stages=2), FlashConfig(128, 32, 8, 2))
 
 
-def warps_for(config: FlashConfig, reads_tables: bool) -> int:
-    """The warps a kernel at `config` runs: twice its 4 where the score functions read a value per score from a table
-    (`ScoreMod.tables`, T5's relative bias), at the same tiles, each thread then holding half the accumulators.
-    Compiled for sm_90 (offline, triton 3.6), T5-base's kernels at 4 warps spilled: the unmasked forward (128 × 128)
-    552 bytes a thread, dK/dV with the table's gradient 520 (32 × 128) and 320 (64 × 64, causal); at 8 none did."""
+def forward_warps(config: FlashConfig, reads_tables: bool) -> int:
+    """The warps the forward at `config` runs: twice its 4 where the score functions read a value per score from a
+    table (`ScoreMod.tables`, T5's relative bias), at the same tiles, each thread then holding half the accumulators:
+    at 4 warps the forward spills (compiled for sm_90) and runs slower. The backward's kernels stay at their
+    config's warps: at 8 they spilled nothing but ran slower still (bench/NOTES.md)."""
     return 8 if reads_tables and config.num_warps == 4 else config.num_warps
 
 

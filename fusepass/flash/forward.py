@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from fusepass.flash.blockmap import BlockMap, block_map_for, row_lists, walk_start, walk_step
-from fusepass.flash.config import (FlashConfig, forward_config, head_block, kind_block_m, launch_fitting, narrow_kv_tiles,
-                                    warps_for)
+from fusepass.flash.config import (FlashConfig, forward_config, forward_warps, head_block, kind_block_m, launch_fitting,
+                                    narrow_kv_tiles)
 from fusepass.flash.distance_table import distance_tables
 from fusepass.flash.score_mod import ScoreMod
 from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, load_kv_tile, load_tile, masked_scores,
@@ -295,7 +295,7 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
                     DESCRIPTORS=descriptors, HEAD_GROUP=config.head_group,
                     PARTIAL_TILES=has_partial_tiles(mod, kv_len, block_n),
                     KV_TAIL=tail_placement(kv_len, block_n, True),
-                    num_warps=warps_for(config, bool(mod.tables)), num_stages=config.num_stages)
+                    num_warps=forward_warps(config, bool(mod.tables)), num_stages=config.num_stages)
     return _flash_forward_kernel, grid, args, keywords
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from triton.runtime.errors import OutOfResources
 
-from fusepass.flash.config import INTERPRETER_CONFIG, FlashConfig, launch_fitting, warps_for
+from fusepass.flash.config import INTERPRETER_CONFIG, FlashConfig, forward_warps, launch_fitting
 
 
 class Kernel:
@@ -35,10 +35,10 @@ def test_a_kernel_that_never_fits_raises():
         launch_fitting(Kernel(fits=0), (1,), num_warps=4, num_stages=2)
 
 
-def test_score_functions_reading_tables_run_at_twice_four_warps():
-    """T5's relative bias (a value per score read from a table) at the 4-warp tiles: 8 warps, the tiles unchanged;
-    other kernels and configs of other warps as configured."""
+def test_forwards_whose_score_functions_read_tables_run_at_twice_four_warps():
+    """T5's relative bias (a value per score read from a table) at the 4-warp tiles: the forward at 8 warps, the tiles
+    unchanged; other forwards and configs of other warps as configured."""
     four, eight = FlashConfig(128, 128, num_warps=4, num_stages=3), FlashConfig(128, 128, num_warps=8, num_stages=3)
-    assert warps_for(four, reads_tables=True) == 8 and warps_for(four, reads_tables=False) == 4
-    assert warps_for(eight, reads_tables=True) == 8
-    assert warps_for(INTERPRETER_CONFIG, reads_tables=True) == INTERPRETER_CONFIG.num_warps
+    assert forward_warps(four, reads_tables=True) == 8 and forward_warps(four, reads_tables=False) == 4
+    assert forward_warps(eight, reads_tables=True) == 8
+    assert forward_warps(INTERPRETER_CONFIG, reads_tables=True) == INTERPRETER_CONFIG.num_warps
