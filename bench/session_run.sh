@@ -16,7 +16,7 @@
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them                  ~30 s (2026-12-05)
-#   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s     ~250 s (gpt2 alone)
+#   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
@@ -79,7 +79,7 @@ for part in $parts; do
         timeout 240 python bench/column_sums.py --programs 2 --tiles 2048 --cases bias+gelu,rmsnorm 2>&1 | grep "^|" ;;
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
-            --budget-s "${MODELS_BUDGET_S:-400}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;
+            --budget-s "${MODELS_BUDGET_S:-400}" --options "${MODELS_OPTIONS:-{\}}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;
     gradients)
         for model in $(echo "${GRAD_MODELS:-bert,gpt2,t5}" | tr , " "); do
             echo "$model"

@@ -75,6 +75,7 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
     float32 through Triton's interpreter, checked only. Returns the `fusepass.Comparison`; raises if fusepass's
     outputs or gradients are not eager's."""
     import argparse
+    import json
 
     import fusepass
 
@@ -83,6 +84,7 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
     parser.add_argument("--train", action="store_true", help="time the training step too (forward, loss, backward)")
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
+    parser.add_argument("--options", default="{}", help='fusepass.backend\'s options as JSON, e.g. \'{"graphs": true}\'')
     args = parser.parse_args(argv)
     batch = args.batch or default_batch[args.size]
     seq = args.seq or default_seq[args.size]
@@ -99,7 +101,7 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
     train = args.train or not ON_GPU  # on the CPU the gradients are checked whatever is timed
     backends = ("eager", "inductor", "fusepass") if ON_GPU else ("eager", "fusepass")
     result = fusepass.compare(model, *inputs, loss=loss if train else None, backends=backends, tokens=batch * seq,
-                              reference=reference, reference_inputs=reference_inputs)
+                              reference=reference, reference_inputs=reference_inputs, options=json.loads(args.options))
     print(f"{name}, size {args.size}, batch {batch}, sequence {seq}, {DEVICE}"
           f"{' bf16' if ON_GPU else ' float32 (Triton interpreter)'}")
     print(result)

@@ -127,15 +127,16 @@ def _gradient_error(grads: dict[str, torch.Tensor | None], expected: dict[str, t
     return max(((d, n) for n, d in gradient_distances(grads, expected).items()), default=(0.0, None))
 
 
-def _compiled(model: torch.nn.Module | Callable, backend: str) -> Callable:
+def _compiled(model: torch.nn.Module | Callable, backend: str, options: dict[str, bool] | None) -> Callable:
     if backend == "eager":
         return model
     if backend == "inductor":
         return torch.compile(model)
     if backend == "fusepass":
-        from fusepass.pipeline import fusepass_backend
+        from fusepass.pipeline import Backend, fusepass_backend
+        from fusepass.options import Options
 
-        return torch.compile(model, backend=fusepass_backend)
+        return torch.compile(model, backend=Backend(Options.from_kwargs(**options)) if options else fusepass_backend)
     return torch.compile(model, backend=backend)
 
 
@@ -145,14 +146,15 @@ def _parameters(model: Any) -> list[tuple[str, torch.nn.Parameter]]:
 
 def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any], torch.Tensor] | None = None,
             backends: Sequence[str] = BACKENDS, tokens: int | None = None, reference: Any = None,
-            reference_inputs: Sequence[Any] | None = None, warmup_ms: float = 100, rep_ms: float = 500
-            ) -> Comparison:
+            reference_inputs: Sequence[Any] | None = None, warmup_ms: float = 100, rep_ms: float = 500,
+            options: dict[str, bool] | None = None) -> Comparison:
     """Run `model(*inputs)` under each of `backends` ("eager", "inductor", "fusepass", or any other
     ``torch.compile`` backend by name). With `loss` (a function of the outputs returning a scalar) the training step
     runs too and every parameter's gradient is checked. `tokens`: how many tokens a call processes, for tokens/s.
     `reference` (with `reference_inputs`): the same model in a wider dtype (float32 for a bf16 model, its parameters
     named alike), run eagerly; every backend's distance from it is kept too. The result prints as a table and
-    converts to a dict (`Comparison.to_dict`); ``result.reports`` holds fusepass's reports."""
+    converts to a dict (`Comparison.to_dict`); ``result.reports`` holds fusepass's reports. `options`: fusepass's
+    (``fusepass.backend(**options)``), its defaults where None."""
     import fusepass
 
     parameters = _parameters(model)
@@ -184,7 +186,7 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
     for backend in backends:
         if backend == "fusepass":
             fusepass.reset()
-        fn = _compiled(model, backend)
+        fn = _compiled(model, backend, options)
         if on_gpu:
             torch.cuda.synchronize()
         started = time.perf_counter()
