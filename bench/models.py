@@ -36,8 +36,8 @@ ROWS = [
     ("gemma2", "small", 1, 8192, []),
 ]
 COLUMNS = ["model", "size", "batch", "seq", "backend", "forward ms", "step ms", "tokens/s", "peak GiB",
-           "first call s", "output error", "gradient error", "output vs fp32", "gradients vs fp32",
-           "step vs inductor", "forward vs inductor"]
+           "first call s", "output error", "gradient error", "later gradient error", "output vs fp32",
+           "gradients vs fp32", "step vs inductor", "forward vs inductor"]
 
 
 def run_row(name: str, size: str, batch: int, seq: int, extra: list[str], options: str) -> list[dict]:
@@ -53,7 +53,8 @@ def run_row(name: str, size: str, batch: int, seq: int, extra: list[str], option
                "backend": r.backend, "forward ms": r.forward_ms, "step ms": r.step_ms, "tokens/s": r.tokens_per_s,
                "peak GiB": r.peak_memory_gib, "first call s": r.first_call_s, "output error": r.output_error,
                "gradient error": r.gradient_error,
-               "output vs fp32": r.reference_output_error, "gradients vs fp32": r.reference_gradient_error}
+               "output vs fp32": r.reference_output_error, "gradients vs fp32": r.reference_gradient_error,
+               "later gradient error": r.later_gradient_error}
         if r.backend == "fusepass":
             row["step vs inductor"] = result.speedup("fusepass", "inductor", "step_ms")
             row["forward vs inductor"] = result.speedup("fusepass", "inductor", "forward_ms")

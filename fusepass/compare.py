@@ -40,6 +40,9 @@ class BackendResult:
     step_ms: float | None = None  # forward + loss + backward
     peak_memory_gib: float | None = None  # over one step (or one forward without a loss)
     tokens_per_s: float | None = None  # of the step (of the forward without a loss), given `tokens`
+    # output_error and gradient_error of a call after the timed ones (where launches and graphs replay), but eager's
+    later_output_error: float | None = None
+    later_gradient_error: float | None = None
 
 
 @dataclass
@@ -65,7 +68,10 @@ class Comparison:
     def __str__(self) -> str:
         timed = any(r.forward_ms is not None for r in self.results)
         wide = any(r.reference_output_error is not None for r in self.results)
+        later = any(r.later_output_error is not None for r in self.results)
         header = ["backend", "output error", "gradient error", "missing grads"]
+        if later:
+            header += ["later call: output", "gradients"]
         if wide:
             header += ["vs float32: output", "gradients"]
         if timed:
@@ -74,6 +80,8 @@ class Comparison:
         for r in self.results:
             row = [r.backend, f"{r.output_error:.2e}",
                    "—" if r.gradient_error is None else f"{r.gradient_error:.2e}", str(len(r.missing_gradients))]
+            if later:
+                row += [_fmt(r.later_output_error, "{:.2e}"), _fmt(r.later_gradient_error, "{:.2e}")]
             if wide:
                 row += [_fmt(r.reference_output_error, "{:.2e}"), _fmt(r.reference_gradient_error, "{:.2e}")]
             if timed:
@@ -205,6 +213,10 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             result.first_call_s = first_call
         if on_gpu:
             _time(result, fn, inputs, loss, zero_grads, tokens, warmup_ms, rep_ms)
+        if backend != "eager":
+            later, later_grads = run(fn)
+            result.later_output_error = _relative(later, expected)
+            result.later_gradient_error = None if loss is None else _gradient_error(later_grads, expected_grads)[0]
         results.append(result)
         if backend == "fusepass":
             reports = fusepass.reports()
