@@ -141,10 +141,9 @@ def _compiled(model: torch.nn.Module | Callable, backend: str, options: dict[str
     if backend == "inductor":
         return torch.compile(model)
     if backend == "fusepass":
-        from fusepass.pipeline import Backend, fusepass_backend
-        from fusepass.options import Options
+        from fusepass.pipeline import backend as configured
 
-        return torch.compile(model, backend=Backend(Options.from_kwargs(**options)) if options else fusepass_backend)
+        return torch.compile(model, backend=configured(**(options or {})))
     return torch.compile(model, backend=backend)
 
 
