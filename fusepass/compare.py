@@ -38,7 +38,9 @@ class BackendResult:
     first_call_s: float | None = None  # the first call (its compile): forward, and backward with a loss
     forward_ms: float | None = None
     step_ms: float | None = None  # forward + loss + backward
-    peak_memory_gib: float | None = None  # over one step (or one forward without a loss)
+    # over one step (or one forward without a loss), above what was allocated before the backend's first call: what it
+    # keeps between calls (caches, CUDA graphs' pools) counts
+    peak_memory_gib: float | None = None
     tokens_per_s: float | None = None  # of the step (of the forward without a loss), given `tokens`
     # output_error and gradient_error of a call after the timed ones (where launches and graphs replay), but eager's
     later_output_error: float | None = None
@@ -196,6 +198,8 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
         fn = _compiled(model, backend, options)
         if on_gpu:
             torch.cuda.synchronize()
+            # what the backend keeps allocated between calls (its caches, CUDA graphs' pools) counts in its peak
+            held_before = torch.cuda.memory_allocated()
         started = time.perf_counter()
         out, grads = run(fn)
         if on_gpu:
@@ -210,8 +214,9 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
                 result.reference_gradient_error, result.worst_reference_gradient = _gradient_error(grads, wide_grads)
         if backend != "eager":
             result.first_call_s = first_call
+        del out, grads
         if on_gpu:
-            _time(result, fn, inputs, loss, zero_grads, tokens, warmup_ms, rep_ms)
+            _time(result, fn, inputs, loss, zero_grads, tokens, warmup_ms, rep_ms, held_before)
         if backend != "eager":
             later, later_grads = run(fn)
             result.later_output_error = _relative(later, expected)
@@ -224,7 +229,9 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
 
 
 def _time(result: BackendResult, fn: Callable, inputs: Sequence[Any], loss: Callable | None, zero_grads: Callable,
-          tokens: int | None, warmup_ms: float, rep_ms: float) -> None:
+          tokens: int | None, warmup_ms: float, rep_ms: float, held_before: int) -> None:
+    """The forward's and the step's times; the step's peak memory above what was allocated before the backend's
+    first call (`held_before`)."""
     import triton.testing
 
     def bench(call: Callable[[], Any]) -> float:
@@ -243,10 +250,9 @@ def _time(result: BackendResult, fn: Callable, inputs: Sequence[Any], loss: Call
         result.step_ms = bench(step)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     step()
     torch.cuda.synchronize()
-    result.peak_memory_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+    result.peak_memory_gib = (torch.cuda.max_memory_allocated() - held_before) / 2**30
     ms = result.step_ms if result.step_ms is not None else result.forward_ms
     if tokens and ms and math.isfinite(ms):
         result.tokens_per_s = tokens / (ms * 1e-3)
