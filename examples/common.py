@@ -107,8 +107,9 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
     print(result)
     print(fusepass.summarize(result.reports))
     fused, eager = result.result("fusepass"), result.result("eager")
-    if ON_GPU:  # no farther from float32 than twice eager bf16 is, plus a rounding of bf16; a later call (replayed)
-        # no farther from eager than twice the first call is, plus the same
+    if ON_GPU:
+        # No farther from float32 than twice eager bf16 is, plus a rounding of bf16; a later call (replayed) no
+        # farther from eager than twice the first call is, plus the same.
         errors = [(fused.reference_output_error, eager.reference_output_error),
                   (fused.reference_gradient_error, eager.reference_gradient_error),
                   (fused.later_output_error, fused.output_error), (fused.later_gradient_error, fused.gradient_error)]

@@ -89,8 +89,8 @@ def _forward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> FlashCo
         return FlashConfig(128, 128, num_warps=8, num_stages=3)
     if wide:
         return FlashConfig(32, 32, num_warps=4, num_stages=2)
-    # D256: at 4 warps the training forward (the exact weights) spilled 112-120 bytes (sm_90, offline); at 8, 169-176
-    # registers and no stack, the forward without gradients 175.
+    # D256: at 4 warps the training forward (the exact weights) spills, compiled for sm_90; at 8 it does not
+    # (bench/NOTES.md, the kernel-resources rows).
     return FlashConfig(64, 64, num_warps=8, num_stages=2)
 
 
