@@ -14,6 +14,9 @@ class Options:
     # replay an attention call's or a fused elementwise group's kernel launches as a CUDA graph where its tensors
     # and values repeat an earlier call's (fusepass/runtime/replay.py): the host time of the launches
     replay: bool = True
+    # replay each compiled graph whole as a CUDA graph, through torch's CUDA graph trees (as Inductor's
+    # mode="reduce-overhead", which turns this on): the host time between kernels (fusepass/runtime/whole_graphs.py)
+    graphs: bool = False
     # where torch's scaled_dot_product_attention computes an attention exactly (unmasked or causal, scaled, no
     # tensor read) and the running GPU times it faster than the fused kernels, run it (attention/sdpa_floor.py)
     sdpa: bool = True

@@ -35,6 +35,7 @@ from fusepass.report.intermediates import largest_intermediates
 from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, discard, new_report
 from fusepass.runnable import copy_graph, on_device, runnable
+from fusepass.runtime import whole_graphs
 from fusepass.runtime.device import interpreting
 from fusepass.saved_values import partition_with
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
@@ -109,10 +110,8 @@ def _ceilings_notice(report: Report, device: torch.device) -> str | None:
             "fusepass.measure_ceilings())")
 
 
-# What fusepass does in place of each of Inductor's modes.
+# What fusepass does in place of Inductor's modes it has no counterpart of ("reduce-overhead" is the `graphs` option).
 MODES = {
-    "reduce-overhead": "it replays its attention and elementwise launches as CUDA graphs without being asked (the "
-                       "`replay` option), not whole graphs",
     "max-autotune": "its kernels' tiles are chosen per device and shape when they compile, with no search to ask for",
     "max-autotune-no-cudagraphs": "its kernels' tiles are chosen per device and shape when they compile, with no "
                                   "search to ask for",
@@ -132,7 +131,9 @@ class Backend:
                  options: dict[str, Any] | None = None) -> Callable[..., Any]:
         """Compile one Dynamo graph. ``torch.compile(..., options={...})`` passes `options` (fusepass's, over this
         backend's) and ``mode=...`` `mode`, which names Inductor's modes: fusepass has one."""
-        if mode not in (None, "default"):
+        if mode == "reduce-overhead":
+            options = {**(options or {}), "graphs": True}
+        elif mode not in (None, "default"):
             raise ValueError(f"fusepass has no mode {mode!r}: {MODES.get(mode, 'modes name Inductor settings')}; "
                              "leave mode out")
         if options:
@@ -177,6 +178,9 @@ class Backend:
         else:
             graph = self._step(list_unfused_attention, graph, context("forward"), "listing attention")
 
+        replays = whole_graphs.GraphsOfOneCompile(
+            device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0))
+
         def compiler(phase: str, backward_follows: bool = False) -> Callable[..., Any]:
             def compile_graph(module: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
                 module = self._step(pad_matmuls, module, context(phase), "matmul padding")
@@ -196,7 +200,19 @@ class Backend:
                         self._list_intermediates(module, context(phase))
                     compiling.forward_compiled(backward_follows)
                 annotated = phase if self.options.annotate else None
-                return make_boxed_func(on_device(runnable(module, annotated).forward, device))
+                compiled = make_boxed_func(on_device(runnable(module, annotated).forward, device))
+                if not self.options.graphs:
+                    return compiled
+                if not run_kernels or device.type != "cuda":
+                    _notice(report, whole_graphs.NOT_CUDA)
+                    return compiled
+                inference = phase == "forward" and not backward_follows
+
+                def why_not(reason: str) -> None:
+                    _notice(report, f"{report.graph} ({'inference' if inference else phase}) runs as compiled, "
+                                    f"not replayed whole: {reason}")
+
+                return whole_graphs.replayed(compiled, module, inputs, phase, inference, replays, why_not)
 
             return compile_graph
 

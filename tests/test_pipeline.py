@@ -55,10 +55,8 @@ def test_torch_compile_passes_options_over_the_backends():
         torch.compile(chain, backend="fusepass", options={"elementwsie": False})(x, b)
 
 
-def test_a_mode_is_refused_by_name():
+def test_modes_fusepass_has_no_counterpart_of_are_refused_by_name():
     x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
-    with pytest.raises(Exception, match="fusepass has no mode 'reduce-overhead'"):
-        torch.compile(chain, backend="fusepass", mode="reduce-overhead")(x, b)
     assert_close(torch.compile(chain, backend="fusepass", mode="default")(x, b), chain(x, b))
     with pytest.raises(Exception, match="no mode 'max-autotune': its kernels' tiles are chosen"):
         torch.compile(chain, backend="fusepass", mode="max-autotune")(x, b)

@@ -58,6 +58,8 @@ def list_unfused_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.
 def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
     changed = False
+    # SDPA keeps its autograd graph in Python for the backward, which a graph replayed whole skips
+    sdpa = ctx.options.sdpa and not ctx.options.graphs
     for softmax in softmaxes(graph):
         where = location(softmax)
         name = f"attention_{next(_names)}"
@@ -67,7 +69,7 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
                 ctx.report.rewrites.extend(rewrite_dynamic(graph, m, ctx, name, where, rewrite_attention))
                 changed = changed or ctx.run_kernels
                 continue
-            spec, sources, features = plan(m, name, ctx.options.replay, ctx.sizes_vary, ctx.options.sdpa)
+            spec, sources, features = plan(m, name, ctx.options.replay, ctx.sizes_vary, sdpa)
             # The op's inputs: Q, K and V's sources, what the score functions read, the buffers read as the bands
             # they hold (for their guards), then whatever else the replaced ops read.
             banded = [node for node, _ in spec.lifted.bands]

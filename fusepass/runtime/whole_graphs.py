@@ -1,0 +1,153 @@
+"""Whole compiled graphs replayed as CUDA graphs (``fusepass.backend(graphs=True)``, or ``mode="reduce-overhead"``),
+through torch's CUDA graph trees, as Inductor's reduce-overhead mode replays its own graphs.
+
+A model of many small layers spends longer on the host between kernels (ATen's matmul calls, views,
+allocations, the Python of each fused op) than the kernels take on the device. Replaying a graph's recorded
+kernels costs one driver call. The trees record each compiled graph (forward, backward, inference) once per set
+of sizes after a warm-up call, keep what the graphs allocate in one memory pool shared by a forward and its
+backward, copy the arguments that may move (all but parameters and buffers, and the saved values a backward reads)
+into the recording's buffers, and record again where a parameter moves.
+
+A replay runs none of the graph's Python, so a graph whose calls do host work a replay would skip runs as compiled,
+and the report says why (`refusal`): it draws attention dropout's seed on the host (the recording would keep one
+mask), it writes an argument that may move in place, it plans its attention per call (symbolic sizes: the plan and
+what the forward keeps for the backward live in Python), or its attention computes a buffer's contents in place of
+reading it (the guard of those contents runs in the call). The SDPA floor is off for graphs replayed whole: SDPA
+keeps its autograd graph in Python for the backward.
+
+As with Inductor's mode, a graph's outputs live in the pool until the graph replays again: a training loop needs
+nothing more, a loop of forwards that keeps earlier outputs clones them (or calls
+``torch.compiler.cudagraph_mark_step_begin()`` between steps); torch raises on an output read after it was
+overwritten.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from fusepass.runtime import launch
+
+aten = torch.ops.aten
+NOT_CUDA = "whole-graph replays need a CUDA device: the graphs run as compiled"
+
+
+def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
+    """Why `module` (a forward, backward or inference graph as AOTAutograd hands it over) cannot be replayed whole,
+    or None. `static`: the indices of the arguments that stay where they are between calls (parameters, buffers, the
+    saved values of a backward)."""
+    from fusepass.attention.call import call_named
+    from torch._inductor.utils import get_first_incompatible_cudagraph_node
+
+    graph = module.graph
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) \
+                and isinstance(value, torch.Tensor) and value.device.type == "cpu":
+            return f"{node.name} draws random numbers on the host (attention dropout's seed): a replay would keep them"
+        if node.target is torch.ops.fusepass.attention_dynamic.default:
+            return f"{node.name} plans its attention per call (symbolic sizes) in Python, which a replay skips"
+        if node.target is torch.ops.fusepass.attention.default and call_named(node.args[-1]).guards:
+            names = ", ".join(guard.name for guard in call_named(node.args[-1]).guards)
+            return f"{node.name} computes what {names} holds, a guard each call checks and a replay would skip"
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        # (an empty tensor holds nothing to copy or compute: the attention op's seed where it draws none)
+        if node.op in ("call_function", "placeholder") and isinstance(value, torch.Tensor) \
+                and value.device.type == "cpu" and value.numel():
+            return f"{node.name} is a tensor on the CPU, which a CUDA graph does not hold"
+    try:
+        mutated = _mutated_inputs(graph) - set(static)
+    except KeyError as missing:  # an op's argument without the fake value that tells its storage
+        return f"which arguments it writes in place could not be told ({missing} missing)"
+    if mutated:
+        names = [n.name for n in graph.find_nodes(op="placeholder")]
+        return f"it writes its argument {', '.join(names[i] for i in sorted(mutated))} in place, which may move"
+    node = get_first_incompatible_cudagraph_node(module)
+    if node is not None:
+        return f"{node.name} cannot be recorded in a CUDA graph (torch's rule: {node.target})"
+    return None
+
+
+def _mutated_inputs(graph: torch.fx.Graph) -> set[int]:
+    """The indices of the arguments `graph` writes in place (by the ops' schemas; generated kernels write none)."""
+    from torch._dynamo.backends.cudagraphs import find_input_mutations
+    return find_input_mutations(graph)
+
+
+@dataclass
+class GraphsOfOneCompile:
+    """Whether the forward of one AOTAutograd compile is replayed whole (its backward must then run in the trees'
+    bookkeeping even where it is not), and on which device."""
+    device_index: int
+    forward_replayed: bool = False
+
+
+def forward_static_inputs(count: int) -> list[int]:
+    """The forward's arguments that stay where they are between calls: parameters and buffers, as AOTAutograd's
+    metadata marks them (Inductor's choice too)."""
+    context = torch._guards.TracingContext.try_get()
+    if context is None or context.fw_metadata is None:
+        return []
+    return [i for i in context.fw_metadata.static_input_indices if i < count]
+
+
+def backward_static_inputs(graph: torch.fx.GraphModule) -> list[int]:
+    """The backward's arguments but its incoming gradients: what the forward saved, which stays in the pool."""
+    from torch._inductor.utils import count_tangents
+    return list(range(count_tangents(graph)))
+
+
+def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, inputs: Sequence[Any], phase: str,
+             inference: bool, one: GraphsOfOneCompile, why_not: Callable[[str], None]) -> Callable[[list], Any]:
+    """`compiled` (a boxed function of `graph`, which AOTAutograd compiled for `phase`) replayed whole by torch's
+    CUDA graph trees, or `compiled` itself where `refusal` gives a reason (told to `why_not`)."""
+    from torch._dynamo.backends.cudagraphs import get_stack_traces
+    from torch._inductor import cudagraph_trees
+    from torch._inductor.cudagraph_utils import get_placeholder_info
+
+    backward = phase == "backward"
+    if backward and not one.forward_replayed:
+        return compiled  # the forward's reason was told
+    static = backward_static_inputs(graph) if backward else forward_static_inputs(len(inputs))
+    reason = refusal(graph, static)
+    if reason is not None:
+        why_not(reason)
+        if backward:
+            manager = cudagraph_trees.get_manager(one.device_index, create_if_none_exists=False)
+
+            def run_backward(args: list) -> Any:
+                manager.set_to_running_backward()  # the trees' step bookkeeping: this forward's backward ran
+                return compiled(args)
+
+            run_backward._boxed_call = True
+            return run_backward
+        return compiled
+    mutated = _mutated_inputs(graph.graph)
+    tree = cudagraph_trees.cudagraphify_impl(
+        _consuming(compiled), list(inputs), static, device_index=one.device_index, is_backward=backward,
+        is_inference=inference, stack_traces=get_stack_traces(graph), placeholders=get_placeholder_info(graph.graph),
+        mutated_input_idxs=mutated)
+    if not backward:
+        one.forward_replayed = not inference
+
+    def run(args: list) -> Any:
+        # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
+        launch.finish_compiles_ahead()
+        return tree(args)
+
+    run._boxed_call = True
+    return run
+
+
+def _consuming(compiled: Callable[[list], Any]) -> Callable[[list], Any]:
+    """`compiled` taking its argument list over, as the trees ask (they free arguments as the graph runs)."""
+    def run(args: list) -> Any:
+        taken = list(args)
+        args.clear()
+        return compiled(taken)
+
+    return run

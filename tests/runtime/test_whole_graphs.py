@@ -1,0 +1,129 @@
+"""Whole-graph replays (`graphs=True`, runtime/whole_graphs.py) on this machine: the option and the mode that turn
+them on, and each reason a graph runs as compiled instead (`refusal`), on graphs of fake CUDA tensors and on the
+graphs the pipeline compiles. The replays themselves need a CUDA device: test_whole_graphs_cuda.py."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import DEVICE, assert_close, random_tensor
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fusepass
+from fusepass.attention.call import call_named
+from fusepass.runtime import whole_graphs
+from fusepass.runtime.whole_graphs import refusal
+
+
+def chain(x, b):
+    return torch.tanh(x + b) * 2
+
+
+def test_reduce_overhead_mode_turns_whole_graph_replays_on():
+    x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
+    for compiled in (torch.compile(chain, backend="fusepass", mode="reduce-overhead"),
+                     torch.compile(chain, backend=fusepass.backend(graphs=True))):
+        fusepass.reset()
+        torch._dynamo.reset()
+        assert_close(compiled(x, b), chain(x, b))
+        if DEVICE == "cpu":
+            assert whole_graphs.NOT_CUDA in fusepass.last_report().notices
+
+
+def _fake_cuda_graph(fn, *shapes: tuple[int, ...]) -> torch.fx.GraphModule:
+    """`fn` traced over fake CUDA tensors of `shapes` (no device needed)."""
+    with FakeTensorMode():
+        inputs = [torch.empty(shape, device="cuda") for shape in shapes]
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def test_an_in_place_write_to_an_argument_that_may_move_is_refused():
+    def writes_b(x, b):
+        b.add_(1)
+        return (x * 2 + b,)
+
+    graph = _fake_cuda_graph(writes_b, (4, 8), (4, 8))
+    assert refusal(graph, static=[0]) == "it writes its argument b_1 in place, which may move"
+    assert refusal(graph, static=[1]) is None  # a parameter or buffer stays where it is
+
+
+def test_a_tensor_on_the_cpu_is_refused_an_empty_one_not():
+    def reads_host(x):
+        return (x * torch.ones(3).to(x.device).sum(),)
+
+    assert refusal(_fake_cuda_graph(reads_host, (4,)), static=[]) == \
+        "ones is a tensor on the CPU, which a CUDA graph does not hold"
+
+    def empty_host(x):
+        torch.empty(0, dtype=torch.int64)
+        return (x * 2,)
+
+    assert refusal(_fake_cuda_graph(empty_host, (4,)), static=[]) is None
+
+
+def _forward_graph(model, *inputs, **options) -> torch.fx.GraphModule:
+    """The forward graph the pipeline compiled for `model`, after one training step."""
+    fusepass.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=fusepass.backend(strict=True, **options))
+    compiled(*inputs).float().pow(2).sum().backward()
+    return fusepass.last_report().graphs["forward"]
+
+
+def dropout_attention(q, k, v):
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return F.dropout(torch.softmax(s, dim=-1), p=0.25, training=True) @ v
+
+
+def _qkv(n: int = 37) -> list[torch.Tensor]:
+    return [random_tensor((2, 3, n, 16), torch.float32).requires_grad_() for _ in range(3)]
+
+
+def test_attention_dropout_drawing_its_seed_on_the_host_is_refused():
+    graph = _forward_graph(dropout_attention, *_qkv())
+    reason = refusal(graph, static=[])
+    assert reason is not None and "draws random numbers on the host (attention dropout's seed)" in reason
+
+
+def test_a_buffer_read_as_known_contents_is_refused():
+    from attention.test_known_contents import BufferAttention
+
+    torch.manual_seed(0)
+    model = BufferAttention().to(DEVICE)
+    graph = _forward_graph(model, torch.randn(2, 37, 32, device=DEVICE))
+    reason = refusal(graph, static=range(3))
+    assert reason is not None and \
+        "computes what L['self']._buffers['bias'] holds, a guard each call checks and a replay would skip" in reason
+
+
+def plain_attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def test_attention_planned_per_call_is_refused():
+    fusepass.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(plain_attention, backend=fusepass.backend(strict=True), dynamic=True)
+    compiled(*_qkv(37)).sum().backward()
+    reason = refusal(fusepass.last_report().graphs["forward"], static=[])
+    assert reason is not None and "plans its attention per call (symbolic sizes) in Python" in reason
+
+
+def test_a_plain_attention_graph_is_replayed_and_runs_without_the_sdpa_floor():
+    graph = _forward_graph(plain_attention, *_qkv(), graphs=True)
+    ops = [n for n in graph.graph.nodes if n.target is torch.ops.fusepass.attention.default]
+    assert len(ops) == 1
+    # the graph's tensors are on the CPU here; the attention itself gives no reason
+    assert refusal(graph, static=[]) in (None, f"{graph.graph.find_nodes(op='placeholder')[0].name} is a tensor on "
+                                               "the CPU, which a CUDA graph does not hold")
+    assert not call_named(ops[0].args[-1]).spec.sdpa
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "max-autotune-no-cudagraphs"])
+def test_other_modes_are_still_refused(mode):
+    with pytest.raises(Exception, match=f"fusepass has no mode '{mode}'"):
+        torch.compile(chain, backend="fusepass", mode=mode)(random_tensor((6, 5), torch.float32),
+                                                             random_tensor((5,), torch.float32))

@@ -1,0 +1,141 @@
+"""Whole-graph replays on the GPU (`graphs=True`, runtime/whole_graphs.py): the example models trained with their
+graphs replayed by torch's CUDA graph trees give, step after step, what the same compiled graphs give run as
+compiled (fusepass without the SDPA floor, which replays turn off): the batch in new memory each step, the weights
+updated in place between steps, a second batch size and back. Graphs that cannot be replayed run as compiled and
+the report says why. Random draws of ATen ops replay new numbers each step."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models.test_examples import BUILT, _example
+
+import fusepass
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+# The examples whose graphs replay whole; GPT-2's attention computes its `tril` buffer, whose guard runs per call.
+REPLAYED = ["bert", "t5", "llama", "bloom", "gemma2"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_trees():
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    reset_cudagraph_trees()
+    yield
+    reset_cudagraph_trees()
+
+
+def _recorded_graphs() -> int:
+    from torch._inductor.cudagraph_trees import get_manager
+
+    manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    return 0 if manager is None else sum(1 for _ in manager.get_roots())
+
+
+def _not_replayed() -> list[str]:
+    return [n for report in fusepass.reports() for n in report.notices if "not replayed whole" in n]
+
+
+def _train_side_by_side(name: str, dtype: torch.dtype, batches: list[int], seq: int = 29) -> None:
+    """`name`'s model trained with SGD, its graphs replayed whole beside run as compiled: the losses and every
+    gradient agree at each step."""
+    example = _example(name)
+    model_class, loss_name = BUILT[name]
+    torch.manual_seed(0)
+    model = getattr(example, model_class)(example.SIZES["tiny"]).to("cuda", dtype)
+    twin = copy.deepcopy(model)
+    loss = getattr(example, loss_name)
+    fusepass.reset()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=False)
+    compiled = torch.compile(twin, backend=fusepass.backend(sdpa=False, strict=True), dynamic=False)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, twin)]
+    for step, batch in enumerate(batches):
+        inputs = example.inputs(model, batch, seq)
+        results = []
+        for m, run, optimizer in zip((model, twin), (replayed, compiled), optimizers):
+            optimizer.zero_grad(set_to_none=True)
+            value = loss(run(*inputs))
+            value.backward()
+            results.append((value.detach().clone(), {n: p.grad.clone() for n, p in m.named_parameters()
+                                                     if p.grad is not None}))
+            optimizer.step()
+        (value, grads), (expected_value, expected_grads) = results
+        assert grads.keys() == expected_grads.keys()
+        torch.testing.assert_close(value, expected_value, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        scale = max(g.abs().max().item() for g in expected_grads.values())
+        for n, grad in expected_grads.items():
+            torch.testing.assert_close(grads[n], grad, rtol=1e-4, atol=1e-5 * scale, msg=f"step {step}: {n}")
+
+
+@pytest.mark.parametrize("name", REPLAYED)
+def test_a_model_trained_with_its_graphs_replayed_is_trained_as_compiled(name):
+    _train_side_by_side(name, torch.float32, [2, 2, 2, 2, 3, 3, 3, 2, 2])
+    assert not _not_replayed()
+    assert _recorded_graphs() >= 2  # a forward and its backward at least, per batch size
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_bf16_training_with_its_graphs_replayed_is_trained_as_compiled(name):
+    _train_side_by_side(name, torch.bfloat16, [2, 2, 2, 2])
+    assert not _not_replayed()
+
+
+def test_gpt2s_buffer_mask_runs_its_graphs_as_compiled_and_says_why():
+    _train_side_by_side("gpt2", torch.float32, [2, 2, 2])
+    notices = _not_replayed()
+    assert notices and all("a guard each call checks and a replay would skip" in n for n in notices), notices
+
+
+def test_inference_replayed_whole_is_inference_as_compiled():
+    example = _example("bert")
+    torch.manual_seed(0)
+    model = example.BertModel(example.SIZES["tiny"]).to("cuda").eval()
+    fusepass.reset()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True))
+    outputs = []
+    with torch.no_grad():
+        for _ in range(4):
+            inputs = example.inputs(model, 2, 29)
+            outputs.append((replayed(*inputs).clone(), model(*inputs)))
+    for out, expected in outputs:
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert _recorded_graphs() >= 1 and not _not_replayed()
+
+
+class DropoutBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(torch.nn.functional.gelu(self.linear(x)), p=0.5, training=True)
+
+
+def test_aten_random_draws_are_new_in_each_replay():
+    torch.manual_seed(0)
+    model = DropoutBlock().cuda()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True))
+    x = torch.randn(8, 64, device="cuda")
+    masks = []
+    for _ in range(5):
+        out = replayed(x)
+        out.sum().backward()
+        masks.append((out != 0).clone())
+    assert _recorded_graphs() >= 2 and not _not_replayed()
+    assert all(not torch.equal(masks[i], masks[i + 1]) for i in range(4))
+    assert all(0.4 < m.float().mean().item() < 0.6 for m in masks)
+
+
+def test_attention_dropout_runs_as_compiled_and_says_why():
+    from attention.test_attention import dropout_attention
+
+    q, k, v = (torch.randn(2, 3, 37, 16, device="cuda", requires_grad=True) for _ in range(3))
+    fusepass.reset()
+    compiled = torch.compile(dropout_attention, backend=fusepass.backend(graphs=True, strict=True))
+    for _ in range(3):
+        compiled(q, k, v).sum().backward()
+    notices = _not_replayed()
+    assert notices and "draws random numbers on the host" in notices[0]
