@@ -197,6 +197,7 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             fusepass.reset()
         fn = _compiled(model, backend, options)
         if on_gpu:
+            zero_grads()  # the previous backend's gradients are not this one's
             torch.cuda.synchronize()
             # what the backend keeps allocated between calls (its caches, CUDA graphs' pools) counts in its peak
             held_before = torch.cuda.memory_allocated()

@@ -151,9 +151,9 @@ def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[
         if spec.dropout_p > 0:
             seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]),
                                        {"dtype": torch.int64, "device": torch.device("cpu")})
-        else:
+        else:  # none drawn: an empty tensor where the attention computes (a CUDA graph holds no CPU tensor)
             seed = graph.call_function(aten.empty.memory_format, ([0],),
-                                       {"dtype": torch.int64, "device": torch.device("cpu")})
+                                       {"dtype": torch.int64, "device": val(m.pv).device})
         op = graph.call_function(torch.ops.fusepass.attention.default,
                                  (*sources, list(spec.lifted.aux) + extra, seed, name))
         keep_location(op, m.softmax)

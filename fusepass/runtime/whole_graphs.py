@@ -15,10 +15,9 @@ what the forward keeps for the backward live in Python), or its attention comput
 reading it (the guard of those contents runs in the call). The SDPA floor is off for graphs replayed whole: SDPA
 keeps its autograd graph in Python for the backward.
 
-As with Inductor's mode, a graph's outputs live in the pool until the graph replays again: a training loop needs
-nothing more, a loop of forwards that keeps earlier outputs clones them (or calls
-``torch.compiler.cudagraph_mark_step_begin()`` between steps); torch raises on an output read after it was
-overwritten.
+What a graph hands its caller (a forward's outputs, the gradients) is copied out of the pool after each replay: the
+caller may keep it past the next step, as it keeps what eager gives (Inductor's mode leaves it in the pool, where
+the next replay overwrites it). What a forward saves for its backward stays in the pool.
 """
 from __future__ import annotations
 
@@ -133,14 +132,29 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         mutated_input_idxs=mutated)
     if not backward:
         one.forward_replayed = not inference
+    handed_out = len(graph.graph.find_nodes(op="output")[0].args[0]) if backward or inference else \
+        forward_returns()
 
     def run(args: list) -> Any:
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
-        return tree(args)
+        return _owned(tree(args), handed_out)
 
     run._boxed_call = True
     return run
+
+
+def forward_returns() -> int:
+    """How many of a training forward's outputs reach the caller (the rest are saved for the backward): AOTAutograd's
+    metadata counts them."""
+    return torch._guards.TracingContext.get().fw_metadata.num_forward_returns
+
+
+def _owned(outputs: Sequence[Any], handed_out: int) -> list:
+    """`outputs` with the first `handed_out` tensors copied out of the pool: a replay writes the pool again, and the
+    caller may keep what it was given past the next step (a loss in a list, a gradient accumulated over steps), as
+    it may keep what eager gives."""
+    return [o.clone() if i < handed_out and isinstance(o, torch.Tensor) else o for i, o in enumerate(outputs)]
 
 
 def _consuming(compiled: Callable[[list], Any]) -> Callable[[list], Any]:
