@@ -32,10 +32,14 @@ def _fresh_trees():
 
 
 def _recorded_graphs() -> int:
+    """The graphs the trees recorded: their roots (a forward, an inference) and what follows them (a backward)."""
     from torch._inductor.cudagraph_trees import get_manager
 
+    def count(nodes) -> int:
+        return sum(1 + count([c for children in n.children.values() for c in children]) for n in nodes)
+
     manager = get_manager(torch.cuda.current_device(), create_if_none_exists=False)
-    return 0 if manager is None else sum(1 for _ in manager.get_roots())
+    return 0 if manager is None else count(list(manager.get_roots()))
 
 
 def _not_replayed() -> list[str]:
