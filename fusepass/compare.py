@@ -199,8 +199,11 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
         if on_gpu:
             zero_grads()  # the previous backend's gradients are not this one's
             torch.cuda.synchronize()
-            # what the backend keeps allocated between calls (its caches, CUDA graphs' pools) counts in its peak
-            held_before = torch.cuda.memory_allocated()
+            # What the backend holds between calls (its caches, CUDA graphs' pools) counts in its peak. Memory is
+            # counted as reserved from the device, with the cache of freed blocks emptied first: a CUDA graph's
+            # pool is reserved, not allocated, between its replays, which write it all the same.
+            torch.cuda.empty_cache()
+            held_before = torch.cuda.memory_reserved()
         started = time.perf_counter()
         out, grads = run(fn)
         if on_gpu:
@@ -231,7 +234,7 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
 
 def _time(result: BackendResult, fn: Callable, inputs: Sequence[Any], loss: Callable | None, zero_grads: Callable,
           tokens: int | None, warmup_ms: float, rep_ms: float, held_before: int) -> None:
-    """The forward's and the step's times; the step's peak memory above what was allocated before the backend's
+    """The forward's and the step's times; the step's peak memory above what was reserved before the backend's
     first call (`held_before`)."""
     import triton.testing
 
@@ -250,10 +253,11 @@ def _time(result: BackendResult, fn: Callable, inputs: Sequence[Any], loss: Call
     if loss is not None:
         result.step_ms = bench(step)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     step()
     torch.cuda.synchronize()
-    result.peak_memory_gib = (torch.cuda.max_memory_allocated() - held_before) / 2**30
+    result.peak_memory_gib = (torch.cuda.max_memory_reserved() - held_before) / 2**30
     ms = result.step_ms if result.step_ms is not None else result.forward_ms
     if tokens and ms and math.isfinite(ms):
         result.tokens_per_s = tokens / (ms * 1e-3)
