@@ -136,7 +136,11 @@ class ContentGuard:
 
     def check(self, aux: Sequence[torch.Tensor]) -> None:
         """Raise `ContentsChanged` where the tensor no longer holds the band."""
-        tensor = aux[self.index]
+        self.check_tensor(aux[self.index])
+
+    def check_tensor(self, tensor: torch.Tensor) -> None:
+        """`check` of the op's aux tensor `index` (`tensor`), where a caller holds it alone (a whole-graph replay
+        checks the graph's argument before it replays)."""
         for seen, version in self._seen:
             if seen() is tensor and tensor._version == version:
                 return

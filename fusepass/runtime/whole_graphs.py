@@ -10,10 +10,13 @@ into the recording's buffers, and record again where a parameter moves.
 
 A replay runs none of the graph's Python, so a graph whose calls do host work a replay would skip runs as compiled,
 and the report says why (`refusal`): it draws attention dropout's seed on the host (the recording would keep one
-mask), it writes an argument that may move in place, it plans its attention per call (symbolic sizes: the plan and
+mask), it holds a tensor on the CPU (a replay would keep the values it was recorded with), it writes an argument
+that may move in place, it plans its attention per call (symbolic sizes: the plan and
 what the forward keeps for the backward live in Python), or its attention computes a buffer's contents in place of
-reading it (the guard of those contents runs in the call). The SDPA floor is off for graphs replayed whole: SDPA
-keeps its autograd graph in Python for the backward.
+reading it where the buffer reaches it through other ops. Where the buffer is the graph's argument, its guard (the
+buffer's version counter) is checked before each replay, and a changed buffer ends the replays of the graph: the
+attention's call, run as compiled, sees the change and runs the replaced ops. The SDPA floor is off for graphs
+replayed whole: SDPA keeps its autograd graph in Python for the backward.
 
 What a graph hands its caller (a forward's outputs, the gradients) is copied out of the pool after each replay: the
 caller may keep it past the next step, as it keeps what eager gives (Inductor's mode leaves it in the pool, where
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.runtime import launch
 
 aten = torch.ops.aten
@@ -49,9 +53,6 @@ def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
             return f"{node.name} draws random numbers on the host (attention dropout's seed): a replay would keep them"
         if node.target is torch.ops.fusepass.attention_dynamic.default:
             return f"{node.name} plans its attention per call (symbolic sizes) in Python, which a replay skips"
-        if node.target is torch.ops.fusepass.attention.default and call_named(node.args[-1]).guards:
-            names = ", ".join(guard.name for guard in call_named(node.args[-1]).guards)
-            return f"{node.name} computes what {names} holds, a guard each call checks and a replay would skip"
     for node in graph.nodes:
         value = node.meta.get("val")
         # (an empty tensor holds nothing to copy or compute: the attention op's seed where it draws none)
@@ -71,6 +72,23 @@ def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
     return None
 
 
+def guarded_arguments(module: torch.fx.GraphModule) -> list[tuple[int, ContentGuard]] | str:
+    """The guards of the buffers `module`'s attention computes rather than reads (`known_contents`), each with the
+    position of the graph argument it checks: a replay checks them first, as the attention's call would. A reason
+    where a guarded buffer reaches the attention other than as an argument."""
+    from fusepass.attention.call import call_named
+
+    placeholders = module.graph.find_nodes(op="placeholder")
+    guarded = []
+    for node in module.graph.find_nodes(op="call_function", target=torch.ops.fusepass.attention.default):
+        aux = node.args[3]
+        for guard in call_named(node.args[-1]).guards:
+            if aux[guard.index] not in placeholders:
+                return f"{node.name} computes what {guard.name} holds, which reaches it through ops a replay skips"
+            guarded.append((placeholders.index(aux[guard.index]), guard))
+    return guarded
+
+
 def _mutated_inputs(graph: torch.fx.Graph) -> set[int]:
     """The indices of the arguments `graph` writes in place (by the ops' schemas; generated kernels write none)."""
     from torch._dynamo.backends.cudagraphs import find_input_mutations
@@ -83,6 +101,13 @@ class GraphsOfOneCompile:
     bookkeeping even where it is not), and on which device."""
     device_index: int
     forward_replayed: bool = False
+    given_up: bool = False  # a guarded buffer changed: the forward and its backward run as compiled from then on
+
+    def backward_ran(self) -> None:
+        """Tell the trees that a backward of this compile's forward ran outside them."""
+        from torch._inductor import cudagraph_trees
+
+        cudagraph_trees.get_manager(self.device_index, create_if_none_exists=False).set_to_running_backward()
 
 
 def forward_static_inputs(count: int) -> list[int]:
@@ -112,14 +137,13 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
     if backward and not one.forward_replayed:
         return compiled  # the forward's reason was told
     static = backward_static_inputs(graph) if backward else forward_static_inputs(len(inputs))
-    reason = refusal(graph, static)
+    guarded = [] if backward else guarded_arguments(graph)
+    reason = guarded if isinstance(guarded, str) else refusal(graph, static)
     if reason is not None:
         why_not(reason)
         if backward:
-            manager = cudagraph_trees.get_manager(one.device_index, create_if_none_exists=False)
-
             def run_backward(args: list) -> Any:
-                manager.set_to_running_backward()  # the trees' step bookkeeping: this forward's backward ran
+                one.backward_ran()  # the trees' step bookkeeping: this forward's backward ran
                 return compiled(args)
 
             run_backward._boxed_call = True
@@ -136,6 +160,19 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         forward_returns()
 
     def run(args: list) -> Any:
+        if one.given_up:
+            if backward:
+                one.backward_ran()
+            return compiled(args)
+        try:
+            for position, guard in guarded:
+                guard.check_tensor(args[position])
+        except ContentsChanged as error:
+            # The attention's call sees the change too and runs the replaced ops from now on: the recorded kernels
+            # would not.
+            one.given_up = True
+            why_not(f"from this call on: {error}")
+            return compiled(args)
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
         return _owned(tree(args), handed_out)

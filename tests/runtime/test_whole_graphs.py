@@ -15,7 +15,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fusepass
 from fusepass.attention.call import call_named
 from fusepass.runtime import whole_graphs
-from fusepass.runtime.whole_graphs import refusal
+from fusepass.attention.known_contents import ContentsChanged
+from fusepass.runtime.whole_graphs import guarded_arguments, refusal
 
 
 def chain(x, b):
@@ -88,15 +89,20 @@ def test_attention_dropout_drawing_its_seed_on_the_host_is_refused():
     assert reason is not None and "draws random numbers on the host (attention dropout's seed)" in reason
 
 
-def test_a_buffer_read_as_known_contents_is_refused():
+def test_a_buffer_read_as_known_contents_is_checked_before_each_replay():
     from attention.test_known_contents import BufferAttention
 
     torch.manual_seed(0)
     model = BufferAttention().to(DEVICE)
     graph = _forward_graph(model, torch.randn(2, 37, 32, device=DEVICE))
-    reason = refusal(graph, static=range(3))
-    assert reason is not None and \
-        "computes what L['self']._buffers['bias'] holds, a guard each call checks and a replay would skip" in reason
+    (position, guard), = guarded_arguments(graph)
+    assert guard.name == "L['self']._buffers['bias']"
+    assert graph.graph.find_nodes(op="placeholder")[position].meta["val"].shape == model.bias.shape
+    guard.check_tensor(model.bias)  # as it holds what the kernels compute
+    with torch.no_grad():
+        model.bias[0, 0, 3, 7] = 1.0
+    with pytest.raises(ContentsChanged, match="no longer holds what it held when compiled"):
+        guard.check_tensor(model.bias)
 
 
 def plain_attention(q, k, v):

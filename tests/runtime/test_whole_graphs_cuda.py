@@ -15,11 +15,10 @@ import fusepass
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 
-# The examples whose graphs replay whole; GPT-2's attention computes its `tril` buffer, whose guard runs per call, and
+# The examples whose graphs replay whole (GPT-2's attention computes its `tril` buffer, checked before each replay);
 # Gemma 2 multiplies by a CPU tensor (its normalizer, `torch.tensor(width ** 0.5)`).
-REPLAYED = ["bert", "t5", "llama", "bloom"]
-RUN_AS_COMPILED = {"gpt2": "a guard each call checks and a replay would skip",
-                   "gemma2": "is a tensor on the CPU, which a CUDA graph does not hold"}
+REPLAYED = ["bert", "t5", "llama", "bloom", "gpt2"]
+RUN_AS_COMPILED = {"gemma2": "is a tensor on the CPU, which a CUDA graph does not hold"}
 
 
 @pytest.fixture(autouse=True)
@@ -156,3 +155,29 @@ def test_attention_dropout_runs_as_compiled_and_says_why():
         compiled(q, k, v).sum().backward()
     notices = _not_replayed()
     assert notices and "draws random numbers on the host" in notices[0]
+
+
+def test_a_buffer_mask_written_in_place_ends_the_replays():
+    """nanoGPT's `tril` buffer, computed from the positions by the replayed kernels, written in place between steps:
+    the next step checks it before replaying, runs as compiled and reads the buffer (eager's result)."""
+    from attention.test_known_contents import BufferAttention
+
+    torch.manual_seed(0)
+    model = BufferAttention().cuda()
+    twin = copy.deepcopy(model)
+    fusepass.reset()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True))
+    for step in range(6):
+        if step == 4:
+            with torch.no_grad():
+                for m in (model, twin):
+                    m.bias[..., 5, 9] = 1.0  # one key past the diagonal seen
+        x = torch.randn(2, 37, 32, device="cuda")
+        for m, run in ((model, replayed), (twin, twin)):
+            m.zero_grad(set_to_none=True)
+            run(x).pow(2).sum().backward()
+        for p, expected in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, expected.grad, rtol=1e-4, atol=1e-4, msg=f"step {step}")
+    assert _recorded_graphs() >= 2
+    notices = _not_replayed()
+    assert len(notices) == 1 and "from this call on: L['self']._buffers['bias'] no longer holds" in notices[0]
