@@ -10,6 +10,7 @@ opportunity, not the hardware's limit.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -26,6 +27,8 @@ from fusepass.report.report import Report, reports
 from fusepass.report.roofline import Ceilings, current_ceilings
 
 FLAGGED_BELOW = 0.3  # of the roofline time: the seeds' "an opportunity, not a hardware limit"
+# A step whose kernels take less than this share of its wall time waits on the host more than on the GPU.
+HOST_BOUND_BELOW = 0.6
 
 
 @dataclass
@@ -67,6 +70,12 @@ class Profile:
     total_ms: float  # per step: every kernel's device time on CUDA; the steps' host time on the CPU
     reports: list[Report]
     ceilings: Ceilings
+    wall_ms: float | None = None  # per step on the host's clock, the GPU waited for (CUDA only), outside the profiler
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the GPU spends most of a step waiting on the host (Python, ATen's calls, launches)."""
+        return self.on_device and bool(self.wall_ms) and self.total_ms < HOST_BOUND_BELOW * self.wall_ms
 
     @property
     def attributed_ms(self) -> float:
@@ -78,7 +87,7 @@ class Profile:
         return [r for r in self.rows if self.on_device and r.of_roofline is not None and r.of_roofline < FLAGGED_BELOW]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "on_device": self.on_device, "total_ms": self.total_ms,
+        return {"steps": self.steps, "on_device": self.on_device, "total_ms": self.total_ms, "wall_ms": self.wall_ms,
                 "attributed_ms": self.attributed_ms, "ceilings": self.ceilings.to_dict(),
                 "rows": [{**asdict(r), "of_roofline": r.of_roofline, "limit": r.limit(self.ceilings)}
                          for r in self.rows]}
@@ -104,6 +113,11 @@ class Profile:
         if self.on_device:
             lines.append(f"outside the compiled graphs' ops (eager code around the model, the loss if not compiled, "
                          f"the optimizer): {max(outside, 0.0):.3f} ms per step")
+        if self.host_bound:
+            lines.append(f"⚠ host-bound: kernels ran {self.total_ms:.3f} ms of a step's {self.wall_ms:.3f} ms (timed "
+                         "without the profiler, with its ranges); the GPU waits on Python, ATen's calls and launches "
+                         "for the rest. fusepass.backend(graphs=True), or mode=\"reduce-overhead\", replays the "
+                         "compiled graphs whole")
         if flagged:
             lines.append(f"⚠ {len(flagged)} row{'s' * (len(flagged) != 1)} under {FLAGGED_BELOW:.0%} of the roofline: "
                          "far from what their bytes and flops allow, not at a hardware limit")
@@ -208,15 +222,16 @@ def profile(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
     """Compile `model` with fusepass (`options` as ``fusepass.backend`` takes them), run it warm, and profile
     `steps` calls: with `loss` (a function of the outputs returning a scalar) each is a training step, forward
     and backward; without, a forward under ``torch.no_grad()``. Launches are not replayed as CUDA graphs
-    (`replay` is off): device times are the same, host times are not those of a replayed call. The parameters'
-    gradients are as they were before. The result prints as a table (``print(fusepass.profile(...))``) and converts to a dict."""
+    (`replay` and `graphs` are off): device times are the same, host times are not those of a replayed call. On a
+    device the steps are also timed without the profiler, and a step whose kernels take under `HOST_BOUND_BELOW` of
+    its time is called host-bound. The parameters' gradients are as they were before. The result prints as a table (``print(fusepass.profile(...))``) and converts to a dict."""
     from fusepass.options import Options
     from fusepass.pipeline import Backend
 
     if steps < 1:
         raise ValueError(f"fusepass.profile: steps must be at least 1, not {steps}")
-    # Without replay: the kernels a CUDA graph replays are not linked to the range that replayed them.
-    backend = Backend(Options.from_kwargs(**options).with_changes(annotate=True, replay=False))
+    # Without replays: the kernels a CUDA graph replays are not linked to the range that replayed them.
+    backend = Backend(Options.from_kwargs(**options).with_changes(annotate=True, replay=False, graphs=False))
     parameters = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
     grads = [p.grad for p in parameters]  # set aside: a backward would add to them in place
     for p in parameters:
@@ -236,10 +251,17 @@ def profile(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
         if on_device:
             torch.cuda.synchronize()
 
+    wall_ms = None
     try:
         for _ in range(2):  # the first call compiles, the second runs as every later one
             step()
         synchronize()
+        if on_device:
+            started = time.perf_counter()
+            for _ in range(steps):
+                step()
+            synchronize()
+            wall_ms = (time.perf_counter() - started) * 1e3 / steps
         activities = [torch.profiler.ProfilerActivity.CPU]
         if on_device:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -256,4 +278,4 @@ def profile(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
     events = profiler.events()
     return Profile(attribute(events, steps, on_device), steps, on_device,
                    _device_total_ms(events, steps) if on_device else _host_total_ms(events, steps),
-                   [r for r in reports() if id(r) not in known], current_ceilings())
+                   [r for r in reports() if id(r) not in known], current_ceilings(), wall_ms)

@@ -108,3 +108,12 @@ fusepass profile: 3 steps, device time 8.000 ms per step, 7.850 ms (98%) in the 
 | aten.clone: in no record | forward | ? | 1 |  | 50 us |  | 0 B |  |
 outside the compiled graphs' ops (eager code around the model, the loss if not compiled, the optimizer): 0.150 ms per step
 ⚠ 1 row under 30% of the roofline: far from what their bytes and flops allow, not at a hardware limit""")
+
+    def test_a_step_waiting_on_the_host_is_called_host_bound(self):
+        rows = [ProfiledRow("attention", "rewrite", "forward", "model.py:12", "9 ops", 12, 2.0, 1.5, 10 ** 9, 10 ** 12)]
+        assert not Profile(rows, 3, True, 8.0, [], H200, wall_ms=10.0).host_bound
+        assert not Profile(rows, 3, False, 8.0, [], H200).host_bound  # host times: nothing to compare
+        profile = Profile(rows, 3, True, 8.86, [], H200, wall_ms=30.3)
+        assert profile.host_bound
+        self.assertExpectedInline(str(profile).splitlines()[-1], """\
+⚠ host-bound: kernels ran 8.860 ms of a step's 30.300 ms (timed without the profiler, with its ranges); the GPU waits on Python, ATen's calls and launches for the rest. fusepass.backend(graphs=True), or mode="reduce-overhead", replays the compiled graphs whole""")
