@@ -17,6 +17,8 @@
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them                  ~30 s (2026-12-05)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
+#   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py), then bench/models.py     (~60 s tests;
+#                for $MODELS (default bert,vit,t5,gpt2) with fusepass's {"graphs": true}                   models ~80 s each)
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
@@ -80,6 +82,16 @@ for part in $parts; do
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
             --budget-s "${MODELS_BUDGET_S:-400}" --options "${MODELS_OPTIONS:-{\}}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;
+    graphs)
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
+        PYTHONPATH=/tmp/site:$PWD timeout 200 python -m pytest -o addopts="--import-mode=importlib" -v -n 4 -rf \
+            -p no:cacheprovider tests/runtime/test_whole_graphs_cuda.py tests/runtime/test_whole_graphs.py \
+            > "$OUT_DIR/gpu-tests-graphs.log" 2>&1
+        grep -E "FAILED|ERROR" "$OUT_DIR/gpu-tests-graphs.log" | sort -u | head -20
+        tail -1 "$OUT_DIR/gpu-tests-graphs.log"
+        timeout ${MODELS_TIMEOUT_S:-400} python bench/models.py --models "${MODELS:-bert,vit,t5,gpt2}" \
+            --budget-s "${MODELS_BUDGET_S:-380}" --options '{"graphs": true}' 2>&1 | grep -E "^\||Error|error:" \
+            | cut -c1-400 ;;
     gradients)
         for model in $(echo "${GRAD_MODELS:-bert,gpt2,t5}" | tr , " "); do
             echo "$model"

@@ -470,7 +470,8 @@ class _Identity:
         return isinstance(other, _Identity) and other.value is self.value
 
 
-def _capturing(device: torch.device | str) -> bool:
+def capturing(device: torch.device | str) -> bool:
+    """Whether the current stream of `device` captures a CUDA graph (nothing may wait on the device)."""
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
@@ -503,7 +504,7 @@ def block_map_for(mod: ScoreMod, aux: tuple, batch: int, heads: int, q_len: int,
         block_map.kind.copy_(_coarser_kinds(base.kind, kind_m // base_m, block_n // base_n,
                                             *block_map.kind.shape[2:], kv_len, block_n))
         _write_tile_lists(block_map)
-    if _capturing(device) or torch.device(device).type == "meta":
+    if capturing(device) or torch.device(device).type == "meta":
         return block_map
     _cache[key] = block_map
     if len(_cache) > _CACHE_SIZE:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusepass.flash.blockmap import BlockMap, block_map_for, row_lists, walk_start, walk_step
+from fusepass.flash.blockmap import BlockMap, block_map_for, capturing, row_lists, walk_start, walk_step
 from fusepass.flash.config import (FlashConfig, forward_config, forward_warps, head_block, kind_block_m, launch_fitting,
                                     narrow_kv_tiles)
 from fusepass.flash.distance_table import distance_tables
@@ -346,9 +346,10 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     config = forward_config(head_dim, q.dtype, mod.has_mask, q.device)
     if mod.has_mask and block_map is None:
         # A cached map (KEEP reads no tensors) says once how many tiles the rows list; another would cost a
-        # wait on the device per call to ask.
-        wide_map = None if mod.keep_reads_aux else block_map_for(mod, aux, batch, q_heads, q_len, kv_len,
-                                                                 config.block_m, config.block_n, q.device)
+        # wait on the device per call to ask, and while a CUDA graph captures (a cached map dropped since the
+        # graph's warm-up call) none may be asked.
+        wide_map = None if mod.keep_reads_aux or capturing(q.device) else \
+            block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
         config = narrow_kv_tiles(config, wide_map)
         # A map built per call serves the backward too: its kinds at the dK/dV kernel's q blocks.
         kinds_at = kind_block_m(config, head_dim, q.dtype, q.device) if mod.keep_reads_aux else None
