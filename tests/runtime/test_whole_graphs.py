@@ -133,3 +133,48 @@ def test_other_modes_are_still_refused(mode):
     with pytest.raises(Exception, match=f"fusepass has no mode '{mode}'"):
         torch.compile(chain, backend="fusepass", mode=mode)(random_tensor((6, 5), torch.float32),
                                                              random_tensor((5,), torch.float32))
+
+
+def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buffer(monkeypatch):
+    """`replayed`'s wiring with torch's trees stood in for (they need CUDA): what the graph hands out is copied, the
+    buffer's guard is checked before each replay, and a changed buffer sends this call and every later one to the
+    compiled graph, with a notice."""
+    from attention.test_known_contents import BufferAttention
+    from torch._inductor import cudagraph_trees
+
+    torch.manual_seed(0)
+    model = BufferAttention().to(DEVICE)
+    graph = _forward_graph(model, torch.randn(2, 37, 32, device=DEVICE))
+    (position, _), = guarded_arguments(graph)
+    replays = []
+
+    def trees(model_fn, inputs, static, **kwargs):
+        def replay(args):
+            replays.append(len(args))
+            return model_fn(args)
+        return replay
+
+    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
+    monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)  # the CPU tensors of this graph
+    handed = torch.ones(3)
+    compiled_calls = []
+
+    def compiled(args):
+        compiled_calls.append(len(args))
+        return [handed]
+
+    arguments = [None] * len(graph.graph.find_nodes(op="placeholder"))
+    arguments[position] = model.bias
+    notices = []
+    one = whole_graphs.GraphsOfOneCompile(0)
+    run = whole_graphs.replayed(compiled, graph, arguments, "forward", True, one, notices.append)
+    for _ in range(2):
+        out, = run(list(arguments))
+        assert out is not handed and torch.equal(out, handed)
+    assert len(replays) == 2 and len(compiled_calls) == 2 and not notices
+    with torch.no_grad():
+        model.bias[0, 0, 3, 7] = 1.0
+    for _ in range(2):
+        assert run(list(arguments))[0] is handed  # run as compiled: nothing of a pool to copy out of
+    assert len(replays) == 2 and len(compiled_calls) == 4 and one.given_up
+    assert len(notices) == 1 and notices[0].startswith("from this call on: L['self']._buffers['bias'] no longer holds")
