@@ -1,6 +1,7 @@
 """The example models at realistic sizes on the GPU: eager, Inductor and fusepass side by side, in one process.
 
     PYTHONPATH=. python bench/models.py [--models gpt2,llama,...] [--budget-s 500] [--options '{"graphs": true}']
+        [--peers reduce-overhead]
 
 Each model runs through `fusepass.compare` in bf16 with its training step (forward, cross-entropy, backward):
 forward and step milliseconds, tokens per second, peak memory and the first call (the compile), each backend in
@@ -40,10 +41,11 @@ COLUMNS = ["model", "size", "batch", "seq", "backend", "forward ms", "step ms", 
            "gradients vs fp32", "step vs inductor", "forward vs inductor"]
 
 
-def run_row(name: str, size: str, batch: int, seq: int, extra: list[str], options: str) -> list[dict]:
+def run_row(name: str, size: str, batch: int, seq: int, extra: list[str], options: str, peers: str) -> list[dict]:
     sys.path.insert(0, EXAMPLES)
     module = importlib.import_module(name)
-    argv = ["--size", size, "--train", "--batch", str(batch), "--seq", str(seq), "--options", options, *extra]
+    argv = ["--size", size, "--train", "--batch", str(batch), "--seq", str(seq), "--options", options,
+            "--peers", peers, *extra]
     result = module.main(argv) if hasattr(module, "main") else None
     if result is None:
         raise RuntimeError(f"examples/{name}.py has no main(argv) returning its comparison")
@@ -62,12 +64,12 @@ def run_row(name: str, size: str, batch: int, seq: int, extra: list[str], option
     return rows
 
 
-def run_in_process(index: int, timeout_s: float, options: str) -> list[dict]:
+def run_in_process(index: int, timeout_s: float, options: str, peers: str) -> list[dict]:
     name, size, batch, seq, extra = ROWS[index]
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         try:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--row", str(index), "--row-out", out.name,
-                                   "--options", options],
+                                   "--options", options, "--peers", peers],
                                   timeout=timeout_s, capture_output=True, text=True)
             failure = None if done.returncode == 0 else (done.stderr.strip().splitlines() or ["no output"])[-1]
         except subprocess.TimeoutExpired:
@@ -86,9 +88,10 @@ def main() -> None:
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # the child process of one row
     parser.add_argument("--row-out", help=argparse.SUPPRESS)
     parser.add_argument("--options", default="{}", help="fusepass.backend's options as JSON")
+    parser.add_argument("--peers", default="", help="Inductor's modes timed beside its default, e.g. reduce-overhead")
     args = parser.parse_args()
     if args.row is not None:
-        json.dump(run_row(*ROWS[args.row], args.options), open(args.row_out, "w"))
+        json.dump(run_row(*ROWS[args.row], args.options, args.peers), open(args.row_out, "w"))
         return
     chosen = args.models.split(",")
     started, rows, skipped = time.time(), [], []
@@ -99,10 +102,12 @@ def main() -> None:
         if left <= 0:
             skipped.append(f"{name} {size} B{batch} T{seq} {' '.join(extra)}")
             continue
-        rows += run_in_process(index, left + 120, args.options)  # a row begun within the budget may finish past it
+        rows += run_in_process(index, left + 120, args.options, args.peers)  # a row begun within the budget may finish past it
     notes = "bf16, training step = forward + cross-entropy + backward; each backend in the same process."
     if json.loads(args.options):
         notes += f" fusepass's options: {args.options}."
+    if args.peers:
+        notes += f" Inductor's modes beside its default: {args.peers}."
     if skipped:
         notes += " Not run (time budget): " + "; ".join(skipped) + "."
     print(keep("models", COLUMNS, rows, notes))

@@ -18,7 +18,8 @@
 #   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them                  ~30 s (2026-12-05)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
 #   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py), then bench/models.py     (~60 s tests;
-#                for $MODELS (default bert,vit,t5,gpt2) with fusepass's {"graphs": true}                   models ~80 s each)
+#                for $MODELS (default bert,vit,t5,gpt2) with fusepass's {"graphs": true}, beside     models ~80 s each)
+#                Inductor's modes $MODELS_PEERS (e.g. reduce-overhead)
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
@@ -90,7 +91,7 @@ for part in $parts; do
         grep -E "FAILED|ERROR" "$OUT_DIR/gpu-tests-graphs.log" | sort -u | head -20
         tail -1 "$OUT_DIR/gpu-tests-graphs.log"
         timeout ${MODELS_TIMEOUT_S:-400} python bench/models.py --models "${MODELS:-bert,vit,t5,gpt2}" \
-            --budget-s "${MODELS_BUDGET_S:-380}" --options '{"graphs": true}' 2>&1 | grep -E "^\||Error|error:" \
+            --budget-s "${MODELS_BUDGET_S:-380}" --options '{"graphs": true}' --peers "${MODELS_PEERS:-}" 2>&1 | grep -E "^\||Error|error:" \
             | cut -c1-400 ;;
     gradients)
         for model in $(echo "${GRAD_MODELS:-bert,gpt2,t5}" | tr , " "); do

@@ -85,6 +85,7 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
     parser.add_argument("--batch", type=int)
     parser.add_argument("--seq", type=int)
     parser.add_argument("--options", default="{}", help='fusepass.backend\'s options as JSON, e.g. \'{"graphs": true}\'')
+    parser.add_argument("--peers", default="", help="Inductor's modes to time beside its default, e.g. reduce-overhead")
     args = parser.parse_args(argv)
     batch = args.batch or default_batch[args.size]
     seq = args.seq or default_seq[args.size]
@@ -99,7 +100,8 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
         model = model.to(torch.bfloat16)
         inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
     train = args.train or not ON_GPU  # on the CPU the gradients are checked whatever is timed
-    backends = ("eager", "inductor", "fusepass") if ON_GPU else ("eager", "fusepass")
+    modes = tuple(f"inductor-{mode}" for mode in args.peers.split(",") if mode)
+    backends = ("eager", "inductor", *modes, "fusepass") if ON_GPU else ("eager", "fusepass")
     result = fusepass.compare(model, *inputs, loss=loss if train else None, backends=backends, tokens=batch * seq,
                               reference=reference, reference_inputs=reference_inputs, options=json.loads(args.options))
     print(f"{name}, size {args.size}, batch {batch}, sequence {seq}, {DEVICE}"

@@ -142,6 +142,8 @@ def _compiled(model: torch.nn.Module | Callable, backend: str, options: dict[str
         return model
     if backend == "inductor":
         return torch.compile(model)
+    if backend.startswith("inductor-"):  # one of Inductor's modes
+        return torch.compile(model, mode=backend.removeprefix("inductor-"))
     if backend == "fusepass":
         from fusepass.pipeline import backend as configured
 
@@ -157,8 +159,8 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             backends: Sequence[str] = BACKENDS, tokens: int | None = None, reference: Any = None,
             reference_inputs: Sequence[Any] | None = None, warmup_ms: float = 100, rep_ms: float = 500,
             options: dict[str, bool] | None = None) -> Comparison:
-    """Run `model(*inputs)` under each of `backends` ("eager", "inductor", "fusepass", or any other
-    ``torch.compile`` backend by name). With `loss` (a function of the outputs returning a scalar) the training step
+    """Run `model(*inputs)` under each of `backends` ("eager", "inductor", "inductor-<mode>" for one of Inductor's
+    modes, e.g. "inductor-reduce-overhead", "fusepass", or any other ``torch.compile`` backend by name). With `loss` (a function of the outputs returning a scalar) the training step
     runs too and every parameter's gradient is checked. `tokens`: how many tokens a call processes, for tokens/s.
     `reference` (with `reference_inputs`): the same model in a wider dtype (float32 for a bf16 model, its parameters
     named alike), run eagerly; every backend's distance from it is kept too. The result prints as a table and
