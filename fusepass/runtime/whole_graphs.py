@@ -34,7 +34,6 @@ import torch.fx
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.runtime import launch
 
-aten = torch.ops.aten
 NOT_CUDA = "whole-graph replays need a CUDA device: the graphs run as compiled"
 
 
@@ -42,7 +41,6 @@ def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
     """Why `module` (a forward, backward or inference graph as AOTAutograd hands it over) cannot be replayed whole,
     or None. `static`: the indices of the arguments that stay where they are between calls (parameters, buffers, the
     saved values of a backward)."""
-    from fusepass.attention.call import call_named
     from torch._inductor.utils import get_first_incompatible_cudagraph_node
 
     graph = module.graph
@@ -138,7 +136,13 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         return compiled  # the forward's reason was told
     static = backward_static_inputs(graph) if backward else forward_static_inputs(len(inputs))
     guarded = [] if backward else guarded_arguments(graph)
-    reason = guarded if isinstance(guarded, str) else refusal(graph, static)
+    handed_out = len(graph.graph.find_nodes(op="output")[0].args[0]) if backward or inference else forward_returns()
+    if isinstance(guarded, str):
+        reason = guarded
+    elif handed_out is None:
+        reason = "AOTAutograd's metadata does not say which of its outputs the caller takes"
+    else:
+        reason = refusal(graph, static)
     if reason is not None:
         why_not(reason)
         if backward:
@@ -156,8 +160,6 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         mutated_input_idxs=mutated)
     if not backward:
         one.forward_replayed = not inference
-    handed_out = len(graph.graph.find_nodes(op="output")[0].args[0]) if backward or inference else \
-        forward_returns()
 
     def run(args: list) -> Any:
         if one.given_up:
@@ -181,10 +183,11 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
     return run
 
 
-def forward_returns() -> int:
-    """How many of a training forward's outputs reach the caller (the rest are saved for the backward): AOTAutograd's
-    metadata counts them."""
-    return torch._guards.TracingContext.get().fw_metadata.num_forward_returns
+def forward_returns() -> int | None:
+    """How many of a training forward's outputs reach the caller (the rest are saved for the backward), as
+    AOTAutograd's metadata counts them; None where it is not at hand."""
+    context = torch._guards.TracingContext.try_get()
+    return None if context is None or context.fw_metadata is None else context.fw_metadata.num_forward_returns
 
 
 def _owned(outputs: Sequence[Any], handed_out: int) -> list:
