@@ -136,10 +136,10 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         return compiled  # the forward's reason was told
     static = backward_static_inputs(graph) if backward else forward_static_inputs(len(inputs))
     guarded = [] if backward else guarded_arguments(graph)
-    handed_out = len(graph.graph.find_nodes(op="output")[0].args[0]) if backward or inference else forward_returns()
+    owned = handed_out(graph, backward)
     if isinstance(guarded, str):
         reason = guarded
-    elif handed_out is None:
+    elif owned is None:
         reason = "AOTAutograd's metadata does not say which of its outputs the caller takes"
     else:
         reason = refusal(graph, static)
@@ -177,24 +177,39 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
             return compiled(args)
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
-        return _owned(tree(args), handed_out)
+        return _owned(tree(args), owned)
 
     run._boxed_call = True
     return run
 
 
-def forward_returns() -> int | None:
-    """How many of a training forward's outputs reach the caller (the rest are saved for the backward), as
-    AOTAutograd's metadata counts them; None where it is not at hand."""
+def handed_out(graph: torch.fx.GraphModule, backward: bool) -> set[int] | None:
+    """The positions of the graph's outputs that reach the caller as they are, to copy out of the pool: a backward's
+    gradients; a forward's outputs that alias nothing and the intermediates the caller's views are made from
+    (AOTAutograd makes those views, and those of the inputs, after the call, from its metadata: a copy must not
+    stand in for a view). A training forward's saved values stay in the pool for its backward. None where
+    AOTAutograd's metadata is not at hand."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    if backward:
+        return set(range(len(graph.graph.find_nodes(op="output")[0].args[0])))
     context = torch._guards.TracingContext.try_get()
-    return None if context is None or context.fw_metadata is None else context.fw_metadata.num_forward_returns
+    meta = None if context is None else context.fw_metadata
+    if meta is None or meta.tokens:  # (effect tokens lead the outputs)
+        return None
+    first = meta.num_mutated_inp_runtime_indices  # the inputs' new values, which AOTAutograd copies into them
+    owned = {first + i for i, info in enumerate(meta.output_info)
+             if info.output_type in (OutputType.non_alias, OutputType.unsafe_view_alias,
+                                     OutputType.custom_function_view)}
+    bases = first + meta.num_outputs
+    return owned | set(range(bases, bases + meta.num_intermediate_bases))
 
 
-def _owned(outputs: Sequence[Any], handed_out: int) -> list:
-    """`outputs` with the first `handed_out` tensors copied out of the pool: a replay writes the pool again, and the
+def _owned(outputs: Sequence[Any], owned: set[int]) -> list:
+    """`outputs` with those at the `owned` positions copied out of the pool: a replay writes the pool again, and the
     caller may keep what it was given past the next step (a loss in a list, a gradient accumulated over steps), as
     it may keep what eager gives."""
-    return [o.clone() if i < handed_out and isinstance(o, torch.Tensor) else o for i, o in enumerate(outputs)]
+    return [o.clone() if i in owned and isinstance(o, torch.Tensor) else o for i, o in enumerate(outputs)]
 
 
 def _consuming(compiled: Callable[[list], Any]) -> Callable[[list], Any]:

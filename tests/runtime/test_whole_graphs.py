@@ -156,6 +156,7 @@ def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buff
 
     monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
     monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)  # the CPU tensors of this graph
+    monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: {0})  # AOTAutograd's, at its compile
     handed = torch.ones(3)
     compiled_calls = []
 
@@ -178,3 +179,39 @@ def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buff
         assert run(list(arguments))[0] is handed  # run as compiled: nothing of a pool to copy out of
     assert len(replays) == 2 and len(compiled_calls) == 4 and one.given_up
     assert len(notices) == 1 and notices[0].startswith("from this call on: L['self']._buffers['bias'] no longer holds")
+
+
+def test_the_outputs_copied_out_of_the_pool_are_those_that_alias_nothing_and_the_bases_of_views():
+    """AOTAutograd makes the caller's views of inputs and of intermediates after the call from its metadata and the
+    graph's output as a template: a copy must not stand in for such an output (it has no offset into the base), but
+    the base of a view of an intermediate is copied, and the view made from the copy."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        def forward_compiler(graph, inputs):
+            seen["forward"] = whole_graphs.handed_out(graph, backward=False)
+            seen["outputs"] = [n.name for n in graph.graph.find_nodes(op="output")[0].args[0]]
+            return make_boxed_func(graph.forward)
+
+        def backward_compiler(graph, inputs):
+            seen["backward"] = whole_graphs.handed_out(graph, backward=True)
+            return make_boxed_func(graph.forward)
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=backward_compiler)
+
+    def f(x, w):
+        y = x * w
+        z = torch.tanh(x)
+        return y, x[:, 1:], z.view(-1)[2:]  # a new tensor, a view of an input, a view of an intermediate
+
+    x, w = torch.randn(4, 5), torch.randn(4, 5, requires_grad=True)
+    outs = torch.compile(f, backend=backend)(x, w)
+    torch.testing.assert_close(outs[2], torch.tanh(x).view(-1)[2:])
+    # y, and z as the intermediate base of the third output; not x's view, not the saved values
+    named = [seen["outputs"][i] for i in sorted(seen["forward"])]
+    assert len(named) == 2 and named[0] == "mul", seen
+    sum(o.sum() for o in outs).backward()
+    assert seen["backward"] == {0, 1}  # the gradients of x (none: an empty slot) and of w
