@@ -121,9 +121,9 @@ def test_a_map_built_while_capturing_is_not_cached(monkeypatch):
     monkeypatch.setattr(blockmap, "build_block_map", lambda *args, **kwargs: object())
     mod = SimpleNamespace(mask_functions=(object(),), keep_reads_aux=False, keep_uses_batch=False, keep_uses_head=True)
     shape = ((), 2, 3, 40, 40, 16, 16, "cpu")
-    monkeypatch.setattr(blockmap, "_capturing", lambda device: True)
+    monkeypatch.setattr(blockmap, "capturing", lambda device: True)
     during = blockmap.block_map_for(mod, *shape)
-    monkeypatch.setattr(blockmap, "_capturing", lambda device: False)
+    monkeypatch.setattr(blockmap, "capturing", lambda device: False)
     after = blockmap.block_map_for(mod, *shape)
     assert after is not during and blockmap.block_map_for(mod, *shape) is after
 
