@@ -51,7 +51,8 @@ def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
             return f"{node.name} draws random numbers on the host (attention dropout's seed): a replay would keep them"
         if node.target is torch.ops.fusepass.attention_dynamic.default:
             return (f"{node.name} plans its attention per call (symbolic sizes) in Python, which a replay skips; "
-                    "torch.compile(..., dynamic=False) compiles each size static, and static graphs replay")
+                    "torch.compile(..., dynamic=False) compiles each size static (up to Dynamo's recompile limit), "
+                    "and static graphs replay")
     for node in graph.nodes:
         value = node.meta.get("val")
         # (an empty tensor holds nothing to copy or compute: the attention op's seed where it draws none)
