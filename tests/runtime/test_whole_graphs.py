@@ -215,3 +215,13 @@ def test_the_outputs_copied_out_of_the_pool_are_those_that_alias_nothing_and_the
     assert len(named) == 2 and named[0] == "mul", seen
     sum(o.sum() for o in outs).backward()
     assert seen["backward"] == {0, 1}  # the gradients of x (none: an empty slot) and of w
+
+
+def test_fusepass_graphs_in_the_environment_turns_graphs_on_where_no_option_says(monkeypatch):
+    from fusepass.options import GRAPHS_ENV, Options
+
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    assert not Options().graphs
+    monkeypatch.setenv(GRAPHS_ENV, "1")
+    assert Options().graphs and fusepass.backend().options.graphs
+    assert not fusepass.backend(graphs=False).options.graphs
