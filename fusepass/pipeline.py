@@ -127,6 +127,14 @@ class Backend:
     def __repr__(self) -> str:
         return f"fusepass.backend({self.options})"
 
+    def reset(self) -> None:
+        """What ``torch._dynamo.reset()`` asks of each backend it used: with `graphs`, the CUDA graph trees' recordings
+        and their memory let go (as Dynamo's own cudagraphs backend does)."""
+        if self.options.graphs and torch.cuda.is_available():
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                  options: dict[str, Any] | None = None) -> Callable[..., Any]:
         """Compile one Dynamo graph. ``torch.compile(..., options={...})`` passes `options` (fusepass's, over this
