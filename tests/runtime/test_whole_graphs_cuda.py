@@ -56,7 +56,7 @@ def _train_side_by_side(name: str, dtype: torch.dtype, batches: list[int], seq: 
     loss = getattr(example, loss_name)
     fusepass.reset()
     replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=False)
-    compiled = torch.compile(twin, backend=fusepass.backend(sdpa=False, strict=True), dynamic=False)
+    compiled = torch.compile(twin, backend=fusepass.backend(graphs=False, sdpa=False, strict=True), dynamic=False)
     optimizers = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (model, twin)]
     steps = []
     for batch in batches:
