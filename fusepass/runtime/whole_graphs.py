@@ -110,13 +110,17 @@ class GraphsOfOneCompile:
         cudagraph_trees.get_manager(self.device_index, create_if_none_exists=False).set_to_running_backward()
 
 
+def _forward_metadata() -> Any:
+    """AOTAutograd's metadata of the forward it compiles now (`ViewAndMutationMeta`), or None."""
+    context = torch._guards.TracingContext.try_get()
+    return None if context is None else context.fw_metadata
+
+
 def forward_static_inputs(count: int) -> list[int]:
     """The forward's arguments that stay where they are between calls: parameters and buffers, as AOTAutograd's
     metadata marks them (Inductor's choice too)."""
-    context = torch._guards.TracingContext.try_get()
-    if context is None or context.fw_metadata is None:
-        return []
-    return [i for i in context.fw_metadata.static_input_indices if i < count]
+    meta = _forward_metadata()
+    return [] if meta is None else [i for i in meta.static_input_indices if i < count]
 
 
 def backward_static_inputs(graph: torch.fx.GraphModule) -> list[int]:
@@ -195,8 +199,7 @@ def handed_out(graph: torch.fx.GraphModule, backward: bool) -> set[int] | None:
 
     if backward:
         return set(range(len(graph.graph.find_nodes(op="output")[0].args[0])))
-    context = torch._guards.TracingContext.try_get()
-    meta = None if context is None else context.fw_metadata
+    meta = _forward_metadata()
     if meta is None or meta.tokens:  # (effect tokens lead the outputs)
         return None
     first = meta.num_mutated_inp_runtime_indices  # the inputs' new values, which AOTAutograd copies into them
