@@ -135,8 +135,13 @@ class ContentGuard:
         self._seen: list[tuple[weakref.ref, int]] = [(known.tensor, known.tensor()._version)]
 
     def check(self, aux: Sequence[torch.Tensor]) -> None:
-        """Raise `ContentsChanged` where the tensor no longer holds the band."""
-        self.check_tensor(aux[self.index])
+        """Raise `ContentsChanged` where the tensor no longer holds the band. Not while the stream captures a CUDA
+        graph: a capture cannot read the device, and the tensor it sees may be the graph's own copy of the argument;
+        a whole-graph replay checks the argument itself before each replay (`whole_graphs`)."""
+        tensor = aux[self.index]
+        if tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self.check_tensor(tensor)
 
     def check_tensor(self, tensor: torch.Tensor) -> None:
         """`check` of the op's aux tensor `index` (`tensor`), where a caller holds it alone (a whole-graph replay

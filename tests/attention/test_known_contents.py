@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from attention.forms.common import check_fused, qkv
 from support import DEVICE, assert_close, rewrites
 
 import fusepass
-from fusepass.attention.known_contents import Band, ContentsChanged, band_of
+from fusepass.attention.known_contents import Band, ContentGuard, ContentsChanged, KnownInput, band_of
 from fusepass.report.records import KNOWN_CONTENTS
 
 
@@ -229,3 +230,22 @@ def test_a_buffer_made_in_inference_mode_is_read():
         x = torch.randn(2, 37, 32, device=DEVICE)
         assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
     assert _attention_features() == [("mask",)]
+
+
+def test_a_capturing_stream_leaves_the_check_to_the_replay(monkeypatch):
+    """A CUDA graph's capture cannot read the device (GPT-2's whole-graph recording failed there): the guard waits for
+    the replay's own check of the argument (`whole_graphs`), and checks again once no stream captures."""
+    tril = torch.tril(torch.ones(8, 8))
+    guard = ContentGuard(0, KnownInput(weakref.ref(tril), "tril"), band_of(tril))
+    elsewhere = torch.ones(8, 8)  # holds no band: a check that reads it raises
+
+    class OnCuda:
+        """A stand-in for the graph's copy of the argument on a capturing stream: nothing of it may be read."""
+        device = torch.device("cuda")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    guard.check([OnCuda()])
+    with pytest.raises(ContentsChanged):  # a CPU tensor is not captured
+        guard.check([elsewhere])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    guard.check([tril])
