@@ -8,6 +8,7 @@ GPU only the checks run.
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -197,6 +198,8 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
     for backend in backends:
         if backend == "fusepass":
             fusepass.reset()
+        if on_gpu:
+            _let_go_of_compiled()  # the previous backend's graphs and their pools are not this one's
         fn = _compiled(model, backend, options)
         if on_gpu:
             zero_grads()  # the previous backend's gradients are not this one's
@@ -227,11 +230,24 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             later, later_grads = run(fn)
             result.later_output_error = _relative(later, expected)
             result.later_gradient_error = None if loss is None else _gradient_error(later_grads, expected_grads)[0]
+            del later, later_grads  # may live in a CUDA graph's pool, which the next backend's count must not find held
         results.append(result)
         if backend == "fusepass":
             reports = fusepass.reports()
+        del fn
     zero_grads()
     return Comparison(results, str(device), tokens, reports if "fusepass" in backends else [])
+
+
+def _let_go_of_compiled() -> None:
+    """Drop every compiled graph and every CUDA graph tree's recordings, with the memory pools they hold: the trees
+    keep one pool per device for all backends, so a backend timed after Inductor's reduce-overhead would otherwise
+    find its pool reserved already (and count none of its own)."""
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    torch._dynamo.reset()
+    reset_cudagraph_trees()
+    gc.collect()
 
 
 def _time(result: BackendResult, fn: Callable, inputs: Sequence[Any], loss: Callable | None, zero_grads: Callable,
