@@ -166,7 +166,9 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
     `reference` (with `reference_inputs`): the same model in a wider dtype (float32 for a bf16 model, its parameters
     named alike), run eagerly; every backend's distance from it is kept too. The result prints as a table and
     converts to a dict (`Comparison.to_dict`); ``result.reports`` holds fusepass's reports. `options`: fusepass's
-    (``fusepass.backend(**options)``), its defaults where None."""
+    (``fusepass.backend(**options)``), its defaults where None. On a GPU each backend starts from
+    ``torch._dynamo.reset()``, so that its peak memory counts its own graphs' pools alone: whatever else the process
+    compiled compiles again on its next call."""
     import fusepass
 
     parameters = _parameters(model)
