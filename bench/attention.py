@@ -13,7 +13,7 @@ where the peers round them, so the two carry different roundings, each about as 
 Shapes are B, H, N, D and the kv heads: with fewer kv heads than query heads (GQA) the hand-written code
 repeats k and v for each query head (``repeat_interleave``), SDPA is given the repeated k and v as well, and
 FlexAttention reads the kv heads as they are (``enable_gqa``). ``odd`` is the large shape one position short,
-a length no tile divides.
+a length no tile divides; ``bert`` is BERT-base's attention as `bench/models.py` trains it.
 
 FlexAttention's block mask is built once, outside the timed calls. Where the mask reads the call's inputs (padding
 lengths, document ids: fusepass maps it inside every call), the peer ``flex-mask`` (``--peers sdpa,flex,flex-mask``)
@@ -37,7 +37,8 @@ from fusepass.report.records import SDPA
 
 WINDOW = 1024
 SHAPES = {"small": (8, 16, 2048, 64, 16), "large": (2, 16, 8192, 128, 16), "d96": (2, 16, 8192, 96, 16),
-          "gqa": (2, 16, 8192, 128, 4), "odd": (2, 16, 8191, 128, 16)}
+          "gqa": (2, 16, 8192, 128, 4), "odd": (2, 16, 8191, 128, 16),
+          "bert": (8, 12, 512, 64, 12)}  # BERT-base's, as bench/models.py trains it
 
 
 def kv_repeated(fn: Callable | None, group: int) -> Callable | None:
