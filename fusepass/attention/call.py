@@ -128,21 +128,20 @@ class AttentionCall:
         """(out [B, H, Nq, D], lse, log of the row sums, rows recomputed without tile skipping, the forward's block
         map where it is not cached: see `map_shapes`)."""
         s, unfused = self.spec, self.unfused
-        seed_value = _seed(seed)
         try:
             for guard in () if unfused.failed else self.guards:
                 guard.check(aux)
         except ContentsChanged as error:  # the kernels compute what the buffer held: the replaced ops read it
             unfused.fail(error, "forward")
         if unfused.failed:
-            return self._unfused_forward((q, k, v, *aux), seed_value)
+            return self._unfused_forward((q, k, v, *aux), seed)
         q4, k4, v4 = self.views(q, k, v, aux)
         read = tuple(aux[:len(s.aux_strides)])
         try:
             sdpa, hopper = (None, None) if self.sdpa is None else self._choice(q4, k4, v4)
         except Exception as error:  # the floor's timing runs the kernels: one that fails must not break the model
             unfused.fail(error, "forward")
-            return self._unfused_forward((q, k, v, *aux), seed_value)
+            return self._unfused_forward((q, k, v, *aux), seed)
         if sdpa is not None:
             return self._sdpa_forward(sdpa, q4, k4, v4)
 
@@ -151,7 +150,7 @@ class AttentionCall:
                 self.compiled_ahead = True
                 _compile_ahead(self, (q, k, v), (q4, k4, v4), aux, q.device)
             map_into = self.block_map(packed_map[0], q) if packed_map else None
-            self._fused_forward(q4, k4, v4, s.kernel_aux(read), seed_value, outputs, map_into, hopper)
+            self._fused_forward(q4, k4, v4, s.kernel_aux(read), seed, outputs, map_into, hopper)
 
         try:
             # Everything the call returns is allocated here, outside the launches a replay repeats (the map's
@@ -159,8 +158,9 @@ class AttentionCall:
             outputs = forward_outputs(q4, self.mod, s.out_dtype, q.device, s.out_by_position, self.keeps_residual())
             packed_map = [torch.empty(shape, dtype=torch.int32, device=q.device) for shape in self.map_shapes(q)]
             if s.replay and attention_replays.can_replay(q):
-                # The outputs' layouts follow from the spec (named by the values) and q, k, v: keyed by pointer.
-                attention_replays.run((q4, k4, v4, *read), (s.name, seed_value),
+                # The outputs' layouts follow from the spec (named by the values) and q, k, v: keyed by pointer (the
+                # seed too: its kernels read it there).
+                attention_replays.run((q4, k4, v4, *read, seed), (s.name,),
                                       lambda: forward(outputs, packed_map),
                                       [t for t in (*outputs, *packed_map) if t is not None])
             else:
@@ -168,12 +168,12 @@ class AttentionCall:
             out, lse, log_sum, fallback_rows, residual = outputs
         except Exception as error:  # a kernel that fails to build or run must not break the model
             unfused.fail(error, "forward")
-            return self._unfused_forward((q, k, v, *aux), seed_value)
+            return self._unfused_forward((q, k, v, *aux), seed)
         if unfused.profiling and profile.can_profile(q.device) and not unfused.profiled_forward:
             unfused.profiled_forward = True
             # the same outputs written again: the same values
             profile.measure(unfused.forward_record, lambda: forward(outputs, packed_map),
-                            lambda: unfused.forward((q, k, v, *aux), seed_value))
+                            lambda: unfused.forward((q, k, v, *aux), _seed(seed)))
         fallback = fallback_rows if fallback_rows is not None else lse.new_empty(0, dtype=torch.int8)
         return out, lse, log_sum, fallback, residual if residual is not None else out.new_empty(0), packed_map
 
@@ -185,9 +185,8 @@ class AttentionCall:
         every aux tensor (zeros where none flows, empty where the spec says none does)."""
         s, unfused = self.spec, self.unfused
         inputs = (q, k, v, *aux)
-        seed_value = _seed(seed)
         if unfused.failed:
-            return self._unfused_backward(inputs, grad_out, seed_value)
+            return self._unfused_backward(inputs, grad_out, seed)
         q4, k4, v4 = self.views(q, k, v, aux)
         read = tuple(aux[:len(s.aux_strides)])
         needs = s.aux_needs_grad(len(aux))
@@ -208,15 +207,15 @@ class AttentionCall:
                                       self.block_map(block_map[0], q) if block_map else None,
                                       residual if residual.numel() else None)
             flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, s.kernel_aux(read),
-                                     s.kernel_aux_grad(aux_grad), dropout_p=s.dropout_p, seed=seed_value,
+                                     s.kernel_aux_grad(aux_grad), dropout_p=s.dropout_p, seed=seed,
                                      grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
 
         aux_grad = new_aux_grad()
         try:
             if s.replay and attention_replays.can_replay(q):
                 # The gradients' layouts follow from q, k, v's (seen through the spec's views) and the aux tensors'.
-                attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, residual, *block_map, *read),
-                                      (s.name, seed_value), lambda: backward(aux_grad), (*aux_grad, *grads))
+                attention_replays.run((grad_out, q4, k4, v4, out, lse, log_sum, fallback, residual, *block_map, *read,
+                                       seed), (s.name,), lambda: backward(aux_grad), (*aux_grad, *grads))
             else:
                 backward(aux_grad)
         except Exception as error:  # as in the forward: the replaced ops take over
@@ -225,13 +224,13 @@ class AttentionCall:
                 raise RuntimeError("fusepass: the attention backward kernel failed after its forward had run with "
                                    "dropout; no gradient consistent with that forward can be computed") from error
             unfused.fail(error, "backward")
-            return self._unfused_backward(inputs, grad_out, seed_value)
+            return self._unfused_backward(inputs, grad_out, seed)
         record = unfused.backward_record
         if unfused.profiling and profile.can_profile(q.device) and record is not None and \
                 not unfused.profiled_backward:
             unfused.profiled_backward = True
             profile.measure_backward(record, lambda: backward(new_aux_grad()),
-                                     lambda: unfused.gradients(inputs, grad_out, seed_value),
+                                     lambda: unfused.gradients(inputs, grad_out, _seed(seed)),
                                      unfused.forward_record.measured_unfused_ms or 0.0)
         aux_grads = [_aux_gradient(g, a) if g.numel() else g for g, a in zip(aux_grad, read)] + \
             [a.new_empty(0) for a in aux[len(read):]]
@@ -244,8 +243,9 @@ class AttentionCall:
 
     # ------------------------------------------------------------------------------- SDPA, where faster
 
-    def _fused_forward(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, aux: tuple, seed: int,
-                       outputs: tuple, map_into: BlockMap | None, hopper: bool | None) -> None:
+    def _fused_forward(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, aux: tuple,
+                       seed: torch.Tensor | None, outputs: tuple, map_into: BlockMap | None,
+                       hopper: bool | None) -> None:
         """The fused forward into `outputs` (`forward_outputs`): the sm_90 kernel's where `hopper` says it serves
         (and whether causal), else the Triton kernel's."""
         if hopper is not None:
@@ -309,7 +309,7 @@ class AttentionCall:
 
         def fused_step() -> None:
             outputs = forward_outputs(q, self.mod, s.out_dtype, q.device, s.out_by_position, gradients)
-            self._fused_forward(q, k, v, aux, 0, outputs, None, hopper)
+            self._fused_forward(q, k, v, aux, None, outputs, None, hopper)
             if gradients:
                 out, lse, log_sum, fallback_rows, residual = outputs
                 flash_attention_backward(grad_out, q, k, v, out, lse,
@@ -342,10 +342,10 @@ class AttentionCall:
 
     # ------------------------------------------------------------------------------- the replaced ops
 
-    def _unfused_forward(self, inputs: tuple[torch.Tensor, ...], seed: int) -> Outputs:
+    def _unfused_forward(self, inputs: tuple[torch.Tensor, ...], seed: torch.Tensor) -> Outputs:
         """The op's outputs from the replaced ops: their result, and row statistics the backward then ignores."""
         s = self.spec
-        out = self.unfused.to_canonical(self.unfused.forward(inputs, seed), s.out_shape)
+        out = self.unfused.to_canonical(self.unfused.forward(inputs, _seed(seed)), s.out_shape)
         if s.out_by_position:  # as the fake lays it out
             out = out.transpose(1, 2).contiguous().transpose(1, 2)
         rows = s.out_shape[:3]
@@ -354,9 +354,9 @@ class AttentionCall:
         return (out, out.new_zeros(rows, dtype=torch.float32), out.new_zeros(rows, dtype=torch.float32), fallback,
                 self._no_residual(out), block_map)
 
-    def _unfused_backward(self, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, seed: int):
+    def _unfused_backward(self, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor, seed: torch.Tensor):
         """The op's gradients from the replaced ops, differentiated by autograd, laid out as the kernels' are."""
-        found = self.unfused.gradients(inputs, grad_out, seed)
+        found = self.unfused.gradients(inputs, grad_out, _seed(seed))
         q_k_v = [with_strides(g if g is not None else torch.zeros_like(x), x.stride())
                  for g, x in zip(found[:3], inputs[:3])]
         for i, owner in enumerate(self.spec.gradient_owners):  # one buffer holds the gradients of one source

@@ -148,12 +148,13 @@ def _replace(graph: torch.fx.Graph, m: AttentionMatch, name: str, sources: list[
              spec: AttentionSpec, extra: list[torch.fx.Node]) -> None:
     existing = set(graph.nodes)
     with graph.inserting_before(m.pv):
+        # Dropout's seed is drawn on the attention's device, where its kernels read it: a CUDA graph's replay draws it
+        # anew. Without dropout, none: an empty tensor.
+        device = val(m.pv).device
         if spec.dropout_p > 0:
-            seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]),
-                                       {"dtype": torch.int64, "device": torch.device("cpu")})
-        else:  # none drawn: an empty tensor where the attention computes (a CUDA graph holds no CPU tensor)
-            seed = graph.call_function(aten.empty.memory_format, ([0],),
-                                       {"dtype": torch.int64, "device": val(m.pv).device})
+            seed = graph.call_function(aten.randint.low, (0, 2**31 - 1, [1]), {"dtype": torch.int64, "device": device})
+        else:
+            seed = graph.call_function(aten.empty.memory_format, ([0],), {"dtype": torch.int64, "device": device})
         op = graph.call_function(torch.ops.fusepass.attention.default,
                                  (*sources, list(spec.lifted.aux) + extra, seed, name))
         keep_location(op, m.softmax)

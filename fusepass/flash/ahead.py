@@ -44,10 +44,11 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
         return empty_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, "meta")
 
     forward_configs = (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, device)
+    seed = torch.empty(1, dtype=torch.int64, device=q.device)  # dropout's, as the call draws it
     for config in forward_configs:
         kernel, _, args, keywords = forward_launch(q, k, v, mod, aux, config,
                                                    map_at(config) if mod.has_mask else None, out, lse, log_sum,
-                                                   fallback_rows, 0, dropout_p, residual)
+                                                   fallback_rows, seed, dropout_p, residual)
         compile_fitting_ahead(kernel, *args, **keywords)
     # The maps cached per shape, on q's device: their kernels only start compiling on meta stand-ins (the
     # rewrite's); a first call builds the backward's while the flash kernels compile (its first backward would
@@ -79,7 +80,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     do = torch.empty(out.shape, dtype=out.dtype, device="meta")
     for kernel, _, args, keywords in backward_launches(
             do, q, k, v, out, lse, log_sum, fallback_rows, mod, aux, aux_grad, torch.empty_like(lse), grads,
-            dropout_p, 0, backward_map_at, device, residual):
+            dropout_p, seed, backward_map_at, device, residual):
         compile_fitting_ahead(kernel, *args, **keywords)
     if cached_maps and not q.is_meta:
         configs = backward_configs(head_dim, q.dtype, True, device)

@@ -37,9 +37,9 @@ from fusepass.flash.blockmap import (EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, b
 from fusepass.flash.config import FlashConfig, backward_configs, head_block, launch_fitting
 from fusepass.flash.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.flash.forward import LOG2E, FlashForwardExtra, has_partial_tiles
-from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, grouped_program, load_kv_tile, load_tile,
-                                  load_tiles, masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
-                                  tile_positions, truncated)
+from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, dropout_seed, grouped_program,
+                                  load_kv_tile, load_tile, load_tiles, masked_scores, q_block_program, store_rows,
+                                  tail_placement, tile_operands, tile_positions, truncated)
 from fusepass.flash.score_mod import ScoreMod
 from fusepass.runtime.sizes import cdiv
 
@@ -290,11 +290,11 @@ def _walk_of_head(walk, g):
     return n_partial, partial_blocks, flags + g * n_q_blocks, kinds, n_kv_blocks, n_q_blocks
 
 
-@triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
+@triton.jit
 def _flash_backward_dkdv_kernel(
     Q, K, V, DO, Lse, LogSum, Delta, DK, DV,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
-    Nq, Nk, group, q_lists, fallback_blocks, aux, aux_grad, seed, dropout_p,
+    Nq, Nk, group, q_lists, fallback_blocks, aux, aux_grad, Seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
@@ -302,6 +302,7 @@ def _flash_backward_dkdv_kernel(
 ):
     # First kv blocks first: under a causal mask they hold the most tiles.
     kv_block, kv_head, b = grouped_program(HEAD_GROUP)
+    seed = dropout_seed(Seed, DROPOUT)
     n_kv_blocks = tl.num_programs(0)
     n_q_blocks = tl.cdiv(Nq, BLOCK_M)
     n_q_heads = tl.num_programs(1) * group
@@ -352,11 +353,11 @@ def _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h
     return dot(grad.to(k.dtype), k, dq)
 
 
-@triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
+@triton.jit
 def _flash_backward_dq_kernel(
     Q, K, V, Out, Residual, DO, Lse, LogSum, Delta, DQ,
     q_strides, k_strides, v_strides, out_strides, do_strides, dq_strides,
-    Nq, Nk, group, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p,
+    Nq, Nk, group, kv_lists, fallback_rows, fallback_blocks, aux, Seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
     FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
@@ -369,6 +370,7 @@ def _flash_backward_dq_kernel(
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     kv_head = h // group
+    seed = dropout_seed(Seed, DROPOUT)
     q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
                        DESCRIPTORS)
     out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True, DESCRIPTORS)
@@ -447,7 +449,8 @@ def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.
 def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                       lse: torch.Tensor, log_sum: torch.Tensor, fallback_rows: torch.Tensor | None, mod: ScoreMod,
                       aux: tuple, aux_grad: tuple | None, delta: torch.Tensor, grads: tuple, dropout_p: float,
-                      seed: int, map_at: Callable[[FlashConfig, bool], BlockMap], device: torch.device | None = None,
+                      seed: torch.Tensor | None, map_at: Callable[[FlashConfig, bool], BlockMap],
+                      device: torch.device | None = None,
                       residual: torch.Tensor | None = None) -> Iterator[tuple[Any, tuple, tuple, dict]]:
     """(kernel, grid, arguments, keywords) of the dQ kernel's launch, then of the dK/dV kernel's: in that order,
     each map (`map_at` a kernel's config and whether it reads the cols lists, masks only) asked for just before
@@ -463,6 +466,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     # Per (b, h) and dK/dV q block: whether it holds a row the forward recomputed (written by the dQ kernel).
     fallback_blocks = None if fallback_rows is None else torch.empty(
         batch * q_heads, cdiv(q_len, configs.dkdv.block_m), dtype=torch.int8, device=q.device)
+    read_seed = seed if dropout_p > 0.0 else None
 
     def constants(config: FlashConfig) -> dict:
         return dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
@@ -485,7 +489,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
            (q_operand, k_operand, v_operand, out_operand, *(residual_operand or [None]), do_operand, lse, log_sum,
             delta, dq,
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
-            q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, seed, dropout_p),
+            q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, read_seed, dropout_p),
            dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m,
                 KV_TAIL=tail_placement(kv_len, config.block_n, True), DELTA_BY_DOT=out.dtype == v.dtype,
                 **constants(config)))
@@ -501,7 +505,7 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
            (q_operand, k_operand, v_operand, do_operand, lse, log_sum, delta, dk, dv,
             q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
-            q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux, aux_grad, seed, dropout_p),
+            q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux, aux_grad, read_seed, dropout_p),
            dict(DESCRIPTORS=descriptors, Q_TAIL=tail_placement(q_len, config.block_m, False),
                 FLAT_HEADS=q_heads > kv_heads and (not mod.has_mask or block_map.batch_head_strides[1] == 0),
                 **constants(config)))
@@ -509,17 +513,18 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, extra: FlashForwardExtra, mod: ScoreMod,
-                             aux: tuple, aux_grad: tuple | None, *, dropout_p: float = 0.0, seed: int = 0,
-                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                             aux: tuple, aux_grad: tuple | None, *, dropout_p: float = 0.0,
+                             seed: torch.Tensor | None = None, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of `flash_attention_forward`; dk and dv summed over the query heads sharing a
     kv head. When `mod.has_aux_grad`, aux gradients accumulate into the tensors of `aux_grad`. `grads`: where
     to write them (tensors of q's, k's and v's shapes, any strides), else new tensors.
 
-    `dropout_p` and `seed` must be the forward's. Each kernel reads the block map at its tiles: the
+    `dropout_p` and `seed` (the tensor the seed was drawn into) must be the forward's. Each kernel reads the block map at its tiles: the
     forward's where it serves them (see `BlockMap.serves`), else the cached map.
     """
     check_attention_inputs(q, k, v)
+    assert dropout_p == 0.0 or seed is not None, "dropout reads its seed from a tensor"
     assert do.shape == out.shape == q.shape, f"do {tuple(do.shape)}, out {tuple(out.shape)}, q {tuple(q.shape)}"
     kv_len = k.shape[2]
     assert lse.shape == extra.log_sum.shape == q.shape[:3]

@@ -34,8 +34,9 @@ from fusepass.flash.config import (FlashConfig, forward_config, forward_warps, h
                                     narrow_kv_tiles)
 from fusepass.flash.distance_table import distance_tables
 from fusepass.flash.score_mod import ScoreMod
-from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, load_kv_tile, load_tile, masked_scores,
-                                  q_block_program, store_rows, tail_placement, tile_operands, tile_positions, truncated)
+from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, dropout_seed, load_kv_tile, load_tile,
+                                  masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
+                                  tile_positions, truncated)
 from fusepass.runtime.sizes import cdiv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -122,11 +123,11 @@ def _power_of_two(e):
     return tl.where(e > -127.0, bits.to(tl.float32, bitcast=True), 0.0)
 
 
-@triton.jit(do_not_specialize=["seed"])  # dropout's seed is drawn per call
+@triton.jit
 def _flash_forward_kernel(
     Q, K, V, Out, Residual, Lse, LogSum, Fallback,
     q_strides, k_strides, v_strides, out_strides,
-    Nq, Nk, group, kv_lists, aux, fill_bound, seed, dropout_p,
+    Nq, Nk, group, kv_lists, aux, fill_bound, Seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr,
@@ -134,6 +135,7 @@ def _flash_forward_kernel(
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
     n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
+    seed = dropout_seed(Seed, DROPOUT)
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_in = rows < Nq
     offs_d = tl.arange(0, BLOCK_D)
@@ -273,7 +275,7 @@ def has_partial_tiles(mod: ScoreMod, kv_len: int, block_n: int) -> bool:
 
 def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, config: FlashConfig,
                    block_map: BlockMap | None, out: torch.Tensor, lse: torch.Tensor, log_sum: torch.Tensor,
-                   fallback_rows: torch.Tensor | None, seed: int, dropout_p: float,
+                   fallback_rows: torch.Tensor | None, seed: torch.Tensor | None, dropout_p: float,
                    residual: torch.Tensor | None = None) -> tuple[Any, tuple, tuple, dict]:
     """(kernel, grid, arguments, keywords) of the forward kernel's launch at `config`'s warps and stages and the map's
     tiles (`config`'s where no mask). `aux` includes the distance tables; `residual`: where to write the output's
@@ -289,7 +291,8 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
                                                                     head_block(head_dim), config.descriptors)
     args = (q_operand, k_operand, v_operand, out, residual, lse, log_sum, fallback_rows,
             q.stride(), k.stride(), v.stride(), out.stride(),
-            q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed, dropout_p)
+            q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed if dropout_p > 0.0 else None,
+            dropout_p)
     keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
                     HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
                     DESCRIPTORS=descriptors, HEAD_GROUP=config.head_group,
@@ -328,18 +331,20 @@ def keeps_residual(out_dtype: torch.dtype) -> bool:
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: ScoreMod, aux: tuple, *,
-                            block_map: BlockMap | None = None, dropout_p: float = 0.0, seed: int = 0,
-                            out_dtype: torch.dtype | None = None, outputs: tuple | None = None,
-                            map_into: BlockMap | None = None
+                            block_map: BlockMap | None = None, dropout_p: float = 0.0,
+                            seed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                            outputs: tuple | None = None, map_into: BlockMap | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, FlashForwardExtra]:
     """softmax(final scores) @ v. Returns (out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32, extra for backward).
 
     `block_map` defaults to the cached map of `mod` at the forward's tile size; its tile size, when given,
     is the one the kernel uses. `outputs`: where to write them, as `forward_outputs` allocates them;
-    `map_into`: where to map a mask that reads tensors (`empty_block_map` at the forward's tiles).
+    `map_into`: where to map a mask that reads tensors (`empty_block_map` at the forward's tiles). `seed`: with
+    dropout, the one-element int64 tensor on q's device its seed was drawn into (the kernel reads it).
     """
     check_attention_inputs(q, k, v)
     assert 0.0 <= dropout_p < 1.0
+    assert dropout_p == 0.0 or seed is not None, "dropout reads its seed from a tensor"
     aux = aux + distance_tables(mod, aux, q.device)
     batch, q_heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]

@@ -159,6 +159,16 @@ def masked_scores(s, b, h, q_idx, kv_idx, kv_in, aux, SCORE: tl.constexpr, KEEP:
 
 
 @triton.jit
+def dropout_seed(Seed, DROPOUT: tl.constexpr):
+    """Dropout's seed, read from the one-element tensor `Seed` the call draws it into on the attention's device (so
+    that a CUDA graph's replay, which draws it again, drops other weights each time); 0 without dropout."""
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    return seed
+
+
+@triton.jit
 def dropout_kept(seed, dropout_p, row_offsets, cols):
     """The dropout mask of a tile (True: weight kept), from a counter-based RNG keyed by the element's
     (b, h, q, kv) position, so the backward regenerates it exactly. `row_offsets` and `cols` broadcast to

@@ -9,8 +9,8 @@ backward, copy the arguments that may move (all but parameters and buffers, and 
 into the recording's buffers, and record again where a parameter moves.
 
 A replay runs none of the graph's Python, so a graph whose calls do host work a replay would skip runs as compiled,
-and the report says why (`refusal`): it draws attention dropout's seed on the host (the recording would keep one
-mask), it holds a tensor on the CPU (a replay would keep the values it was recorded with), it writes an argument
+and the report says why (`refusal`): it draws random numbers on the host (the recording would keep one draw;
+attention dropout draws its seed on the device, which a replay draws anew), it holds a tensor on the CPU (a replay would keep the values it was recorded with), it writes an argument
 that may move in place, it plans its attention per call (symbolic sizes: the plan and
 what the forward keeps for the backward live in Python), or its attention computes a buffer's contents in place of
 reading it where the buffer reaches it through other ops. Where the buffer is the graph's argument, its guard (the
@@ -48,7 +48,7 @@ def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
         value = node.meta.get("val")
         if node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) \
                 and isinstance(value, torch.Tensor) and value.device.type == "cpu":
-            return f"{node.name} draws random numbers on the host (attention dropout's seed): a replay would keep them"
+            return f"{node.name} draws random numbers on the host: a replay would keep them"
         if node.target is torch.ops.fusepass.attention_dynamic.default:
             return (f"{node.name} plans its attention per call (symbolic sizes) in Python, which a replay skips; "
                     "torch.compile(..., dynamic=False) compiles each size static (up to Dynamo's recompile limit), "

@@ -1,7 +1,7 @@
 """On a GPU: attention calls whose tensors repeat an earlier call's replay its launches as a CUDA graph
 (`fusepass.runtime.replay`), and compute what the same kernels launched one by one compute, bit for bit, on
 every call's values: forward and backward, a cached block map dropped from its cache meanwhile (held by the
-graphs that read it), a map built per call, dropout (a new seed per call: nothing to replay)."""
+graphs that read it), a map built per call, dropout (a new seed per call, read by the kernels from its tensor)."""
 from __future__ import annotations
 
 import math

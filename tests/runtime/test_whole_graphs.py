@@ -83,10 +83,21 @@ def _qkv(n: int = 37) -> list[torch.Tensor]:
     return [random_tensor((2, 3, n, 16), torch.float32).requires_grad_() for _ in range(3)]
 
 
-def test_attention_dropout_drawing_its_seed_on_the_host_is_refused():
+def test_random_numbers_drawn_on_the_host_are_refused():
+    def host_noise(x):
+        return (x + torch.rand(4).to(x.device),)
+
+    reason = refusal(_fake_cuda_graph(host_noise, (4,)), static=[])
+    assert reason is not None and "draws random numbers on the host: a replay would keep them" in reason
+
+
+def test_attention_dropout_draws_its_seed_where_the_attention_computes():
+    """On the device, a seed the kernels read: a replay draws it anew (the CUDA generator's offset advances with
+    each replay), so attention dropout does not keep a graph from replaying."""
     graph = _forward_graph(dropout_attention, *_qkv())
-    reason = refusal(graph, static=[])
-    assert reason is not None and "draws random numbers on the host (attention dropout's seed)" in reason
+    attention, = graph.graph.find_nodes(op="call_function", target=torch.ops.fusepass.attention.default)
+    seed = attention.args[4]
+    assert seed.target is torch.ops.aten.randint.low and seed.kwargs["device"] == torch.device(DEVICE)
 
 
 def test_a_buffer_read_as_known_contents_is_checked_before_each_replay():

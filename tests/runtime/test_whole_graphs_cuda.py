@@ -2,7 +2,7 @@
 graphs replayed by torch's CUDA graph trees give, step after step, what the same compiled graphs give run as
 compiled (fusepass without the SDPA floor, which replays turn off): the batch in new memory each step, the weights
 updated in place between steps, a second batch size and back. Graphs that cannot be replayed run as compiled and
-the report says why. Random draws of ATen ops replay new numbers each step."""
+the report says why. Random draws, ATen's and attention dropout's, replay new numbers each step."""
 from __future__ import annotations
 
 import copy
@@ -145,16 +145,36 @@ def test_aten_random_draws_are_new_in_each_replay():
     torch.testing.assert_close(torch.stack(bias_grads), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_attention_dropout_runs_as_compiled_and_says_why():
+def test_attention_dropout_replays_with_new_draws_that_its_backward_keeps():
+    """Attention dropout's seed is drawn on the device, so each replay drops other weights, and the replayed
+    backward drops the forward's: with V the identity the output is each kept weight (scaled by 1 / (1 - p)) and 0
+    where dropped, and every gradient matches float64's computed with that mask."""
     from attention.test_attention import dropout_attention
 
-    q, k, v = (torch.randn(2, 3, 37, 16, device="cuda", requires_grad=True) for _ in range(3))
+    torch.manual_seed(0)
+    n, p = 40, 0.25
+    q, k = (torch.randn(1, 2, n, n, device="cuda") for _ in range(2))
+    identity = torch.eye(n, device="cuda").expand(1, 2, n, n)
     fusepass.reset()
-    compiled = torch.compile(dropout_attention, backend=fusepass.backend(graphs=True, strict=True))
-    for _ in range(3):
-        compiled(q, k, v).sum().backward()
-    notices = _not_replayed()
-    assert notices and "draws random numbers on the host" in notices[0]
+    replayed = torch.compile(dropout_attention, backend=fusepass.backend(graphs=True, strict=True))
+    masks = []
+    for _ in range(4):
+        leaves = [x.clone().requires_grad_() for x in (q, k, identity)]
+        out = replayed(*leaves)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        kept = out.detach() != 0
+        wide = [x.detach().double().requires_grad_() for x in leaves]
+        weights = torch.softmax(wide[0] @ wide[1].transpose(-1, -2) / n ** 0.5, dim=-1)
+        expected = (weights * kept / (1 - p)) @ wide[2]
+        expected.backward(grad.double())
+        torch.testing.assert_close(out.detach().double(), expected.detach(), rtol=1e-5, atol=1e-5)
+        for leaf, reference in zip(leaves, wide):
+            torch.testing.assert_close(leaf.grad.double(), reference.grad, rtol=1e-4, atol=1e-4)
+        masks.append(kept)
+    assert 0.65 < torch.stack(masks).float().mean().item() < 0.85
+    assert not any(torch.equal(a, b) for a, b in zip(masks, masks[1:]))
+    assert _recorded_graphs() >= 2 and not _not_replayed()
 
 
 def test_a_buffer_mask_written_in_place_ends_the_replays():
