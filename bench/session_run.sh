@@ -20,6 +20,9 @@
 #   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py), then bench/models.py     (~60 s tests;
 #                for $MODELS (default bert,vit,t5,gpt2) with fusepass's {"graphs": true}, beside     models ~80 s each)
 #                Inductor's modes $MODELS_PEERS (e.g. reduce-overhead)
+#   bert         BERT-base's attention (B8 H12 N512 D64, padding and plain) beside SDPA and Inductor, then    (not run yet)
+#                the forward's and the step's kernels under Inductor and fusepass (bench/profile_models.py),
+#                kept as bench/results/profile-models-bert-{forward,step}-<date>.txt
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
@@ -93,6 +96,15 @@ for part in $parts; do
         timeout ${MODELS_TIMEOUT_S:-400} python bench/models.py --models "${MODELS:-bert,vit,t5,gpt2}" \
             --budget-s "${MODELS_BUDGET_S:-380}" --options '{"graphs": true}' --peers "${MODELS_PEERS:-}" 2>&1 | grep -E "^\||Error|error:" \
             | cut -c1-400 ;;
+    bert)
+        timeout 90 python bench/attention.py --shapes bert --cases padding,plain --peers sdpa,inductor 2>&1 | grep "^|" \
+            | cut -d"|" -f2-4,8,11-12,14,16-17
+        for what in forward step; do
+            kept=bench/results/profile-models-bert-$what-$(date -u +%Y-%m-%d-%H%M).txt
+            (cd bench && timeout 120 python profile_models.py --models bert --rows 30 $([ $what = forward ] && echo --forward)) \
+                > "$kept" 2>&1
+            grep "^==" "$kept"
+        done ;;
     gradients)
         for model in $(echo "${GRAD_MODELS:-bert,gpt2,t5}" | tr , " "); do
             echo "$model"
