@@ -17,8 +17,9 @@
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them                  ~30 s (2026-12-05)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
-#   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py), then bench/models.py     (~60 s tests;
-#                for $MODELS (default bert,vit,t5,gpt2) with fusepass's {"graphs": true}, beside     models ~80 s each)
+#   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py) and the dropout and     (~60 s tests;
+#                per-op replay tests, then bench/models.py for $MODELS (default bert,vit,t5,gpt2)     models ~80 s each)
+#                with fusepass's {"graphs": true}, beside
 #                Inductor's modes $MODELS_PEERS (e.g. reduce-overhead)
 #   bert         BERT-base's attention (B8 H12 N512 D64, padding and plain) beside SDPA and Inductor, then    (not run yet)
 #                the forward's and the step's kernels under Inductor and fusepass (bench/profile_models.py),
@@ -90,7 +91,8 @@ for part in $parts; do
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
         PYTHONPATH=/tmp/site:$PWD timeout 200 python -m pytest -o addopts="--import-mode=importlib" -v -n 4 -rf \
             -p no:cacheprovider tests/runtime/test_whole_graphs_cuda.py tests/runtime/test_whole_graphs.py \
-            > "$OUT_DIR/gpu-tests-graphs.log" 2>&1
+            tests/attention/forms/test_dropout.py tests/attention/test_replay.py tests/flash/test_flash.py \
+            -k "whole_graphs or dropout or replay" > "$OUT_DIR/gpu-tests-graphs.log" 2>&1
         grep -E "FAILED|ERROR" "$OUT_DIR/gpu-tests-graphs.log" | sort -u | head -20
         tail -1 "$OUT_DIR/gpu-tests-graphs.log"
         timeout ${MODELS_TIMEOUT_S:-400} python bench/models.py --models "${MODELS:-bert,vit,t5,gpt2}" \
