@@ -161,8 +161,9 @@ def compare(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
             reference_inputs: Sequence[Any] | None = None, warmup_ms: float = 100, rep_ms: float = 500,
             options: dict[str, bool] | None = None) -> Comparison:
     """Run `model(*inputs)` under each of `backends` ("eager", "inductor", "inductor-<mode>" for one of Inductor's
-    modes, e.g. "inductor-reduce-overhead", "fusepass", or any other ``torch.compile`` backend by name). With `loss` (a function of the outputs returning a scalar) the training step
-    runs too and every parameter's gradient is checked. `tokens`: how many tokens a call processes, for tokens/s.
+    modes, e.g. "inductor-reduce-overhead", "fusepass", or any other ``torch.compile`` backend by name). With
+    `loss` (a function of the outputs returning a scalar) the training step runs too and every parameter's gradient
+    is checked. `tokens`: how many tokens a call processes, for tokens/s.
     `reference` (with `reference_inputs`): the same model in a wider dtype (float32 for a bf16 model, its parameters
     named alike), run eagerly; every backend's distance from it is kept too. The result prints as a table and
     converts to a dict (`Comparison.to_dict`); ``result.reports`` holds fusepass's reports. `options`: fusepass's

@@ -224,7 +224,8 @@ def profile(model: torch.nn.Module | Callable, *inputs: Any, loss: Callable[[Any
     and backward; without, a forward under ``torch.no_grad()``. Launches are not replayed as CUDA graphs
     (`replay` and `graphs` are off): device times are the same, host times are not those of a replayed call. On a
     device the steps are also timed without the profiler, and a step whose kernels take under `HOST_BOUND_BELOW` of
-    its time is called host-bound. The parameters' gradients are as they were before. The result prints as a table (``print(fusepass.profile(...))``) and converts to a dict."""
+    its time is called host-bound. The parameters' gradients are as they were before. The result prints as a table
+    (``print(fusepass.profile(...))``) and converts to a dict."""
     from fusepass.options import Options
     from fusepass.pipeline import Backend
 

@@ -514,14 +514,15 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, extra: FlashForwardExtra, mod: ScoreMod,
                              aux: tuple, aux_grad: tuple | None, *, dropout_p: float = 0.0,
-                             seed: torch.Tensor | None = None, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                             seed: torch.Tensor | None = None,
+                             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of `flash_attention_forward`; dk and dv summed over the query heads sharing a
     kv head. When `mod.has_aux_grad`, aux gradients accumulate into the tensors of `aux_grad`. `grads`: where
     to write them (tensors of q's, k's and v's shapes, any strides), else new tensors.
 
-    `dropout_p` and `seed` (the tensor the seed was drawn into) must be the forward's. Each kernel reads the block map at its tiles: the
-    forward's where it serves them (see `BlockMap.serves`), else the cached map.
+    `dropout_p` and `seed` (the tensor the seed was drawn into) must be the forward's. Each kernel reads the block
+    map at its tiles: the forward's where it serves them (see `BlockMap.serves`), else the cached map.
     """
     check_attention_inputs(q, k, v)
     assert dropout_p == 0.0 or seed is not None, "dropout reads its seed from a tensor"
