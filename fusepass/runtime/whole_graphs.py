@@ -183,7 +183,14 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
             return compiled(args)
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
-        return _owned(tree(args), owned)
+        try:
+            handed = tree(args)
+        except Exception as error:  # CUDA's own message names neither the graph nor the way out
+            raise RuntimeError(
+                f"fusepass: the compiled {'inference' if inference else phase} graph failed while recorded or replayed "
+                f"as a CUDA graph ({type(error).__name__}); a capture that fails can leave this process's later "
+                "captures failing too. fusepass.backend(graphs=False) runs the graphs as compiled") from error
+        return _owned(handed, owned)
 
     run._boxed_call = True
     return run

@@ -192,6 +192,28 @@ def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buff
     assert len(notices) == 1 and notices[0].startswith("from this call on: L['self']._buffers['bias'] no longer holds")
 
 
+def test_a_failed_recording_says_which_graph_and_the_way_out(monkeypatch):
+    """A capture that fails (GPT-2's did, reading the device while its stream captured) raises CUDA's error, which
+    names neither the graph nor `graphs=False`: the replay's error does, with CUDA's chained."""
+    from torch._inductor import cudagraph_trees
+
+    def trees(model_fn, inputs, static, **kwargs):
+        def replay(args):
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        return replay
+
+    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
+    monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)
+    monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: set())
+    graph = _fake_cuda_graph(chain, (6, 5), (5,))
+    run = whole_graphs.replayed(lambda args: [], graph, [None, None], "forward", False,
+                                whole_graphs.GraphsOfOneCompile(0), lambda reason: None)
+    with pytest.raises(RuntimeError, match=r"the compiled forward graph failed while recorded or replayed as a CUDA "
+                                           r"graph \(RuntimeError\).*fusepass.backend\(graphs=False\)") as raised:
+        run([None, None])
+    assert "stream is capturing" in str(raised.value.__cause__)
+
+
 def test_the_outputs_copied_out_of_the_pool_are_those_that_alias_nothing_and_the_bases_of_views():
     """AOTAutograd makes the caller's views of inputs and of intermediates after the call from its metadata and the
     graph's output as a template: a copy must not stand in for such an output (it has no offset into the base), but
