@@ -12,12 +12,16 @@ Its contents may change after the compile, so each call checks them (`ContentGua
 version seen last (its in-place writes count versions, as autograd's checks of saved tensors rely on), still holds
 them, and another tensor, or a new version, is compared with the band on the device once. One that no longer
 holds the band runs the attention's replaced ops from then on, with a warning and a hotspot (``strict`` raises).
-A write that bypasses the version counter (through ``.data`` or a raw pointer) is not seen.
+A write that bypasses the version counter (through ``.data`` or a raw pointer) is not seen. While a CUDA graph
+captures, nothing may read the device: a tensor not seen at its version then counts as changed, unless a whole-graph
+replay checked the graph's argument before it records (`checked_by_caller`).
 """
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -125,6 +129,29 @@ class ContentsChanged(RuntimeError):
     """A tensor read as the band it held when compiled holds it no more."""
 
 
+def capturing(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s stream captures a CUDA graph, where nothing may read the device."""
+    return tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class _CheckedByCaller(threading.local):
+    by_caller = False
+
+
+_checked = _CheckedByCaller()
+
+
+@contextmanager
+def checked_by_caller() -> Iterator[None]:
+    """Within it, a capture takes the guarded tensors as checked: the caller checked the graph's arguments (a
+    whole-graph replay, before it records), and the op may see the recording's copies of them."""
+    outer, _checked.by_caller = _checked.by_caller, True
+    try:
+        yield
+    finally:
+        _checked.by_caller = outer
+
+
 class ContentGuard:
     """A band read from aux tensor `index` of an attention op, checked on each call (see the module's text). The
     layers of a stack share their plans (`dynamic.PlanTable`), each passing its own buffer: each tensor met is
@@ -135,20 +162,26 @@ class ContentGuard:
         self._seen: list[tuple[weakref.ref, int]] = [(known.tensor, known.tensor()._version)]
 
     def check(self, aux: Sequence[torch.Tensor]) -> None:
-        """Raise `ContentsChanged` where the tensor no longer holds the band. Not while the stream captures a CUDA
-        graph: a capture cannot read the device, and the tensor it sees may be the graph's own copy of the argument;
-        a whole-graph replay checks the argument itself before each replay (`whole_graphs`)."""
+        """Raise `ContentsChanged` where the tensor no longer holds the band. While the stream captures a CUDA graph
+        the device cannot be read: a whole-graph recording checked the argument itself (`checked_by_caller`; the
+        tensor the op sees may be the recording's copy of it), and in any other capture a tensor not seen at this
+        version counts as changed (the replaced ops, which read it, are captured instead)."""
         tensor = aux[self.index]
-        if tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(tensor):
+            if not _checked.by_caller and not self._seen_as_it_is(tensor):
+                raise ContentsChanged(f"{self.name} cannot be compared with what it held when compiled while a CUDA "
+                                      "graph captures, and is not the tensor last checked at its version")
             return
         self.check_tensor(tensor)
+
+    def _seen_as_it_is(self, tensor: torch.Tensor) -> bool:
+        return any(seen() is tensor and tensor._version == version for seen, version in self._seen)
 
     def check_tensor(self, tensor: torch.Tensor) -> None:
         """`check` of the op's aux tensor `index` (`tensor`), where a caller holds it alone (a whole-graph replay
         checks the graph's argument before it replays)."""
-        for seen, version in self._seen:
-            if seen() is tensor and tensor._version == version:
-                return
+        if self._seen_as_it_is(tensor):
+            return
         held = f"what it held when compiled ({describe(self.band)}), which the attention's kernels compute"
         if not trackable(tensor):
             raise ContentsChanged(f"{self.name} is now an inference tensor, whose writes no version counts: "

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from fusepass.attention.known_contents import ContentGuard, ContentsChanged
+from fusepass.attention.known_contents import ContentGuard, ContentsChanged, checked_by_caller
 from fusepass.runtime import launch
 
 NOT_CUDA = "whole-graph replays need a CUDA device: the graphs run as compiled"
@@ -184,7 +184,8 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
         try:
-            handed = tree(args)
+            with checked_by_caller():  # the guards above: a recording's attention sees the recording's copies
+                handed = tree(args)
         except Exception as error:  # CUDA's own message names neither the graph nor the way out
             raise RuntimeError(
                 f"fusepass: the compiled {'inference' if inference else phase} graph failed while recorded or replayed "

@@ -13,6 +13,7 @@ from attention.forms.common import check_fused, qkv
 from support import DEVICE, assert_close, rewrites
 
 import fusepass
+from fusepass.attention import known_contents
 from fusepass.attention.known_contents import Band, ContentGuard, ContentsChanged, KnownInput, band_of
 from fusepass.report.records import KNOWN_CONTENTS
 
@@ -232,20 +233,23 @@ def test_a_buffer_made_in_inference_mode_is_read():
     assert _attention_features() == [("mask",)]
 
 
-def test_a_capturing_stream_leaves_the_check_to_the_replay(monkeypatch):
-    """A CUDA graph's capture cannot read the device (GPT-2's whole-graph recording failed there): the guard waits for
-    the replay's own check of the argument (`whole_graphs`), and checks again once no stream captures."""
+def test_a_capture_takes_an_unseen_tensor_as_changed_unless_its_caller_checked_it(monkeypatch):
+    """A CUDA graph's capture cannot read the device (GPT-2's whole-graph recording failed there): the tensor last
+    checked, at its version, passes; another counts as changed (the replaced ops, which read it, are captured), but
+    where a whole-graph recording checked the argument itself (`checked_by_caller`), whose copy the op may see."""
     tril = torch.tril(torch.ones(8, 8))
     guard = ContentGuard(0, KnownInput(weakref.ref(tril), "tril"), band_of(tril))
-    elsewhere = torch.ones(8, 8)  # holds no band: a check that reads it raises
-
-    class OnCuda:
-        """A stand-in for the graph's copy of the argument on a capturing stream: nothing of it may be read."""
-        device = torch.device("cuda")
-
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    guard.check([OnCuda()])
-    with pytest.raises(ContentsChanged):  # a CPU tensor is not captured
-        guard.check([elsewhere])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    copy = tril.clone()  # holds the band; comparing would say so, but a capture cannot compare
+    monkeypatch.setattr(known_contents, "capturing", lambda tensor: True)
     guard.check([tril])
+    with pytest.raises(ContentsChanged, match="cannot be compared with what it held when compiled while a CUDA"):
+        guard.check([copy])
+    with known_contents.checked_by_caller():
+        guard.check([copy])
+    with torch.no_grad():
+        tril.add_(0)  # a write: a new version
+    with pytest.raises(ContentsChanged):
+        guard.check([tril])
+    monkeypatch.setattr(known_contents, "capturing", lambda tensor: False)
+    guard.check([tril])  # compared: still the band
+    guard.check([copy])
