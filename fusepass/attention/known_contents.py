@@ -27,6 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx
 
+from fusepass.flash.blockmap import capturing
+
 KNOWN = "fusepass_known_contents"  # a placeholder's meta: the `KnownInput` it stands for
 # The dtypes whose two values the kernels hold exactly as literals (half floats held in fp32, int64 in int32).
 BAND_DTYPES = (torch.bool, torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32)
@@ -129,11 +131,6 @@ class ContentsChanged(RuntimeError):
     """A tensor read as the band it held when compiled holds it no more."""
 
 
-def capturing(tensor: torch.Tensor) -> bool:
-    """Whether `tensor`'s stream captures a CUDA graph, where nothing may read the device."""
-    return tensor.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 class _CheckedByCaller(threading.local):
     by_caller = False
 
@@ -167,8 +164,10 @@ class ContentGuard:
         tensor the op sees may be the recording's copy of it), and in any other capture a tensor not seen at this
         version counts as changed (the replaced ops, which read it, are captured instead)."""
         tensor = aux[self.index]
-        if capturing(tensor):
-            if not _checked.by_caller and not self._seen_as_it_is(tensor):
+        if self._seen_as_it_is(tensor):
+            return
+        if capturing(tensor.device):
+            if not _checked.by_caller:
                 raise ContentsChanged(f"{self.name} cannot be compared with what it held when compiled while a CUDA "
                                       "graph captures, and is not the tensor last checked at its version")
             return

@@ -240,7 +240,7 @@ def test_a_capture_takes_an_unseen_tensor_as_changed_unless_its_caller_checked_i
     tril = torch.tril(torch.ones(8, 8))
     guard = ContentGuard(0, KnownInput(weakref.ref(tril), "tril"), band_of(tril))
     copy = tril.clone()  # holds the band; comparing would say so, but a capture cannot compare
-    monkeypatch.setattr(known_contents, "capturing", lambda tensor: True)
+    monkeypatch.setattr(known_contents, "capturing", lambda device: True)
     guard.check([tril])
     with pytest.raises(ContentsChanged, match="cannot be compared with what it held when compiled while a CUDA"):
         guard.check([copy])
@@ -250,6 +250,6 @@ def test_a_capture_takes_an_unseen_tensor_as_changed_unless_its_caller_checked_i
         tril.add_(0)  # a write: a new version
     with pytest.raises(ContentsChanged):
         guard.check([tril])
-    monkeypatch.setattr(known_contents, "capturing", lambda tensor: False)
+    monkeypatch.setattr(known_contents, "capturing", lambda device: False)
     guard.check([tril])  # compared: still the band
     guard.check([copy])
