@@ -17,11 +17,12 @@
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them                  ~30 s (2026-12-05)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
-#   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py) and the dropout and     (~60 s tests;
-#                per-op replay tests, then bench/models.py for $MODELS (default bert,vit,t5,gpt2)     models ~80 s each)
+#   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py) and the dropout and     (~110 s tests;
+#                per-op replay tests, then bench/models.py for $MODELS (default bert,vit,t5,gpt2)     with reduce-overhead:
+#                                                                                    BERT ~40 s, GPT-2 ~75, T5 >300)
 #                with fusepass's {"graphs": true}, beside
 #                Inductor's modes $MODELS_PEERS (e.g. reduce-overhead)
-#   bert         BERT-base's attention (B8 H12 N512 D64, padding and plain) beside SDPA and Inductor, then    (not run yet)
+#   bert         BERT-base's attention (B8 H12 N512 D64, padding and plain) beside SDPA and Inductor, then    ~130 s (2026-12-06)
 #                the forward's and the step's kernels under Inductor and fusepass (bench/profile_models.py),
 #                kept as bench/results/profile-models-bert-{forward,step}-<date>.txt
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
