@@ -9,7 +9,8 @@ profiles three steps with torch.profiler and prints each backend's kernels by de
 bench/models.py that trails Inductor is explained by a kernel fusepass runs that Inductor's does not, or by one
 slower than its bytes say. Each backend's line gives the call's median beside its kernels' device time: a call
 that takes longer than its kernels is host-bound. --host adds the Python functions where fusepass's call spends
-its host time (cProfile over 20 calls); --records, fusepass.profile's table (kernel time by report record).
+its host time (cProfile over 20 calls); --records, fusepass.profile's table (kernel time by report record);
+--notices, what fusepass's reports note (a graph that runs as compiled where whole-graph replays were asked, and why).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--forward", action="store_true", help="profile the forward under no_grad, not the step")
     parser.add_argument("--host", action="store_true", help="where fusepass's call spends its host time")
     parser.add_argument("--records", action="store_true", help="fusepass.profile's table")
+    parser.add_argument("--notices", action="store_true", help="the notices of fusepass's reports")
     parser.add_argument("--options", default="{}", help='fusepass.backend\'s options as JSON, e.g. \'{"replay": false}\'')
     parser.add_argument("--backends", default="inductor,fusepass")
     args = parser.parse_args()
@@ -55,6 +57,7 @@ def main() -> None:
         for backend in (backends[chosen] for chosen in args.backends.split(",")):
             torch.manual_seed(0)
             torch._dynamo.reset()
+            fusepass.reset()
             built = build(example, args.size, seq).cuda().to(torch.bfloat16)
             inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x
                            for x in example.inputs(built, batch, seq))
@@ -80,6 +83,9 @@ def main() -> None:
                 profiler = cProfile.Profile()
                 profiler.runcall(lambda: [step() for _ in range(20)])
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+            if label == "fusepass" and args.notices:
+                for report in fusepass.reports():
+                    print("\n".join(f"notice: {notice}" for notice in report.notices))
             if label == "fusepass" and args.records:
                 print(fusepass.profile(built, *inputs, loss=None if args.forward else loss))
             del compiled, built

@@ -23,7 +23,7 @@ from functorch.compile import make_boxed_func
 from torch._functorch.aot_autograd import aot_module_simplified
 
 from fusepass.attention.rewrite import list_unfused_attention, rewrite_attention
-from fusepass.capture import capture
+from fusepass.capture import capture, carry_input_sources
 from fusepass.context import CONTROL_FLOW, PassContext, graph_device
 from fusepass.elementwise import softmax_loss
 from fusepass.elementwise.fuse import fuse_elementwise
@@ -226,6 +226,7 @@ class Backend:
 
         fuses_rows = self.options.elementwise and self.options.reductions and run_kernels
         partition = partition_with(softmax_loss.write_out if fuses_rows else None)
+        carry_input_sources(gm, graph)
         try:
             # A forward graph compiled as the inference graph has no backward to wait for.
             return aot_module_simplified(graph, example_inputs, fw_compiler=compiler("forward", True),

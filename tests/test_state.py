@@ -22,6 +22,7 @@ def _counts() -> tuple[int, int]:
 def test_dropped_compiles_release_specs_kernels_and_modules():
     torch._dynamo.reset()
     before = _counts()
+    earlier = set(call._calls)  # (specs of earlier tests may go meanwhile, with the generated modules that hold them)
     q, k, v = (random_tensor((1, 2, 9, 16), torch.float32) for _ in range(3))
     for i in range(6):  # six distinct functions, each an attention and a chain of its own
         def attention(q, k, v, scale=0.1 * (i + 1)):
@@ -31,10 +32,10 @@ def test_dropped_compiles_release_specs_kernels_and_modules():
     torch.compile(lambda q, k, v: torch.softmax(q @ k.transpose(-1, -2), -1) @ v, backend="fusepass",
                   dynamic=True)(q, k, v)
     grown = _counts()
-    assert grown[0] >= before[0] + 6 and grown[1] == before[1] + 1
+    assert len(set(call._calls) - earlier) >= 6 and grown[1] == before[1] + 1
     fusepass.reset()
     torch._dynamo.reset()
-    assert _counts() == before
+    assert _counts()[1] == before[1] and set(call._calls) <= earlier  # (_counts collects garbage first)
 
 
 def test_generated_modules_are_bounded():

@@ -25,7 +25,7 @@ from fusepass.elementwise.kernel import (INT32_MAX, LaunchPlan, PointwiseLaunche
                                          contiguous_strides, jit_text, kernel_params, offset, resolved_root)
 from fusepass.elementwise.lower import Lowered, output_map
 from fusepass.elementwise.program import Program, Ref
-from fusepass.elementwise import reduction
+from fusepass.elementwise import column_total, reduction
 from fusepass.elementwise.reduction import ROW_REDUCTIONS
 from fusepass.runtime.device import interpreting
 from fusepass.runtime.launch import BoundLaunch
@@ -490,7 +490,8 @@ class RowLauncher(PointwiseLauncher):
 @dataclass(frozen=True)
 class ColumnSums:
     """The row kernel writes each column sum as its programs' partial sums, `programs` × `length` in `dtypes` (one
-    per column output, `columns`), which `finish` adds up, rounded once to the output's dtype."""
+    per column output, `columns`), which `finish` adds up (`column_total`), rounded once to the output's dtype.
+    The partials of the sums of one dtype lie one after another in one buffer: one launch adds up several."""
 
     columns: tuple[int, ...]
     programs: int
@@ -498,14 +499,22 @@ class ColumnSums:
     dtypes: tuple[torch.dtype, ...]
 
     def written(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        partials = dict(zip(self.columns, self.dtypes))
-        return tuple(torch.empty((self.programs, self.length), dtype=partials[i], device=out.device)
-                     if i in partials else out for i, out in enumerate(outputs))
+        written = list(outputs)
+        for dtype, columns in self._by_dtype():
+            buffer = torch.empty((len(columns), self.programs, self.length), dtype=dtype, device=outputs[0].device)
+            for i, partials in zip(columns, buffer):
+                written[i] = partials
+        return tuple(written)
 
     def finish(self, written: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
-        for i in self.columns:
-            column = outputs[i].view(self.length)
-            if column.dtype == written[i].dtype:
-                torch.sum(written[i], 0, out=column)
-            else:  # summed in the partials' dtype, then rounded: not summed in the output's
-                column.copy_(written[i].sum(0))
+        for _, columns in self._by_dtype():
+            first = written[columns[0]]
+            buffer = first.as_strided((len(columns), self.programs, self.length),
+                                      (self.programs * self.length, self.length, 1))
+            column_total.add_up(buffer, [outputs[i].view(self.length) for i in columns])
+
+    def _by_dtype(self) -> list[tuple[torch.dtype, list[int]]]:
+        grouped: dict[torch.dtype, list[int]] = {}
+        for i, dtype in zip(self.columns, self.dtypes):
+            grouped.setdefault(dtype, []).append(i)
+        return list(grouped.items())

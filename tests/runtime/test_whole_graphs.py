@@ -250,6 +250,33 @@ def test_the_outputs_copied_out_of_the_pool_are_those_that_alias_nothing_and_the
     assert seen["backward"] == {0, 1}  # the gradients of x (none: an empty slot) and of w
 
 
+def test_parameters_and_buffers_are_the_static_arguments_of_the_graphs_fusepass_compiles(monkeypatch):
+    """The trees copy every argument but the static ones into a recording's buffers before each replay. fusepass
+    retraces Dynamo's graph: unless its parameters' sources reach AOTAutograd, none counts as static (every
+    parameter was copied on each replay). Observed where each graph is compiled, training and inference, and at
+    a second shape."""
+    import fusepass.pipeline as pipeline
+
+    seen = []
+    runnable = pipeline.runnable
+
+    def observed(module, annotated):
+        placeholders = module.graph.find_nodes(op="placeholder")
+        if annotated != "backward":
+            seen.append(whole_graphs.forward_static_inputs(len(placeholders)))
+        return runnable(module, annotated)
+
+    monkeypatch.setattr(pipeline, "runnable", observed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.BatchNorm1d(7)).to(DEVICE)
+    compiled = torch.compile(model, backend=fusepass.backend(graphs=True), dynamic=False)
+    held = len(list(model.parameters())) + len(list(model.buffers()))
+    for rows in (6, 9):
+        compiled(random_tensor((rows, 5), torch.float32)).sum().backward()
+        with torch.no_grad():
+            compiled(random_tensor((rows, 5), torch.float32))
+    assert len(seen) >= 4 and all(len(static) == held for static in seen), seen
+
+
 def test_fusepass_graphs_in_the_environment_turns_graphs_on_where_no_option_says(monkeypatch):
     from fusepass.options import GRAPHS_ENV, Options
 
