@@ -114,6 +114,22 @@ def test_inference_replayed_whole_is_inference_as_compiled():
     assert _recorded_graphs() >= 1 and not _not_replayed()
 
 
+def test_parameters_are_read_where_they_lie_not_copied_before_each_replay():
+    """The trees copy each argument they do not hold static into the recording's buffers before every replay
+    (and keep a second copy in the pool): a graph's parameters and buffers are static, as AOTAutograd marks them
+    where Dynamo's input sources reach it through fusepass's retraced graph."""
+    from torch._inductor.cudagraph_trees import get_manager
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.LayerNorm(96)).cuda()
+    fusepass.reset()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=False)
+    for _ in range(3):
+        replayed(torch.randn(8, 64, device="cuda")).sum().backward()
+    (root,) = get_manager(torch.cuda.current_device(), create_if_none_exists=False).get_roots()
+    static = {root.static_input_data_ptrs[i] for i in root.static_input_idxs}
+    assert {p.data_ptr() for p in model.parameters()} <= static and not _not_replayed()
+
+
 class DropoutBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
