@@ -130,24 +130,26 @@ def mark_requires_grad(graph: torch.fx.Graph, example_inputs: Sequence[object]) 
 
 
 
-def carry_input_sources(dynamo: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> None:
+def carry_input_sources(dynamo: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> bool:
     """Give `rewritten` (traced from Dynamo's graph `dynamo`, then rewritten; the same inputs in the same order)
     what AOTAutograd reads off a Dynamo graph to tell which of its inputs are parameters and buffers: their
     sources and Dynamo's static marks. From them it takes its `static_input_indices`, which CUDA graph trees leave
     where they are: without them a whole-graph replay copied every parameter into the recording's buffers first
-    (and the pool held a second copy of them). Nothing is carried where the inputs do not match one to one."""
+    (and the pool held a second copy of them). Nothing is carried where the inputs do not match one to one, or
+    where `dynamo` carries no sources itself (not Dynamo's graph): False."""
     if "dynamo_compile_id" not in dynamo.meta or not hasattr(dynamo, "_param_name_to_source"):
-        return
+        return False
     theirs = dynamo.graph.find_nodes(op="placeholder")
     ours = rewritten.graph.find_nodes(op="placeholder")
     held = [name for name, _ in rewritten.named_parameters(remove_duplicate=False)] + \
         [name for name, _ in rewritten.named_buffers(remove_duplicate=False)]
     if len(theirs) != len(ours) or any(not hasattr(n, "_dynamo_source") for n in theirs) or \
             any(name not in dynamo._param_name_to_source for name in held):
-        return
+        return False
     for node, source in zip(ours, theirs):
         node._dynamo_source = source._dynamo_source
         if "tensor_dict" in source.meta:
             node.meta["tensor_dict"] = source.meta["tensor_dict"]
     rewritten._param_name_to_source = {name: dynamo._param_name_to_source[name] for name in held}
     rewritten.meta["dynamo_compile_id"] = dynamo.meta["dynamo_compile_id"]
+    return True

@@ -85,6 +85,9 @@ def _notice(report: Report, notice: str | None) -> None:
         report.notices.append(notice)
 
 
+SOURCES_LOST = ("the rewritten graph's inputs no longer match Dynamo's one to one: no parameter counts as static, "
+                "so each whole-graph replay copies every parameter and buffer first")
+
 # A graph whose first call compiles at least this many kernels says so as it compiles: each takes Triton about a
 # second on the GPU machine the first time (then it comes from Triton's cache).
 LONG_COMPILE_KERNELS = 16
@@ -226,7 +229,8 @@ class Backend:
 
         fuses_rows = self.options.elementwise and self.options.reductions and run_kernels
         partition = partition_with(softmax_loss.write_out if fuses_rows else None)
-        carry_input_sources(gm, graph)
+        if not carry_input_sources(gm, graph) and self.options.graphs and "dynamo_compile_id" in gm.meta:
+            _notice(report, SOURCES_LOST)
         try:
             # A forward graph compiled as the inference graph has no backward to wait for.
             return aot_module_simplified(graph, example_inputs, fw_compiler=compiler("forward", True),

@@ -277,6 +277,30 @@ def test_parameters_and_buffers_are_the_static_arguments_of_the_graphs_fusepass_
     assert len(seen) >= 4 and all(len(static) == held for static in seen), seen
 
 
+def test_sources_are_carried_only_where_the_inputs_match_and_a_loss_is_told(monkeypatch):
+    import fusepass.pipeline as pipeline
+    from fusepass.capture import carry_input_sources
+    from fusepass.runnable import copy_graph
+
+    graphs = []
+    torch.compile(lambda x, w: torch.tanh(x * w), backend=lambda gm, inputs: graphs.append(gm) or gm)(
+        random_tensor((3, 4), torch.float32), random_tensor((4,), torch.float32))
+    (dynamo,) = graphs
+    retraced = make_fx(dynamo)(*(torch.empty(3, 4), torch.empty(4)))
+    assert carry_input_sources(dynamo, retraced)
+    assert [n._dynamo_source for n in retraced.graph.find_nodes(op="placeholder")] == \
+        [n._dynamo_source for n in dynamo.graph.find_nodes(op="placeholder")]
+    one_more = make_fx(lambda x, w, y: dynamo(x, w))(torch.empty(3, 4), torch.empty(4), torch.empty(1))
+    assert not carry_input_sources(dynamo, one_more)
+    assert not carry_input_sources(torch.fx.GraphModule(torch.nn.Module(), copy_graph(retraced.graph)), retraced)
+
+    monkeypatch.setattr(pipeline, "carry_input_sources", lambda dynamo, rewritten: False)
+    fusepass.reset()
+    torch.compile(chain, backend=fusepass.backend(graphs=True))(random_tensor((6, 5), torch.float32),
+                                                                random_tensor((5,), torch.float32))
+    assert pipeline.SOURCES_LOST in fusepass.last_report().notices
+
+
 def test_fusepass_graphs_in_the_environment_turns_graphs_on_where_no_option_says(monkeypatch):
     from fusepass.options import GRAPHS_ENV, Options
 

@@ -130,6 +130,28 @@ def test_parameters_are_read_where_they_lie_not_copied_before_each_replay():
     assert {p.data_ptr() for p in model.parameters()} <= static and not _not_replayed()
 
 
+def test_buffers_written_in_place_by_a_replayed_graph_are_written_as_compiled():
+    """BatchNorm's running statistics, buffers its training forward writes in place: static arguments (they stay
+    where they are), so the graph replays and writes them there; step after step they and the gradients are those
+    of the same model run as compiled."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.BatchNorm1d(40), torch.nn.Tanh()).cuda()
+    twin = copy.deepcopy(model)
+    fusepass.reset()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=False)
+    compiled = torch.compile(twin, backend=fusepass.backend(graphs=False, strict=True), dynamic=False)
+    for step in range(5):
+        x = torch.randn(16, 24, device="cuda")
+        for m, run in ((model, replayed), (twin, compiled)):
+            m.zero_grad(set_to_none=True)
+            run(x).pow(2).sum().backward()
+        for (name, a), b in zip(model.state_dict().items(), twin.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{name}, step {step}")
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    assert _recorded_graphs() >= 2 and not _not_replayed()
+
+
 class DropoutBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
