@@ -129,13 +129,12 @@ def mark_requires_grad(graph: torch.fx.Graph, example_inputs: Sequence[object]) 
                 a.meta.get("requires_grad", False) for a in node.all_input_nodes)
 
 
-
 def carry_input_sources(dynamo: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> bool:
     """Give `rewritten` (traced from Dynamo's graph `dynamo`, then rewritten; the same inputs in the same order)
     what AOTAutograd reads off a Dynamo graph to tell which of its inputs are parameters and buffers: their
     sources and Dynamo's static marks. From them it takes its `static_input_indices`, which CUDA graph trees leave
-    where they are: without them a whole-graph replay copied every parameter into the recording's buffers first
-    (and the pool held a second copy of them). Nothing is carried where the inputs do not match one to one, or
+    where they are: without them each whole-graph replay would copy every parameter into the recording's buffers
+    first (and the pool would hold a second copy of them). Nothing is carried where the inputs do not match one to one, or
     where `dynamo` carries no sources itself (not Dynamo's graph): False."""
     if "dynamo_compile_id" not in dynamo.meta or not hasattr(dynamo, "_param_name_to_source"):
         return False

@@ -2,10 +2,10 @@
 P × L), and one launch adds them up for up to `OUTPUTS_A_LAUNCH` column sums of a group, each rounded once to its
 output's dtype as torch rounds it.
 
-ATen took two kernels a column sum for it (`sum(0)` over the partials, then the cast), each about as long as a
-whole column sum of Inductor's (bench/results/profile-models-bert-step-…-0209: 6.4 and 1.4 µs against 2.7, ~86
-a BERT-base step). Here a program holds all P partials of a few columns in one tile, so its loads go out at once
-rather than one row after another; programs add in a fixed order, so a total does not change between runs.
+ATen took two kernels a column sum for it (`sum(0)` over the partials, then the cast), each slower than a whole
+column sum of Inductor's (bench/NOTES.md, the BERT profile of 2026-12-06). Here a program holds all P partials of a
+few columns in one tile, so its loads go out at once rather than one row after another; programs add in a fixed
+order, so a total does not change between runs.
 """
 from __future__ import annotations
 
