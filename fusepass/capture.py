@@ -134,8 +134,8 @@ def carry_input_sources(dynamo: torch.fx.GraphModule, rewritten: torch.fx.GraphM
     what AOTAutograd reads off a Dynamo graph to tell which of its inputs are parameters and buffers: their
     sources and Dynamo's static marks. From them it takes its `static_input_indices`, which CUDA graph trees leave
     where they are: without them each whole-graph replay would copy every parameter into the recording's buffers
-    first (and the pool would hold a second copy of them). Nothing is carried where the inputs do not match one to one, or
-    where `dynamo` carries no sources itself (not Dynamo's graph): False."""
+    first (and the pool would hold a second copy of them). Nothing is carried where the inputs do not match one to
+    one, or where `dynamo` carries no sources itself (not Dynamo's graph): False."""
     if "dynamo_compile_id" not in dynamo.meta or not hasattr(dynamo, "_param_name_to_source"):
         return False
     theirs = dynamo.graph.find_nodes(op="placeholder")

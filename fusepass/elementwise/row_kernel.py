@@ -11,6 +11,7 @@ softmax), where both are computed in fp32 or wider: one read of the row fewer.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -500,21 +501,22 @@ class ColumnSums:
 
     def written(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         written = list(outputs)
-        for dtype, columns in self._by_dtype():
+        for dtype, columns in self._by_dtype.items():
             buffer = torch.empty((len(columns), self.programs, self.length), dtype=dtype, device=outputs[0].device)
             for i, partials in zip(columns, buffer):
                 written[i] = partials
         return tuple(written)
 
     def finish(self, written: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
-        for _, columns in self._by_dtype():
+        for columns in self._by_dtype.values():
             first = written[columns[0]]
             buffer = first.as_strided((len(columns), self.programs, self.length),
                                       (self.programs * self.length, self.length, 1))
             column_total.add_up(buffer, [outputs[i].view(self.length) for i in columns])
 
-    def _by_dtype(self) -> list[tuple[torch.dtype, list[int]]]:
+    @functools.cached_property  # asked on every launch: a plan's sums, grouped once
+    def _by_dtype(self) -> dict[torch.dtype, list[int]]:
         grouped: dict[torch.dtype, list[int]] = {}
         for i, dtype in zip(self.columns, self.dtypes):
             grouped.setdefault(dtype, []).append(i)
-        return list(grouped.items())
+        return grouped
