@@ -1,6 +1,7 @@
-"""Groups with column sums (a norm's weight and bias gradients, a bias's beside the GELU's backward), forward and
-backward, swept over the programs a multiprocessor runs (`row_kernel.COLUMN_PROGRAMS_PER_SM`) and the elements a
-program holds (`row_kernel.PROGRAM_TILE`) beside Inductor, bf16, device ms per forward+backward.
+"""Groups with column sums (a bias's gradient alone, a norm's weight and bias gradients, a bias's beside the GELU's
+backward), forward and backward, swept over the programs a multiprocessor runs (`row_kernel.COLUMN_PROGRAMS_PER_SM`)
+and the elements a program holds (`row_kernel.PROGRAM_TILE`) beside eager and Inductor, bf16, device ms per
+forward+backward.
 
     PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096] [--cases bias+gelu,rmsnorm]
 
@@ -26,12 +27,17 @@ def bias_gelu(x, b):
     return F.gelu(x + b, approximate="tanh")
 
 
+def add_bias(x, b):
+    return x + b
+
+
 def rmsnorm(x, w):
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
 
 
-CASES = [("layernorm 8x1024x768", layer_norm, (8, 1024, 768), 2),
+CASES = [("bias 8x512x768", add_bias, (8, 512, 768), 1),  # its gradient a sum alone (BERT's q, k, v biases)
+         ("layernorm 8x1024x768", layer_norm, (8, 1024, 768), 2),
          ("bias+gelu 8x1024x3072", bias_gelu, (8, 1024, 3072), 1),
          ("rmsnorm 16384x4096", rmsnorm, (16384, 4096), 1),
          # rows too long to hold whole: the sums are ATen's (a block of columns a program was slower: NOTES)
@@ -57,11 +63,11 @@ def main() -> None:
                  for _ in range(weights)]
         grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         row = {"case": name}
-        for label, backend, setting in [("inductor", "inductor", rule), ("as is", fusepass.backend(strict=True), rule)] + \
+        for label, backend, setting in [("eager", None, rule), ("inductor", "inductor", rule), ("as is", fusepass.backend(strict=True), rule)] + \
                 [(f"{p}/SM {t}", fusepass.backend(strict=True), (p, t)) for p, t in settings]:
             row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE = setting
             torch._dynamo.reset()
-            compiled = torch.compile(fn, backend=backend)
+            compiled = fn if backend is None else torch.compile(fn, backend=backend)
 
             def step():
                 compiled(x, *extra).backward(grad)

@@ -15,7 +15,7 @@
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
-#   columns      bench/column_sums.py: bias+GELU and RMSNorm, 5120 wide among them                  ~30 s (2026-12-05)
+#   columns      bench/column_sums.py: a bias alone, bias+GELU and RMSNorm, 5120 wide among them           ~30 s (2026-12-05)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
 #   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py) and the dropout and     (~110 s tests;
 #                per-op replay tests, then bench/models.py for $MODELS (default bert,vit,t5,gpt2)     with reduce-overhead:
@@ -84,7 +84,7 @@ for part in $parts; do
     reductions)
         (cd bench && timeout 280 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
     columns)
-        timeout 240 python bench/column_sums.py --programs 2 --tiles 2048 --cases bias+gelu,rmsnorm 2>&1 | grep "^|" ;;
+        timeout 240 python bench/column_sums.py --programs 2 --tiles 2048 --cases bias,rmsnorm 2>&1 | grep "^|" ;;
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
             --budget-s "${MODELS_BUDGET_S:-400}" --options "${MODELS_OPTIONS:-{\}}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;

@@ -39,6 +39,10 @@ def format_time(ms: float | None) -> str:
     return f"{ms * 1e6:.3g} ns"
 
 
+def format_ops(n: int) -> str:
+    return f"{n} op" if n == 1 else f"{n} ops"
+
+
 def format_count(n: float, unit: str) -> str:
     for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if n >= scale:
@@ -57,7 +61,7 @@ def _rewrite_lines(r: Rewrite) -> list[str]:
                f"{format_bytes(r.bytes_saved):>11}{format_intensity(r.intensity_unfused):>9}"
                f"{format_intensity(r.intensity_fused):>8}{format_time(r.time_unfused_ms):>10}"
                f"{format_time(r.time_fused_ms):>10}")
-    about = [r.location, f"{len(r.ops)} ops", format_count(r.flops, "FLOP")]
+    about = [r.location, format_ops(len(r.ops)), format_count(r.flops, "FLOP")]
     if r.activation_bytes_saved:
         # Negative where the fused op keeps more (its output and row statistics outweigh small probabilities).
         fewer = r.activation_bytes_saved > 0

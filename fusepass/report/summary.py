@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from fusepass.report.render import format_bytes, format_time
+from fusepass.report.render import format_bytes, format_ops, format_time
 from fusepass.report.report import Report
 
 
@@ -23,7 +23,7 @@ def summarize(reports: Sequence[Report]) -> str:
         saved += count * (unfused - fused)
         where = records[0].location if count == 1 else f"{records[0].location} and {count - 1} more"
         label = f" [{', '.join(features)}]" if features else ""
-        lines.append(f"  {kind} {phase}{label} × {count}: {len(ops)} ops, {format_bytes(unfused)} → "
+        lines.append(f"  {kind} {phase}{label} × {count}: {format_ops(len(ops))}, {format_bytes(unfused)} → "
                      f"{format_bytes(fused)} each ({where})")
     reasons: OrderedDict[tuple[str, str], list] = OrderedDict()
     for report in reports:

@@ -58,7 +58,7 @@ class Table(expecttest.TestCase):
         report = Report(graph="graph 0", device="cpu")
         report.rewrites = [rewrite]
         roofline.estimate(report)
-        self.assertIn("model.py:12 | 1 ops | 0 FLOP | 526.0 KiB more kept for backward", str(report))
+        self.assertIn("model.py:12 | 1 op | 0 FLOP | 526.0 KiB more kept for backward", str(report))
 
     def test_hand_made_report(self):
         text = str(hand_made_report())
