@@ -254,10 +254,7 @@ def _finish(members: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> Gro
                 members.discard(node)
                 changed = True
     nodes = sorted(members, key=order.__getitem__)
-    ops = [n for n in nodes if not is_mapped_view(n)]
-    # A column sum alone is a kernel still: ATen reduces a bias's gradient several times slower than a row kernel
-    # and its partial sums' total (bench/column_sums.py, "bias" case).
-    if len(ops) < 2 and not (ops and is_column_sum(ops[0])):
+    if sum(1 for n in nodes if not is_mapped_view(n)) < 2:
         return None
     escaping = _escaping(members)
     kept_views = set()

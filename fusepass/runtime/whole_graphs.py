@@ -24,6 +24,7 @@ the next replay overwrites it). What a forward saves for its backward stays in t
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,11 @@ from fusepass.attention.known_contents import ContentGuard, ContentsChanged, che
 from fusepass.runtime import launch
 
 NOT_CUDA = "whole-graph replays need a CUDA device: the graphs run as compiled"
+
+# A warm-up routes the calling thread's allocations to the trees' pool, and a recording captures the stream: CUDA
+# states of the process that another thread's warm-up, recording or replay meanwhile breaks (two threads running
+# replayed graphs at once failed on the GPU: bench/NOTES.md). One runs at a time, from whichever thread calls.
+_one_thread_at_a_time = threading.RLock()
 
 
 def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
@@ -160,10 +166,22 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
             return run_backward
         return compiled
     mutated = _mutated_inputs(graph.graph)
-    tree = cudagraph_trees.cudagraphify_impl(
-        _consuming(compiled), list(inputs), static, device_index=one.device_index, is_backward=backward,
-        is_inference=inference, stack_traces=get_stack_traces(graph), placeholders=get_placeholder_info(graph.graph),
-        mutated_input_idxs=mutated)
+    sized = symbolic_arguments(graph)
+    trees: dict[tuple, Callable[[list], Any]] = {}
+
+    def tree(args: list) -> Any:
+        """The trees' function for the sizes of `args`, made from the first call's arguments at those sizes: the
+        trees record once per value of a graph's integer arguments, which under symbolic sizes need not tell a
+        tensor's sizes (the arguments given at compile time are fake)."""
+        key = tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in sized)
+        function = trees.get(key)
+        if function is None:
+            function = trees[key] = cudagraph_trees.cudagraphify_impl(
+                _consuming(compiled), list(args), static, device_index=one.device_index, is_backward=backward,
+                is_inference=inference, stack_traces=get_stack_traces(graph),
+                placeholders=get_placeholder_info(graph.graph), mutated_input_idxs=mutated)
+        return function(args)
+
     if not backward:
         one.forward_replayed = not inference
 
@@ -184,17 +202,32 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
         try:
-            with checked_by_caller():  # the guards above: a recording's attention sees the recording's copies
+            # the guards above: a recording's attention sees the recording's copies
+            with _one_thread_at_a_time, checked_by_caller():
                 handed = tree(args)
-        except Exception as error:  # CUDA's own message names neither the graph nor the way out
-            raise RuntimeError(
-                f"fusepass: the compiled {'inference' if inference else phase} graph failed while recorded or replayed "
-                f"as a CUDA graph ({type(error).__name__}); a capture that fails can leave this process's later "
-                "captures failing too. fusepass.backend(graphs=False) runs the graphs as compiled") from error
+        except Exception as error:
+            # CUDA's own message names neither the graph nor the way out; the error itself goes on as raised (a
+            # strict compile's kernel failure is the caller's to catch by its type and message).
+            error.add_note(
+                f"fusepass: the compiled {'inference' if inference else phase} graph failed while warmed up, recorded "
+                "or replayed as a CUDA graph; a capture that fails can leave this process's later captures failing "
+                "too. fusepass.backend(graphs=False) runs the graphs as compiled")
+            raise
         return _owned(handed, owned)
 
     run._boxed_call = True
     return run
+
+
+def symbolic_arguments(graph: torch.fx.GraphModule) -> list[int]:
+    """The positions of the graph's arguments whose values or sizes are symbolic: what a recording's sizes hang on."""
+    positions = []
+    for i, node in enumerate(graph.graph.find_nodes(op="placeholder")):
+        value = node.meta.get("val")
+        sizes = value.shape if isinstance(value, torch.Tensor) else (value,)
+        if any(isinstance(n, torch.SymInt) for n in sizes):
+            positions.append(i)
+    return positions
 
 
 def handed_out(graph: torch.fx.GraphModule, backward: bool) -> set[int] | None:

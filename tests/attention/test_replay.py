@@ -13,7 +13,9 @@ import fusepass
 from fusepass.flash import blockmap
 from fusepass.runtime.replay import attention_replays
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need the GPU")
+# per-op replays: what a graph's ops do call by call, which a whole-graph replay does not run
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need the GPU"),
+              pytest.mark.usefixtures("graphs_off")]
 
 
 def window(q, k, v):

@@ -23,6 +23,9 @@ from fusepass.flash import blockmap
 from fusepass.flash import distance_table, config as flash_config
 from fusepass.runtime.replay import LaunchReplays
 
+# what a graph's ops do call by call, which a whole-graph replay does not run
+pytestmark = pytest.mark.usefixtures("graphs_off")
+
 
 class TracedReplays(LaunchReplays):
     """Runs every call's launches, tracing them; from its second call on, a key must trace alike."""

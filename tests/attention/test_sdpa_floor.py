@@ -19,6 +19,9 @@ from fusepass.attention import kept_forwards, sdpa_floor
 from fusepass.attention.sdpa_floor import SdpaRun
 from fusepass.report.records import SDPA
 
+# what a graph's ops do call by call, which a whole-graph replay does not run
+pytestmark = pytest.mark.usefixtures("graphs_off")
+
 B, H, T, D = 2, 3, 37, 16
 
 

@@ -7,6 +7,9 @@ import torch
 from fusepass.runtime import replay as replay_module
 from fusepass.runtime.replay import LaunchReplays
 
+# what a graph's ops do call by call, which a whole-graph replay does not run
+pytestmark = pytest.mark.usefixtures("graphs_off")
+
 
 class _Graph:
     def __init__(self):
