@@ -1,9 +1,10 @@
 """Groups with column sums (a bias's gradient alone, a norm's weight and bias gradients, a bias's beside the GELU's
-backward), forward and backward, swept over the programs a multiprocessor runs (`row_kernel.COLUMN_PROGRAMS_PER_SM`)
-and the elements a program holds (`row_kernel.PROGRAM_TILE`) beside eager and Inductor, bf16, device ms per
-forward+backward.
+backward), forward and backward, swept over the programs a multiprocessor runs (`row_kernel.COLUMN_PROGRAMS_PER_SM`),
+the elements a program holds (`row_kernel.PROGRAM_TILE`) and the row walk's pipeline stages
+(`row_kernel.COLUMN_STAGES`) beside eager and Inductor, bf16, device ms per forward+backward.
 
-    PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096] [--cases bias+gelu,rmsnorm]
+    PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096] [--stages 1,2,3]
+        [--cases bias+gelu,rmsnorm]
 
 Writes bench/results/column-sums-<date>.md and .json; the product's setting is the "as is" column.
 """
@@ -49,10 +50,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--programs", default="2,4,8")
     parser.add_argument("--tiles", default="2048,4096")
+    parser.add_argument("--stages", default="1", help="the row walk's pipeline stages (row_kernel.COLUMN_STAGES)")
     parser.add_argument("--cases", help="the cases whose names start so (all by default)")
     args = parser.parse_args()
-    settings = [(p, t) for t in map(int, args.tiles.split(",")) for p in map(int, args.programs.split(","))]
-    rule = row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE
+    settings = [(p, t, s) for s in map(int, args.stages.split(",")) for t in map(int, args.tiles.split(","))
+                for p in map(int, args.programs.split(","))]
+    rule = row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES
     rows = []
     for name, fn, shape, weights in CASES:
         if args.cases and not name.startswith(tuple(args.cases.split(","))):
@@ -63,9 +66,10 @@ def main() -> None:
                  for _ in range(weights)]
         grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         row = {"case": name}
-        for label, backend, setting in [("eager", None, rule), ("inductor", "inductor", rule), ("as is", fusepass.backend(strict=True), rule)] + \
-                [(f"{p}/SM {t}", fusepass.backend(strict=True), (p, t)) for p, t in settings]:
-            row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE = setting
+        for label, backend, setting in [("eager", None, rule), ("inductor", "inductor", rule),
+                                        ("as is", fusepass.backend(strict=True), rule)] + \
+                [(f"{p}/SM {t} x{s}", fusepass.backend(strict=True), (p, t, s)) for p, t, s in settings]:
+            row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES = setting
             torch._dynamo.reset()
             compiled = fn if backend is None else torch.compile(fn, backend=backend)
 
@@ -74,12 +78,12 @@ def main() -> None:
 
             step()
             row[f"{label} ms"] = device_ms(step)
-        row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE = rule
+        row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES = rule
         rows.append(row)
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else str(v) for k, v in row.items()), flush=True)
     print(keep("column-sums", list(rows[0]), rows, "bf16 forward+backward, device ms per call (torch.profiler); "
                                                    "fusepass columns: column programs a multiprocessor, elements a "
-                                                   "program holds"))
+                                                   "program holds, x the row walk's pipeline stages"))
 
 
 if __name__ == "__main__":

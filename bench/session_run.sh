@@ -15,7 +15,7 @@
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
-#   columns      bench/column_sums.py: a bias alone, bias+GELU and RMSNorm, 5120 wide among them           ~30 s (2026-12-05)
+#   columns      bench/column_sums.py: a bias alone, LayerNorm, bias+GELU and RMSNorm at 1, 2, 3 stages    ~30 s at one stage (12-06)
 #   peaks        bench/peaks.py: a step's memory per phase and pool, $PEAK_MODELS (default bert,vit),   (not run yet)
 #                Inductor default and reduce-overhead, fusepass with and without whole-graph replays
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
@@ -88,7 +88,7 @@ for part in $parts; do
     peaks)
         timeout 400 python bench/peaks.py --models "${PEAK_MODELS:-bert,vit}" 2>&1 | grep -E "^\||failed" | cut -c1-300 ;;
     columns)
-        timeout 240 python bench/column_sums.py --programs 2 --tiles 2048 --cases bias,rmsnorm 2>&1 | grep "^|" ;;
+        timeout 240 python bench/column_sums.py --programs 2 --tiles 2048 --stages 1,2,3 --cases bias,rmsnorm,layernorm 2>&1 | grep "^|" ;;
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
             --budget-s "${MODELS_BUDGET_S:-400}" --options "${MODELS_OPTIONS:-{\}}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;

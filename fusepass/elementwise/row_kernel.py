@@ -56,6 +56,11 @@ COLUMN_SPACES = ("column", "column_kept")  # a column sum's outputs (lower.Outpu
 # A column sum's program walks its rows one tile at a time, each tile's loads waited for before the next: more
 # programs a multiprocessor keep more bytes in flight, and write more partial sums (bench/column_sums.py).
 COLUMN_PROGRAMS_PER_SM = 2
+# Tiles of that walk Triton's pipeliner keeps in flight (`tl.range(..., num_stages=)`: on sm_80 and later each
+# tile's loads go to shared memory by asynchronous copies, issued stages − 1 tiles ahead); 1 walks as written.
+# Fewer where a stage's tiles would pass COLUMN_STAGE_BYTES: a program holds stages × its loads' tiles there.
+COLUMN_STAGES = 1
+COLUMN_STAGE_BYTES = 96 * 1024
 
 
 def _neutral(kind: str, dtype: torch.dtype) -> str:
@@ -73,6 +78,7 @@ class RowVariant:
     output_dims: tuple[tuple[bool, ...], ...]
     wide: bool
     looped: bool
+    stages: int = 1  # a column sum's row walk's pipeline stages (`column_stages`)
 
 
 def _row_values(program: Program, variant: RowVariant) -> tuple[dict[Ref, bool], dict[Ref, int]]:
@@ -356,8 +362,10 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         body += [f"    {line}" for line in loop]
     if columns:  # the program's rows, XBLOCK at a time, then its sums of each column
         assert not variant.looped, "a column sum's rows are held whole"
+        stages = variant.stages
+        walk = "range(0, row_steps)" if stages == 1 else f"tl.range(0, row_steps, num_stages={stages})"
         body = [f"col{i} = tl.zeros([XBLOCK, RBLOCK], {TRITON_DTYPE[_column_dtype(program, i)]})" for i in columns] + \
-            ["for rs in range(0, row_steps):"] + [f"    {line}" for line in body] + \
+            [f"for rs in {walk}:"] + [f"    {line}" for line in body] + \
             [f"{col} = tl.arange(0, RBLOCK)[None, :]"] + \
             [f"tl.store(o{i}_ptr + tl.program_id(0) * o{i}_s0 + {col} * o{i}_s{last}, "
              f"tl.sum(col{i}, axis=0, keep_dims=True), mask={col} < n{last})" for i in columns]
@@ -398,6 +406,14 @@ def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tu
     row_blocks = cdiv(rows, xblock)
     row_steps = max(1, cdiv(row_blocks, column_programs(device))) if columns else 1
     return xblock, row_steps, cdiv(row_blocks, row_steps)
+
+
+def column_stages(program: Program) -> int:
+    """The stages of a column sum's row walk (`COLUMN_STAGES`), fewer where its loads' tiles (of at most
+    `reduction.PERSISTENT_MAX` elements: a held row, or PROGRAM_TILE of shorter ones) would pass
+    COLUMN_STAGE_BYTES."""
+    tile_bytes = max(PROGRAM_TILE, reduction.PERSISTENT_MAX) * sum(load.dtype.itemsize for load in program.loads)
+    return max(1, min(COLUMN_STAGES, COLUMN_STAGE_BYTES // max(tile_bytes, 1)))
 
 
 def row_warps(xblock: int, rblock: int) -> int:
@@ -480,7 +496,7 @@ class RowLauncher(PointwiseLauncher):
             int_args.append(row_steps)
         num_warps = row_warps(xblock, rblock)
         variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims),
-                             max(extents) > INT32_MAX, looped)
+                             max(extents) > INT32_MAX, looped, column_stages(lowered.program) if columns else 1)
         kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),
                                  lambda: row_kernel_source(self.__name__, lowered.program, spaces, variant))
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,

@@ -427,6 +427,27 @@ def test_a_column_sum_of_no_rows_is_zero():
     torch.testing.assert_close(total, torch.zeros(13, device=x.device))
 
 
+@pytest.mark.parametrize("stage_bytes", [1 << 20, 1])
+def test_a_column_sums_row_walk_in_stages(monkeypatch, stage_bytes):
+    """Walked in pipeline stages (`COLUMN_STAGES`: Triton keeps later tiles' loads in flight) the sums are those of
+    the walk as written, over row counts no program's share divides; a walk whose stages' tiles would pass
+    COLUMN_STAGE_BYTES takes fewer, down to the walk as written."""
+    monkeypatch.setattr(row_kernel, "COLUMN_STAGES", 3)
+    monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", stage_bytes)
+    sources = []
+    source = row_kernel.row_kernel_source
+    monkeypatch.setattr(row_kernel, "row_kernel_source", lambda *args: sources.append(source(*args)) or sources[-1])
+    check(torch.nn.LayerNorm(40).to(DEVICE), random_tensor((3, 37, 40), torch.float32), backward=True, backend=STRICT)
+    bias = random_tensor((24,), torch.float32).requires_grad_()
+    check(lambda x: torch.nn.functional.gelu(x + bias, approximate="tanh"), random_tensor((5, 19, 24), torch.float32),
+          backward=True, backend=STRICT)
+    assert bias.grad is not None
+    walks = [text for text in sources if "row_steps" in text]
+    assert len(walks) == 2
+    staged = "for rs in tl.range(0, row_steps, num_stages=3):"
+    assert all((staged in text) == (stage_bytes > 1) for text in walks)
+
+
 def test_class_weights_keep_cross_entropy_backward_aten():
     logits = random_tensor((7, 13), torch.float32)
     targets, weights = torch.arange(7, device=DEVICE) % 13, torch.rand(13, device=DEVICE) + 0.5
