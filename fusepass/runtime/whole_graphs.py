@@ -25,6 +25,7 @@ the next replay overwrites it). What a forward saves for its backward stays in t
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ NOT_CUDA = "whole-graph replays need a CUDA device: the graphs run as compiled"
 # states of the process that another thread's warm-up, recording or replay meanwhile breaks (two threads running
 # replayed graphs at once failed on the GPU: bench/NOTES.md). One runs at a time, from whichever thread calls.
 _one_thread_at_a_time = threading.RLock()
+
+# A graph recorded at more sets of sizes than this warns, once (Inductor's trees warn at 8 too).
+SIZES_WARNED = 8
 
 
 def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
@@ -180,6 +184,11 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
                 _consuming(compiled), list(args), static, device_index=one.device_index, is_backward=backward,
                 is_inference=inference, stack_traces=get_stack_traces(graph),
                 placeholders=get_placeholder_info(graph.graph), mutated_input_idxs=mutated)
+            if len(trees) == SIZES_WARNED + 1:
+                warnings.warn(
+                    f"fusepass: the compiled {'inference' if inference else phase} graph has been recorded as a CUDA "
+                    f"graph at {len(trees)} sets of sizes, each holding memory of its own; fewer distinct sizes "
+                    "(padded inputs) or fusepass.backend(graphs=False) hold less", RuntimeWarning, stacklevel=2)
         return function(args)
 
     if not backward:

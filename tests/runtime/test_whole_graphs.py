@@ -4,6 +4,7 @@ graphs the pipeline compiles. The replays themselves need a CUDA device: test_wh
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -242,6 +243,15 @@ def test_symbolic_sizes_record_once_per_set_of_sizes(monkeypatch):
     for rows in (9, 17, 9):
         assert run([torch.empty(rows, 5), torch.empty(5)]) == [(rows, 5)]
     assert made == [[(9, 5), (5,)], [(17, 5), (5,)]]
+    with warnings.catch_warnings(record=True) as caught:  # each size holds memory of its own: told once
+        warnings.simplefilter("always")
+        for rows in range(20, 20 + whole_graphs.SIZES_WARNED):
+            run([torch.empty(rows, 5), torch.empty(5)])
+    assert len(made) == whole_graphs.SIZES_WARNED + 2
+    assert [str(w.message) for w in caught] == [
+        f"fusepass: the compiled forward graph has been recorded as a CUDA graph at {whole_graphs.SIZES_WARNED + 1} "
+        "sets of sizes, each holding memory of its own; fewer distinct sizes (padded inputs) or "
+        "fusepass.backend(graphs=False) hold less"]
 
 
 def test_threads_run_replayed_graphs_one_at_a_time(monkeypatch):
