@@ -210,19 +210,19 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
             return compiled(args)
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
-        try:
-            # the guards above: a recording's attention sees the recording's copies
-            with _one_thread_at_a_time, checked_by_caller():
-                handed = tree(args)
-        except Exception as error:
-            # CUDA's own message names neither the graph nor the way out; the error itself goes on as raised (a
-            # strict compile's kernel failure is the caller's to catch by its type and message).
-            error.add_note(
-                f"fusepass: the compiled {'inference' if inference else phase} graph failed while warmed up, recorded "
-                "or replayed as a CUDA graph; a capture that fails can leave this process's later captures failing "
-                "too. fusepass.backend(graphs=False) runs the graphs as compiled")
-            raise
-        return _owned(handed, owned)
+        with _one_thread_at_a_time:  # its copies out of the pool too, before another thread's replay
+            try:
+                with checked_by_caller():  # the guards above: a recording's attention sees the recording's copies
+                    handed = tree(args)
+            except Exception as error:
+                # CUDA's own message names neither the graph nor the way out; the error itself goes on as raised (a
+                # strict compile's kernel failure is the caller's to catch by its type and message).
+                error.add_note(
+                    f"fusepass: the compiled {'inference' if inference else phase} graph failed while warmed up, "
+                    "recorded or replayed as a CUDA graph; a capture that fails can leave this process's later "
+                    "captures failing too. fusepass.backend(graphs=False) runs the graphs as compiled")
+                raise
+            return _owned(handed, owned)
 
     run._boxed_call = True
     return run
