@@ -427,13 +427,11 @@ def test_a_column_sum_of_no_rows_is_zero():
     torch.testing.assert_close(total, torch.zeros(13, device=x.device))
 
 
-@pytest.mark.parametrize("stage_bytes", [1 << 20, 1])
-def test_a_column_sums_row_walk_in_stages(monkeypatch, stage_bytes):
+def test_a_column_sums_row_walk_in_stages(monkeypatch):
     """Walked in pipeline stages (`COLUMN_STAGES`: Triton keeps later tiles' loads in flight) the sums are those of
-    the walk as written, over row counts no program's share divides; a walk whose stages' tiles would pass
-    COLUMN_STAGE_BYTES takes fewer, down to the walk as written."""
+    the walk as written, over row counts no program's share divides."""
     monkeypatch.setattr(row_kernel, "COLUMN_STAGES", 3)
-    monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", stage_bytes)
+    monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", 1 << 20)  # three stages whatever the loads
     sources = []
     source = row_kernel.row_kernel_source
     monkeypatch.setattr(row_kernel, "row_kernel_source", lambda *args: sources.append(source(*args)) or sources[-1])
@@ -443,9 +441,21 @@ def test_a_column_sums_row_walk_in_stages(monkeypatch, stage_bytes):
           backward=True, backend=STRICT)
     assert bias.grad is not None
     walks = [text for text in sources if "row_steps" in text]
-    assert len(walks) == 2
-    staged = "for rs in tl.range(0, row_steps, num_stages=3):"
-    assert all((staged in text) == (stage_bytes > 1) for text in walks)
+    assert len(walks) == 2 and all("for rs in tl.range(0, row_steps, num_stages=3):" in text for text in walks)
+
+
+def test_a_column_walks_stages_fit_its_shared_memory(monkeypatch):
+    """A program holds its loads' tiles (up to PERSISTENT_MAX elements each) once a stage in shared memory: fewer
+    stages where they would pass COLUMN_STAGE_BYTES, down to the walk as written."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(row_kernel, "COLUMN_STAGES", 3)
+    program = SimpleNamespace(loads=[SimpleNamespace(dtype=torch.float32)] * 3)  # 48 KiB a stage
+    assert row_kernel.column_stages(program) == 2
+    monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", 1 << 20)
+    assert row_kernel.column_stages(program) == 3
+    monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", 1)
+    assert row_kernel.column_stages(program) == 1
 
 
 def test_class_weights_keep_cross_entropy_backward_aten():
