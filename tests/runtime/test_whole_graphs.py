@@ -193,23 +193,28 @@ def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buff
     assert len(notices) == 1 and notices[0].startswith("from this call on: L['self']._buffers['bias'] no longer holds")
 
 
+def _replayed_by(monkeypatch, trees, graph, compiled=lambda args: [], inputs=(None, None)):
+    """`compiled` (of `graph`, a forward) through `whole_graphs.replayed`, `trees` standing in for the trees'
+    `cudagraphify_impl`, nothing refused and nothing copied out."""
+    from torch._inductor import cudagraph_trees
+
+    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
+    monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)
+    monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: set())
+    return whole_graphs.replayed(compiled, graph, list(inputs), "forward", False, whole_graphs.GraphsOfOneCompile(0),
+                                 lambda reason: None)
+
+
 def test_a_failed_recording_says_which_graph_and_the_way_out(monkeypatch):
     """A capture that fails (GPT-2's did, reading the device while its stream captured) raises CUDA's error, which
     names neither the graph nor `graphs=False`: a note on it does. The error itself goes on, its type and message as
     raised (a strict compile's kernel failure inside a warm-up is caught by them)."""
-    from torch._inductor import cudagraph_trees
-
     def trees(model_fn, inputs, static, **kwargs):
         def replay(args):
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
         return replay
 
-    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
-    monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)
-    monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: set())
-    graph = _fake_cuda_graph(chain, (6, 5), (5,))
-    run = whole_graphs.replayed(lambda args: [], graph, [None, None], "forward", False,
-                                whole_graphs.GraphsOfOneCompile(0), lambda reason: None)
+    run = _replayed_by(monkeypatch, trees, _fake_cuda_graph(chain, (6, 5), (5,)))
     with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing") as raised:
         run([None, None])
     note, = raised.value.__notes__
@@ -222,23 +227,17 @@ def test_symbolic_sizes_record_once_per_set_of_sizes(monkeypatch):
     first: fake ones at compile time, and a graph's tensors' sizes need not follow from its integers. So each set of
     the symbolic arguments' sizes gets its own, made at its first call from real arguments (a second size had been
     copied into the first's recorded buffers: 'The size of tensor a (9) must match the size of tensor b (17)')."""
-    from torch._inductor import cudagraph_trees
-
     made = []
 
     def trees(model_fn, inputs, static, **kwargs):
         made.append([tuple(a.shape) for a in inputs])
         return lambda args: model_fn(args)
 
-    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
-    monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)
-    monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: set())
     graph = make_fx(chain, tracing_mode="symbolic")(torch.empty(9, 5), torch.empty(5))
     fake = [node.meta["val"] for node in graph.graph.find_nodes(op="placeholder")]
     assert whole_graphs.symbolic_arguments(graph) == [0, 1]
     assert whole_graphs.symbolic_arguments(_fake_cuda_graph(chain, (6, 5), (5,))) == []
-    run = whole_graphs.replayed(lambda args: [args[0].shape], graph, fake, "forward", False,
-                                whole_graphs.GraphsOfOneCompile(0), lambda reason: None)
+    run = _replayed_by(monkeypatch, trees, graph, lambda args: [args[0].shape], fake)
     assert made == []  # nothing recorded from the fake arguments
     for rows in (9, 17, 9):
         assert run([torch.empty(rows, 5), torch.empty(5)]) == [(rows, 5)]
@@ -261,8 +260,6 @@ def test_threads_run_replayed_graphs_one_at_a_time(monkeypatch):
     import threading
     import time
 
-    from torch._inductor import cudagraph_trees
-
     inside, most = [0], [0]
 
     def trees(model_fn, inputs, static, **kwargs):
@@ -274,12 +271,7 @@ def test_threads_run_replayed_graphs_one_at_a_time(monkeypatch):
             return []
         return replay
 
-    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
-    monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)
-    monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: set())
-    graph = _fake_cuda_graph(chain, (6, 5), (5,))
-    run = whole_graphs.replayed(lambda args: [], graph, [None, None], "forward", False,
-                                whole_graphs.GraphsOfOneCompile(0), lambda reason: None)
+    run = _replayed_by(monkeypatch, trees, _fake_cuda_graph(chain, (6, 5), (5,)))
     threads = [threading.Thread(target=lambda: [run([None, None]) for _ in range(5)]) for _ in range(3)]
     for t in threads:
         t.start()
