@@ -52,7 +52,7 @@ def _reason(node: torch.fx.Node) -> str:
     if is_row_reduction(node):
         return "a row reduction with no neighbour fused beside it: one ATen kernel"
     if is_column_sum(node):  # a row kernel and its sums' total measured no faster alone (bench/NOTES.md)
-        return "a column sum (a bias's gradient) with no neighbour fused beside it: one ATen kernel"
+        return "a column sum (such as a bias's gradient) with no neighbour fused beside it: one ATen kernel"
     if node.target == aten.native_layer_norm_backward.default and \
             not held_whole(node.args[1].meta["val"].shape[-1]):
         return (f"a layer norm's backward over rows longer than {reduction.PERSISTENT_MAX}: its weight's and bias's "
