@@ -37,6 +37,7 @@ from fusepass.report.report import Report, discard, new_report
 from fusepass.runnable import copy_graph, on_device, runnable
 from fusepass.runtime import whole_graphs
 from fusepass.runtime.device import interpreting
+from fusepass.runtime.host_scalars import host_scalars_made_on_device
 from fusepass.saved_values import partition_with
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
@@ -184,6 +185,10 @@ class Backend:
         def context(phase: str) -> PassContext:
             return PassContext(report, self.options, phase, device, run_kernels)
 
+        # Whole-graph replays hold no host tensor: the host's scalars are made on the device where they can be.
+        scalars_on_device = self.options.graphs and run_kernels and device.type == "cuda"
+        if scalars_on_device:
+            graph = self._step(host_scalars_made_on_device, graph, context("forward"), "moving host scalars")
         if self.options.attention:
             graph = self._step(rewrite_attention, graph, context("forward"), "attention rewrite")
         else:
@@ -194,6 +199,8 @@ class Backend:
 
         def compiler(phase: str, backward_follows: bool = False) -> Callable[..., Any]:
             def compile_graph(module: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+                if scalars_on_device:
+                    module = self._step(host_scalars_made_on_device, module, context(phase), "moving host scalars")
                 module = self._step(pad_matmuls, module, context(phase), "matmul padding")
                 if self.options.elementwise:
                     module = self._step(fuse_elementwise, module, context(phase), "elementwise fusion")

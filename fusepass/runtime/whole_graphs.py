@@ -11,12 +11,13 @@ into the recording's buffers, and record again where a parameter moves.
 A replay runs none of the graph's Python, so a graph whose calls do host work a replay would skip runs as compiled,
 and the report says why (`refusal`): it draws random numbers on the host (the recording would keep one draw;
 attention dropout draws its seed on the device, which a replay draws anew), it holds a tensor on the CPU (a replay
-would keep the values it was recorded with), it writes an argument that may move in place, it plans its attention
-per call (symbolic sizes: the plan and what the forward keeps for the backward live in Python), or its attention
-computes a buffer's contents in place of reading it where the buffer reaches it through other ops. Where the buffer
-is the graph's argument, its guard (the buffer's version counter) is checked before each replay, and a changed
-buffer ends the replays of the graph: the attention's call, run as compiled, sees the change and runs the replaced
-ops. The SDPA floor is off for graphs replayed whole: SDPA keeps its autograd graph in Python for the backward.
+would keep the values it was recorded with; `host_scalars` makes the graph's own 0-d constants on the device first),
+it writes an argument that may move in place, it plans its attention per call (symbolic sizes: the plan and what the
+forward keeps for the backward live in Python), or its attention computes a buffer's contents in place of reading it
+where the buffer reaches it through other ops. Where the buffer is the graph's argument, its guard (the buffer's
+version counter) is checked before each replay, and a changed buffer ends the replays of the graph: the attention's
+call, run as compiled, sees the change and runs the replaced ops. The SDPA floor is off for graphs replayed whole:
+SDPA keeps its autograd graph in Python for the backward.
 
 What a graph hands its caller (a forward's outputs, the gradients) is copied out of the pool after each replay: the
 caller may keep it past the next step, as it keeps what eager gives (Inductor's mode leaves it in the pool, where
