@@ -1,7 +1,7 @@
 """Where an example model's training step holds its memory, per backend: reserved and allocated after each phase
 and by memory pool (the CUDA graph trees keep a pool of their own), bf16 on the GPU.
 
-    PYTHONPATH=. python bench/peaks.py [--models bert,vit] [--backends inductor,inductor-reduce-overhead,fusepass,fusepass-graphs]
+    PYTHONPATH=. python bench/peaks.py [--models bert,vit] [--backends inductor,inductor-reduce-overhead,fusepass-graphs,...]
 
 `bench/models.py`'s peak is `max_memory_reserved` over one step after the timings; with whole-graph replays it
 stood above Inductor's default for BERT, ViT and GPT-2 (bench/NOTES.md, item 000). Each backend runs in a process
@@ -11,6 +11,11 @@ with the gradients set to None first (as `compare` does), reading the allocator 
 - inference: after two forwards under no_grad (a replayed backend holds its inference recording's pool);
 - forward, backward: allocated after each, the step's peak allocated and reserved;
 - pools: reserved per pool at the end (the default pool, the trees' pool, per-op replay pools).
+
+Backends: Inductor's default and its `mode="reduce-overhead"`, fusepass without and with whole-graph replays, and
+`fusepass-graphs-in-pool`: replays that hand out what lies in the pool, as Inductor's mode does, without the copies
+(`whole_graphs._owned` patched to copy nothing; unsafe where a caller keeps an output past the next replay, which
+this step does not): the copies' share of the peak.
 
 Writes bench/results/peaks-<date>.md and .json; GiB above what was reserved before the model's first call.
 """
@@ -28,7 +33,7 @@ import torch
 from harness import keep
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-BACKENDS = ["inductor", "inductor-reduce-overhead", "fusepass", "fusepass-graphs"]
+BACKENDS = ["inductor", "inductor-reduce-overhead", "fusepass", "fusepass-graphs", "fusepass-graphs-in-pool"]
 COLUMNS = ["model", "backend", "inference reserved", "after forward allocated", "after backward allocated",
            "peak allocated", "peak reserved", "default pool", "other pools"]
 
@@ -56,7 +61,11 @@ def _compiled(model: torch.nn.Module, backend: str) -> torch.nn.Module:
         return torch.compile(model)
     if backend == "inductor-reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
-    return torch.compile(model, backend=fusepass.backend(graphs=backend == "fusepass-graphs"))
+    if backend == "fusepass-graphs-in-pool":
+        from fusepass.runtime import whole_graphs
+
+        whole_graphs._owned = lambda outputs, owned: list(outputs)
+    return torch.compile(model, backend=fusepass.backend(graphs=backend.startswith("fusepass-graphs")))
 
 
 def _gib(n: int) -> float:
