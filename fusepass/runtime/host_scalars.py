@@ -37,7 +37,8 @@ def made_on_device(module: torch.fx.GraphModule, device: torch.device) -> list[s
     if not roots:
         return []
     mover = ConstructorMoverPass(device.type, allow_inputs=True)
-    movable = [node for node in roots if node in mover.find_movable_constructors(graph, roots)]
+    reach_the_device = mover.find_movable_constructors(graph, roots)
+    movable = [node for node in roots if node in reach_the_device]
     fake_mode = detect_fake_mode([node.meta.get("val") for node in graph.nodes])
     for node in movable:
         if node.op == "get_attr":
