@@ -17,7 +17,8 @@ import torch
 import torch.fx
 
 from fusepass.attention.match import AttentionMatch
-from fusepass.fx_util import infer_meta, packet, val
+from fusepass.fx_util import Writer, infer_meta, packet, val
+from fusepass.source import keep_location
 
 aten = torch.ops.aten
 # The products whose operands are padded as written: q·kᵀ's (baddbmm's bias is [.., M, N], which no pad changes), and
@@ -45,21 +46,17 @@ def pad_to_one_head_dim(graph: torch.fx.Graph, m: AttentionMatch) -> Callable[[]
     replaced: list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]] = []  # (reader, old input, new input)
 
     def pad(operand: torch.fx.Node, reader: torch.fx.Node, widths: list[int]) -> None:
-        with graph.inserting_before(reader):
-            padded = graph.call_function(aten.constant_pad_nd.default, (operand, widths, 0.0))
-        padded.meta.update({k: v for k, v in operand.meta.items() if k != "val"})
-        infer_meta([padded])
+        padded = Writer(graph, reader)(aten.constant_pad_nd.default, operand, widths, 0.0)
         reader.replace_input_with(operand, padded)
         inserted.append(padded)
         replaced.append((reader, operand, padded))
 
     if v_dim < qk_dim:
         pad(m.values.right, m.pv, [0, qk_dim - v_dim])
-        users = list(m.pv.users)
-        with graph.inserting_after(m.pv):
-            cut = graph.call_function(aten.slice.Tensor, (m.pv, -1, 0, v_dim))
         infer_meta([m.pv])
-        infer_meta([cut])
+        users = list(m.pv.users)
+        cut = Writer(graph, m.pv.next)(aten.slice.Tensor, m.pv, -1, 0, v_dim)
+        keep_location(cut, m.pv)
         for user in users:
             user.replace_input_with(m.pv, cut)
         inserted.append(cut)
