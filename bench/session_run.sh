@@ -30,6 +30,7 @@
 #                kept as bench/results/profile-models-bert-{forward,step}-<date>.txt
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
+#   latent       bench/latent_attention.py: DeepSeek's latent attention (q·k 192, V 128, causal) beside SDPA   (not run yet)
 #   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
 #                a key bias's among them, beside eager and SDPA (B1 H4 N4096 D128)
 #   lengths      bench/new_lengths.py: a GPT-2 block trained at new lengths beside Inductor      ~66 s (2026-12-04)
@@ -86,6 +87,8 @@ for part in $parts; do
         tail -1 "$OUT_DIR/gpu-tests.log" ;;
     reductions)
         (cd bench && timeout 280 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
+    latent)
+        timeout 300 python bench/latent_attention.py 2>&1 | grep -E "^\||Error" ;;
     peaks)
         timeout 540 python bench/peaks.py --models "${PEAK_MODELS:-bert,vit}" \
             --backends inductor,inductor-reduce-overhead,fusepass-graphs,fusepass-graphs-in-pool 2>&1 | grep -E "^\||failed" | cut -c1-300 ;;
