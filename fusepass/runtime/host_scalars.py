@@ -38,7 +38,7 @@ def made_on_device(module: torch.fx.GraphModule, device: torch.device) -> list[s
         return []
     mover = ConstructorMoverPass(device.type, allow_inputs=True)
     reach_the_device = mover.find_movable_constructors(graph, roots)
-    movable = [node for node in roots if node in reach_the_device]
+    movable = [node for node in roots if node in reach_the_device and not _needed_on_host(node)]
     fake_mode = detect_fake_mode([node.meta.get("val") for node in graph.nodes])
     for node in movable:
         if node.op == "get_attr":
@@ -59,6 +59,24 @@ def made_on_device(module: torch.fx.GraphModule, device: torch.device) -> list[s
     if movable:
         module.recompile()
     return [node.name for node in movable]
+
+
+def _needed_on_host(root: torch.fx.Node) -> bool:
+    """Whether `root`'s value, through the ops on the host it reaches, is an output of the graph or is read by an op
+    outside ATen or one whose result is no tensor (an ``.item()``). The mover's rule says so too, but not in every
+    torch release (2.11's moves a constant that reaches an output): the graph's outputs lie where eager puts them."""
+    seen, stack = {root}, [root]
+    while stack:
+        for user in stack.pop().users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload) \
+                    or not isinstance(user.meta.get("val"), torch.Tensor):
+                return True
+            if _on_host(user):
+                stack.append(user)
+    return False
 
 
 def _on_host(node: torch.fx.Node) -> bool:

@@ -112,7 +112,23 @@ class GraphsOfOneCompile:
     bookkeeping even where it is not), and on which device."""
     device_index: int
     forward_replayed: bool = False
-    given_up: bool = False  # a guarded buffer changed: the forward and its backward run as compiled from then on
+    given_up: bool = False  # a guarded buffer changed, or a replay failed: both phases run as compiled from then on
+    trees: Any = None  # the trees (of the thread) that hold this compile's recordings, once a call replayed
+
+    def on_the_trees_thread(self) -> bool:
+        """Whether this call runs where this compile's recordings are: torch's CUDA graph trees live in the state of
+        a thread (which autograd's threads share with the caller of ``backward``), and torch 2.11's serve no thread
+        that Python started; the first call that can replay takes the trees of its thread for the compile."""
+        from torch._inductor import cudagraph_trees
+
+        name = "tree_manager_containers"
+        if not (hasattr(cudagraph_trees.local, name) or torch._C._is_key_in_tls(name)
+                or hasattr(cudagraph_trees, "_initialize_tls")):  # (later releases make them for any thread)
+            return False
+        trees = cudagraph_trees.get_obj(cudagraph_trees.local, name)
+        if self.trees is None:
+            self.trees = trees
+        return trees is self.trees
 
     def backward_ran(self) -> None:
         """Tell the trees that a backward of this compile's forward ran outside them."""
@@ -164,7 +180,8 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         why_not(reason)
         if backward:
             def run_backward(args: list) -> Any:
-                one.backward_ran()  # the trees' step bookkeeping: this forward's backward ran
+                if one.on_the_trees_thread():
+                    one.backward_ran()  # the trees' step bookkeeping: this forward's backward ran
                 return compiled(args)
 
             run_backward._boxed_call = True
@@ -196,6 +213,9 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         one.forward_replayed = not inference
 
     def run(args: list) -> Any:
+        if not one.on_the_trees_thread():
+            why_not("a call from another thread than the one that holds its recordings runs as compiled")
+            return compiled(args)
         if one.given_up:
             if backward:
                 one.backward_ran()
@@ -217,16 +237,33 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
                     handed = tree(args)
             except Exception as error:
                 # CUDA's own message names neither the graph nor the way out; the error itself goes on as raised (a
-                # strict compile's kernel failure is the caller's to catch by its type and message).
+                # strict compile's kernel failure is the caller's to catch by its type and message). The graph runs
+                # as compiled from then on, so that a later call fails, or not, as the compiled graph does, not in
+                # the trees' bookkeeping of the failed call.
+                _forget_failed_warmup(one.device_index)
+                one.given_up = True
+                why_not(f"from this call on: it failed while replayed ({type(error).__name__})")
                 error.add_note(
                     f"fusepass: the compiled {'inference' if inference else phase} graph failed while warmed up, "
-                    "recorded or replayed as a CUDA graph; a capture that fails can leave this process's later "
-                    "captures failing too. fusepass.backend(graphs=False) runs the graphs as compiled")
+                    "recorded or replayed as a CUDA graph, and runs as compiled from now on; a capture that fails "
+                    "can leave this process's later captures failing too. fusepass.backend(graphs=False) runs the "
+                    "graphs as compiled")
                 raise
             return _owned(handed, owned)
 
     run._boxed_call = True
     return run
+
+
+def _forget_failed_warmup(device_index: int) -> None:
+    """Take a warm-up that raised off the trees' current path: its node never got its outputs, and the trees' next
+    call (any graph's) would fail on it. The path goes on from the node before it, as the trees' state was then."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    node = None if manager is None else manager.current_node
+    if isinstance(node, cudagraph_trees.CUDAWarmupNode) and len(node.tensor_weakrefs) != len(node.stack_traces):
+        manager.current_node = node.parent
 
 
 def symbolic_arguments(graph: torch.fx.GraphModule) -> list[int]:

@@ -193,16 +193,17 @@ def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buff
     assert len(notices) == 1 and notices[0].startswith("from this call on: L['self']._buffers['bias'] no longer holds")
 
 
-def _replayed_by(monkeypatch, trees, graph, compiled=lambda args: [], inputs=(None, None)):
+def _replayed_by(monkeypatch, trees, graph, compiled=lambda args: [], inputs=(None, None), why_not=None):
     """`compiled` (of `graph`, a forward) through `whole_graphs.replayed`, `trees` standing in for the trees'
-    `cudagraphify_impl`, nothing refused and nothing copied out."""
+    `cudagraphify_impl`, nothing refused and nothing copied out; the reasons told go to `why_not`'s list."""
     from torch._inductor import cudagraph_trees
 
     monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
     monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)
     monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: set())
+    told = [] if why_not is None else why_not
     return whole_graphs.replayed(compiled, graph, list(inputs), "forward", False, whole_graphs.GraphsOfOneCompile(0),
-                                 lambda reason: None)
+                                 told.append)
 
 
 def test_a_failed_recording_says_which_graph_and_the_way_out(monkeypatch):
@@ -214,12 +215,39 @@ def test_a_failed_recording_says_which_graph_and_the_way_out(monkeypatch):
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
         return replay
 
-    run = _replayed_by(monkeypatch, trees, _fake_cuda_graph(chain, (6, 5), (5,)))
+    told, compiled_calls = [], []
+    run = _replayed_by(monkeypatch, trees, _fake_cuda_graph(chain, (6, 5), (5,)), why_not=told,
+                       compiled=lambda args: compiled_calls.append(args) or [])
     with pytest.raises(RuntimeError, match="operation not permitted when stream is capturing") as raised:
         run([None, None])
     note, = raised.value.__notes__
     assert "the compiled forward graph failed while warmed up, recorded or replayed as a CUDA graph" in note
     assert "fusepass.backend(graphs=False) runs the graphs as compiled" in note
+    # The next call fails, or not, as the compiled graph does (not in the trees' state of the failed call).
+    run([None, None])
+    assert len(compiled_calls) == 1
+    assert told == ["from this call on: it failed while replayed (RuntimeError)"]
+
+
+def test_a_call_from_another_thread_than_the_recordings_runs_as_compiled(monkeypatch):
+    """torch's CUDA graph trees keep their recordings in a thread's state (torch 2.11's serve no thread that Python
+    started): a call from a thread other than the one that first replayed runs the graph as compiled, and says so."""
+    import threading
+
+    replays, compiled_calls, told = [], [], []
+
+    def trees(model_fn, inputs, static, **kwargs):
+        return lambda args: replays.append(args) or []
+
+    run = _replayed_by(monkeypatch, trees, _fake_cuda_graph(chain, (6, 5), (5,)), why_not=told,
+                       compiled=lambda args: compiled_calls.append(args) or [])
+    run([None, None])
+    other = threading.Thread(target=run, args=([None, None],))
+    other.start()
+    other.join()
+    run([None, None])
+    assert (len(replays), len(compiled_calls)) == (2, 1)
+    assert told == ["a call from another thread than the one that holds its recordings runs as compiled"]
 
 
 def test_symbolic_sizes_record_once_per_set_of_sizes(monkeypatch):
@@ -271,6 +299,8 @@ def test_threads_run_replayed_graphs_one_at_a_time(monkeypatch):
             return []
         return replay
 
+    # (the recordings' thread is not this test's subject: every thread holds them here)
+    monkeypatch.setattr(whole_graphs.GraphsOfOneCompile, "on_the_trees_thread", lambda one: True)
     run = _replayed_by(monkeypatch, trees, _fake_cuda_graph(chain, (6, 5), (5,)))
     threads = [threading.Thread(target=lambda: [run([None, None]) for _ in range(5)]) for _ in range(3)]
     for t in threads:

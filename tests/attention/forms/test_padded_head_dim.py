@@ -19,7 +19,7 @@ def latent_attention(q, k, v):
     """DeepSeek's eager attention: causal, the scale of the q·k head dim, values narrower."""
     scores = torch.matmul(q, k.transpose(2, 3)) * q.size(-1) ** -0.5
     n = q.size(-2)
-    scores = scores + torch.full((n, n), float("-inf")).triu(1)
+    scores = scores + torch.full((n, n), float("-inf"), device=q.device).triu(1)
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
