@@ -5,7 +5,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-GRAPHS_ENV = "FUSEPASS_GRAPHS"  # "1": `graphs` on unless an option says otherwise
+GRAPHS_ENV = "FUSEPASS_GRAPHS"  # "0": `graphs` off unless an option says otherwise
 
 
 @dataclass(frozen=True)
@@ -17,10 +17,11 @@ class Options:
     # replay an attention call's or a fused elementwise group's kernel launches as a CUDA graph where its tensors
     # and values repeat an earlier call's (fusepass/runtime/replay.py): the host time of the launches
     replay: bool = True
-    # replay each compiled graph whole as a CUDA graph, through torch's CUDA graph trees (as Inductor's
-    # mode="reduce-overhead", which turns this on): the host time between kernels (fusepass/runtime/whole_graphs.py).
-    # FUSEPASS_GRAPHS=1 turns it on for every backend made after it is set (the "fusepass" backend by name: at import)
-    graphs: bool = field(default_factory=lambda: os.environ.get(GRAPHS_ENV) == "1")
+    # replay each compiled graph on a CUDA device whole as a CUDA graph, through torch's CUDA graph trees (as
+    # Inductor's mode="reduce-overhead"): the host time between kernels (fusepass/runtime/whole_graphs.py). On by
+    # default: without it the example models whose steps wait on the host trail Inductor. FUSEPASS_GRAPHS=0 turns
+    # it off for every backend made after it is set (the "fusepass" backend by name: at import)
+    graphs: bool = field(default_factory=lambda: os.environ.get(GRAPHS_ENV) != "0")
     # where torch's scaled_dot_product_attention computes an attention exactly (unmasked or causal, scaled, no
     # tensor read) and the running GPU times it faster than the fused kernels, run it (attention/sdpa_floor.py)
     sdpa: bool = True

@@ -219,10 +219,7 @@ class Backend:
                     compiling.forward_compiled(backward_follows)
                 annotated = phase if self.options.annotate else None
                 compiled = make_boxed_func(on_device(runnable(module, annotated).forward, device))
-                if not self.options.graphs:
-                    return compiled
-                if not run_kernels or device.type != "cuda":
-                    _notice(report, whole_graphs.NOT_CUDA)
+                if not (self.options.graphs and run_kernels and device.type == "cuda"):
                     return compiled
                 inference = phase == "forward" and not backward_follows
 

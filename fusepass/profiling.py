@@ -116,8 +116,8 @@ class Profile:
         if self.host_bound:
             lines.append(f"⚠ host-bound: kernels ran {self.total_ms:.3f} ms of a step's {self.wall_ms:.3f} ms (timed "
                          "without the profiler, with its ranges); the GPU waits on Python, ATen's calls and launches "
-                         "for the rest. fusepass.backend(graphs=True), or mode=\"reduce-overhead\", replays the "
-                         "compiled graphs whole")
+                         "for the rest. Whole-graph replays (fusepass.backend(graphs=True), the default, off while "
+                         "profiling) remove most of it")
         if flagged:
             lines.append(f"⚠ {len(flagged)} row{'s' * (len(flagged) != 1)} under {FLAGGED_BELOW:.0%} of the roofline: "
                          "far from what their bytes and flops allow, not at a hardware limit")

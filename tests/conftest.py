@@ -44,12 +44,12 @@ def _fresh_dynamo():
 @pytest.fixture
 def graphs_off(monkeypatch):
     """For tests of what a compiled graph's ops do call by call (the SDPA floor's choice, per-op replays and their
-    keys), which a whole-graph replay (`FUSEPASS_GRAPHS=1` in the environment) does not run: graphs off for the
+    keys), which a whole-graph replay (on by default on the GPU) does not run: graphs off for the
     backend by name and for those the test makes."""
     import dataclasses
 
     from fusepass.options import GRAPHS_ENV
     from fusepass.pipeline import fusepass_backend
 
-    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    monkeypatch.setenv(GRAPHS_ENV, "0")
     monkeypatch.setattr(fusepass_backend, "options", dataclasses.replace(fusepass_backend.options, graphs=False))

@@ -1,4 +1,4 @@
-"""Whole compiled graphs replayed as CUDA graphs (``fusepass.backend(graphs=True)``, or ``mode="reduce-overhead"``),
+"""Whole compiled graphs replayed as CUDA graphs (``fusepass.backend(graphs=True)``, the default on CUDA devices),
 through torch's CUDA graph trees, as Inductor's reduce-overhead mode replays its own graphs.
 
 A model of many small layers spends longer on the host between kernels (ATen's matmul calls, views,
@@ -37,7 +37,6 @@ import torch.fx
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged, checked_by_caller
 from fusepass.runtime import launch
 
-NOT_CUDA = "whole-graph replays need a CUDA device: the graphs run as compiled"
 
 # A warm-up routes the calling thread's allocations to the trees' pool, and a recording captures the stream: CUDA
 # states of the process that another thread's warm-up, recording or replay meanwhile breaks (two threads running

@@ -116,4 +116,4 @@ outside the compiled graphs' ops (eager code around the model, the loss if not c
         profile = Profile(rows, 3, True, 8.86, [], H200, wall_ms=30.3)
         assert profile.host_bound
         self.assertExpectedInline(str(profile).splitlines()[-1], """\
-⚠ host-bound: kernels ran 8.860 ms of a step's 30.300 ms (timed without the profiler, with its ranges); the GPU waits on Python, ATen's calls and launches for the rest. fusepass.backend(graphs=True), or mode="reduce-overhead", replays the compiled graphs whole""")
+⚠ host-bound: kernels ran 8.860 ms of a step's 30.300 ms (timed without the profiler, with its ranges); the GPU waits on Python, ATen's calls and launches for the rest. Whole-graph replays (fusepass.backend(graphs=True), the default, off while profiling) remove most of it""")
