@@ -6,6 +6,10 @@ the elements a program holds (`row_kernel.PROGRAM_TILE`) and the row walk's pipe
     PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096] [--stages 1,2,3]
         [--cases bias+gelu,rmsnorm]
 
+Beside the product's setting ("as is"), "ATen's lone sums": a column sum with no pointwise op beside it (the bias
+alone's gradient) left to ATen's sum (`partition.LONE_COLUMN_SUMS` off). Kernels only: fusepass without whole-graph
+replays, as Inductor's default runs.
+
 Writes bench/results/column-sums-<date>.md and .json; the product's setting is the "as is" column.
 """
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 from harness import device_ms, keep
 
 import fusepass
-from fusepass.elementwise import row_kernel
+from fusepass.elementwise import partition, row_kernel
 
 
 def layer_norm(x, w, b):
@@ -55,6 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = [(p, t, s) for s in map(int, args.stages.split(",")) for t in map(int, args.tiles.split(","))
                 for p in map(int, args.programs.split(","))]
+    kernels = fusepass.backend(strict=True, graphs=False)
     rule = row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES
     rows = []
     for name, fn, shape, weights in CASES:
@@ -67,9 +72,10 @@ def main() -> None:
         grad = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         row = {"case": name}
         for label, backend, setting in [("eager", None, rule), ("inductor", "inductor", rule),
-                                        ("as is", fusepass.backend(strict=True), rule)] + \
-                [(f"{p}/SM {t} x{s}", fusepass.backend(strict=True), (p, t, s)) for p, t, s in settings]:
+                                        ("as is", kernels, rule), ("ATen's lone sums", kernels, rule)] + \
+                [(f"{p}/SM {t} x{s}", kernels, (p, t, s)) for p, t, s in settings]:
             row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES = setting
+            partition.LONE_COLUMN_SUMS = label != "ATen's lone sums"
             torch._dynamo.reset()
             compiled = fn if backend is None else torch.compile(fn, backend=backend)
 
@@ -79,6 +85,7 @@ def main() -> None:
             step()
             row[f"{label} ms"] = device_ms(step)
         row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES = rule
+        partition.LONE_COLUMN_SUMS = True
         rows.append(row)
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else str(v) for k, v in row.items()), flush=True)
     print(keep("column-sums", list(rows[0]), rows, "bf16 forward+backward, device ms per call (torch.profiler); "

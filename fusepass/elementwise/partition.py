@@ -12,6 +12,7 @@ read once. Both while three rules hold:
 - views inside a group are affine in the group's coordinates (see ``coords``); views at its edges stay in
   the graph, where they cost nothing;
 - a cat or slice_backward (``pieces``) joins groups without row reductions or column sums.
+A group is a kernel where it computes two ops or more, or a column sum alone (`LONE_COLUMN_SUMS`).
 Nodes a pointwise chain would need but the translator cannot emit are reported, not merged.
 """
 from __future__ import annotations
@@ -30,6 +31,11 @@ from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
 from fusepass.elementwise.pieces import is_piecewise, piece_gap
 from fusepass.elementwise.reduction import column_sum_of, is_column_sum, is_reduction, reduced_input
+
+
+# A column sum with no pointwise op beside it (a bias's gradient alone) runs as a row kernel of its own rather than
+# as ATen's sum, which the GPU timed slower (bench/column_sums.py, its "ATen's lone sums" column; bench/NOTES.md).
+LONE_COLUMN_SUMS = True
 
 
 @dataclass
@@ -237,6 +243,8 @@ def partition(graph: torch.fx.Graph, device: torch.device, apart: frozenset[torc
 
     result = []
     for leader, members in groups.members.items():
+        if not fusable.issuperset(members):  # a node no rule fuses stays a group of its own: not a kernel
+            continue
         group = _finish(set(members), order)
         if group is not None:
             result.append(group)
@@ -254,7 +262,8 @@ def _finish(members: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> Gro
                 members.discard(node)
                 changed = True
     nodes = sorted(members, key=order.__getitem__)
-    if sum(1 for n in nodes if not is_mapped_view(n)) < 2:
+    computed = [n for n in nodes if not is_mapped_view(n)]
+    if len(computed) < 2 and not (LONE_COLUMN_SUMS and computed and is_column_sum(computed[0])):
         return None
     escaping = _escaping(members)
     kept_views = set()

@@ -59,7 +59,7 @@ COLUMN_PROGRAMS_PER_SM = 2
 # Tiles of that walk Triton's pipeliner keeps in flight (`tl.range(..., num_stages=)`: on sm_80 and later each
 # tile's loads go to shared memory by asynchronous copies, issued stages − 1 tiles ahead); 1 walks as written.
 # Fewer where a stage's tiles would pass COLUMN_STAGE_BYTES: a program holds stages × its loads' tiles there.
-COLUMN_STAGES = 1
+COLUMN_STAGES = 3  # timed fastest of 1 to 3 (bench/column_sums.py; bench/NOTES.md)
 COLUMN_STAGE_BYTES = 96 * 1024
 
 

@@ -13,7 +13,7 @@ import torch.fx
 from fusepass.elementwise import reduction
 from fusepass.elementwise.partition import decline_reason, is_pointwise
 from fusepass.elementwise.pieces import is_piecewise
-from fusepass.elementwise.reduction import held_whole, is_column_sum, is_row_reduction
+from fusepass.elementwise.reduction import held_whole, is_row_reduction
 from fusepass.fx_util import op_name
 from fusepass.report import attribution
 from fusepass.report.ledger import is_matmul, matmul_operands, moves_no_bytes, op_bytes, op_flops, tensor_bytes
@@ -51,8 +51,6 @@ def _reason(node: torch.fx.Node) -> str:
         return f"matmul {_shape(a)} @ {_shape(b)}: ATen's GEMM"
     if is_row_reduction(node):
         return "a row reduction with no neighbour fused beside it: one ATen kernel"
-    if is_column_sum(node):  # a row kernel and its sums' total measured no faster alone (bench/NOTES.md)
-        return "a column sum (such as a bias's gradient) with no neighbour fused beside it: one ATen kernel"
     if node.target == aten.native_layer_norm_backward.default and \
             not held_whole(node.args[1].meta["val"].shape[-1]):
         return (f"a layer norm's backward over rows longer than {reduction.PERSISTENT_MAX}: its weight's and bias's "
