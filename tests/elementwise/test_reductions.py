@@ -427,6 +427,18 @@ def test_a_column_sum_alone_runs_as_a_row_kernel_of_its_own():
     assert left.reason == "aten.sum over other dims than the last: an ATen reduction"
 
 
+@pytest.mark.parametrize("dtype, shape, order", [
+    (torch.float16, (3, 37, 24), None), (torch.bfloat16, (24, 5, 33), (2, 1, 0)),
+    (torch.float64, (29, 40), None), (torch.float32, (0, 9), None)])
+def test_a_column_sum_alone_in_each_dtype_and_layout(dtype, shape, order):
+    """The lone sum's kernel over rows of each floating dtype, a transposed input and no rows at all (zeros)."""
+    x = random_tensor(shape, dtype)
+    x = x if order is None else x.permute(order)
+    b, w = random_tensor(x.shape[-1:], dtype), random_tensor((x.shape[-1], 8), dtype)
+    report = check(lambda x, b, w: (x + b) @ w, x, b, w, backward=True, backend=STRICT)
+    assert [r.kind for r in report.rewrites if r.phase == "backward" and r.ops == ("aten.sum",)] == ["reduction"]
+
+
 def test_a_cast_of_a_column_sum_outside_the_group_is_a_cast_of_what_it_reads():
     """The launcher rounds a column sum its group holds; one left to ATen is read as a value like any other."""
     graph = torch.fx.Graph()
