@@ -186,8 +186,8 @@ class Backend:
             return PassContext(report, self.options, phase, device, run_kernels)
 
         # Whole-graph replays hold no host tensor: the host's scalars are made on the device where they can be.
-        scalars_on_device = self.options.graphs and run_kernels and device.type == "cuda"
-        if scalars_on_device:
+        replayed_whole = self.options.graphs and run_kernels and device.type == "cuda"
+        if replayed_whole:
             graph = self._step(host_scalars_made_on_device, graph, context("forward"), "moving host scalars")
         if self.options.attention:
             graph = self._step(rewrite_attention, graph, context("forward"), "attention rewrite")
@@ -199,7 +199,7 @@ class Backend:
 
         def compiler(phase: str, backward_follows: bool = False) -> Callable[..., Any]:
             def compile_graph(module: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
-                if scalars_on_device:
+                if replayed_whole:
                     module = self._step(host_scalars_made_on_device, module, context(phase), "moving host scalars")
                 module = self._step(pad_matmuls, module, context(phase), "matmul padding")
                 if self.options.elementwise:
@@ -219,7 +219,7 @@ class Backend:
                     compiling.forward_compiled(backward_follows)
                 annotated = phase if self.options.annotate else None
                 compiled = make_boxed_func(on_device(runnable(module, annotated).forward, device))
-                if not (self.options.graphs and run_kernels and device.type == "cuda"):
+                if not replayed_whole:
                     return compiled
                 inference = phase == "forward" and not backward_follows
 
