@@ -43,8 +43,9 @@ from fusepass.runtime import launch
 # replayed graphs at once failed on the GPU: bench/NOTES.md). One runs at a time, from whichever thread calls.
 _one_thread_at_a_time = threading.RLock()
 
-# A graph recorded at more sets of sizes than this warns, once (Inductor's trees warn at 8 too).
-SIZES_WARNED = 8
+# Sets of sizes a compile's graphs are recorded at, each holding memory of its own (Inductor's trees warn at 8): a
+# forward at one more runs as compiled, as its backward, from then on, with a warning.
+SIZES_RECORDED = 8
 
 
 def refusal(module: torch.fx.GraphModule, static: Sequence[int]) -> str | None:
@@ -190,22 +191,21 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
     sized = symbolic_arguments(graph)
     trees: dict[tuple, Callable[[list], Any]] = {}
 
+    def sizes(args: list) -> tuple:
+        """What the trees' recordings of this graph hang on: the symbolic arguments' sizes and values."""
+        return tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in sized)
+
     def tree(args: list) -> Any:
         """The trees' function for the sizes of `args`, made from the first call's arguments at those sizes: the
         trees record once per value of a graph's integer arguments, which under symbolic sizes need not tell a
         tensor's sizes (the arguments given at compile time are fake)."""
-        key = tuple(args[i].shape if isinstance(args[i], torch.Tensor) else args[i] for i in sized)
+        key = sizes(args)
         function = trees.get(key)
         if function is None:
             function = trees[key] = cudagraph_trees.cudagraphify_impl(
                 _consuming(compiled), list(args), static, device_index=one.device_index, is_backward=backward,
                 is_inference=inference, stack_traces=get_stack_traces(graph),
                 placeholders=get_placeholder_info(graph.graph), mutated_input_idxs=mutated)
-            if len(trees) == SIZES_WARNED + 1:
-                warnings.warn(
-                    f"fusepass: the compiled {'inference' if inference else phase} graph has been recorded as a CUDA "
-                    f"graph at {len(trees)} sets of sizes, each holding memory of its own; fewer distinct sizes "
-                    "(padded inputs) or fusepass.backend(graphs=False) hold less", RuntimeWarning, stacklevel=2)
         return function(args)
 
     if not backward:
@@ -215,6 +215,14 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         if not one.on_the_trees_thread():
             why_not("a call from another thread than the one that holds its recordings runs as compiled")
             return compiled(args)
+        if not backward and not one.given_up and len(trees) == SIZES_RECORDED and sizes(args) not in trees:
+            # (a backward is recorded at its forward's sizes only: it never has more)
+            one.given_up = True
+            why_not(f"from this call on: recorded at {SIZES_RECORDED} sets of sizes already")
+            warnings.warn(
+                f"fusepass: the compiled {'inference' if inference else phase} graph has been recorded as a CUDA "
+                f"graph at {SIZES_RECORDED} sets of sizes, each holding memory of its own, and runs as compiled from "
+                "now on; fewer distinct sizes (padded inputs) replay", RuntimeWarning, stacklevel=2)
         if one.given_up:
             if backward:
                 one.backward_ran()

@@ -265,20 +265,43 @@ def test_symbolic_sizes_record_once_per_set_of_sizes(monkeypatch):
     fake = [node.meta["val"] for node in graph.graph.find_nodes(op="placeholder")]
     assert whole_graphs.symbolic_arguments(graph) == [0, 1]
     assert whole_graphs.symbolic_arguments(_fake_cuda_graph(chain, (6, 5), (5,))) == []
-    run = _replayed_by(monkeypatch, trees, graph, lambda args: [args[0].shape], fake)
+    told = []
+    run = _replayed_by(monkeypatch, trees, graph, lambda args: [args[0].shape], fake, why_not=told)
     assert made == []  # nothing recorded from the fake arguments
     for rows in (9, 17, 9):
         assert run([torch.empty(rows, 5), torch.empty(5)]) == [(rows, 5)]
     assert made == [[(9, 5), (5,)], [(17, 5), (5,)]]
-    with warnings.catch_warnings(record=True) as caught:  # each size holds memory of its own: told once
+    assert not told
+
+
+def test_a_graph_recorded_at_as_many_sets_of_sizes_as_allowed_runs_as_compiled_from_then_on(monkeypatch):
+    """Each recorded set of sizes holds memory of its own: a forward at one set more runs as compiled, from then on
+    at every size (its backward too, which is recorded at its forward's sizes only), with a warning and a notice."""
+    made, compiled_calls, told = [], [], []
+
+    def trees(model_fn, inputs, static, **kwargs):
+        made.append(inputs[0].shape[0])
+        return lambda args: model_fn(args)
+
+    graph = make_fx(chain, tracing_mode="symbolic")(torch.empty(9, 5), torch.empty(5))
+    fake = [node.meta["val"] for node in graph.graph.find_nodes(op="placeholder")]
+    run = _replayed_by(monkeypatch, trees, graph, lambda args: compiled_calls.append(args[0].shape[0]) or [], fake,
+                       why_not=told)
+    allowed = range(20, 20 + whole_graphs.SIZES_RECORDED)
+    for rows in allowed:
+        run([torch.empty(rows, 5), torch.empty(5)])
+    assert made == list(allowed) and not told
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for rows in range(20, 20 + whole_graphs.SIZES_WARNED):
-            run([torch.empty(rows, 5), torch.empty(5)])
-    assert len(made) == whole_graphs.SIZES_WARNED + 2
+        run([torch.empty(7, 5), torch.empty(5)])
+        run([torch.empty(20, 5), torch.empty(5)])  # a recorded size: as compiled too, from then on
+    assert made == list(allowed)
+    assert compiled_calls[-2:] == [7, 20]
+    assert told == [f"from this call on: recorded at {whole_graphs.SIZES_RECORDED} sets of sizes already"]
     assert [str(w.message) for w in caught] == [
-        f"fusepass: the compiled forward graph has been recorded as a CUDA graph at {whole_graphs.SIZES_WARNED + 1} "
-        "sets of sizes, each holding memory of its own; fewer distinct sizes (padded inputs) or "
-        "fusepass.backend(graphs=False) hold less"]
+        f"fusepass: the compiled forward graph has been recorded as a CUDA graph at {whole_graphs.SIZES_RECORDED} "
+        "sets of sizes, each holding memory of its own, and runs as compiled from now on; fewer distinct sizes "
+        "(padded inputs) replay"]
 
 
 def test_threads_run_replayed_graphs_one_at_a_time(monkeypatch):
