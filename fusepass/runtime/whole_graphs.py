@@ -211,14 +211,18 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
     if not backward:
         one.forward_replayed = not inference
 
+    def give_up(reason: str) -> None:
+        """Run both phases as compiled from this call on, and say why."""
+        one.given_up = True
+        why_not(f"from this call on: {reason}")
+
     def run(args: list) -> Any:
         if not one.on_the_trees_thread():
             why_not("a call from another thread than the one that holds its recordings runs as compiled")
             return compiled(args)
         if not backward and not one.given_up and len(trees) == SIZES_RECORDED and sizes(args) not in trees:
             # (a backward is recorded at its forward's sizes only: it never has more)
-            one.given_up = True
-            why_not(f"from this call on: recorded at {SIZES_RECORDED} sets of sizes already")
+            give_up(f"recorded at {SIZES_RECORDED} sets of sizes already")
             warnings.warn(
                 f"fusepass: the compiled {'inference' if inference else phase} graph has been recorded as a CUDA "
                 f"graph at {SIZES_RECORDED} sets of sizes, each holding memory of its own, and runs as compiled from "
@@ -233,8 +237,7 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         except ContentsChanged as error:
             # The attention's call sees the change too and runs the replaced ops from now on: the recorded kernels
             # would not.
-            one.given_up = True
-            why_not(f"from this call on: {error}")
+            give_up(str(error))
             return compiled(args)
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
@@ -248,8 +251,7 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
                 # as compiled from then on, so that a later call fails, or not, as the compiled graph does, not in
                 # the trees' bookkeeping of the failed call.
                 _forget_failed_warmup(one.device_index)
-                one.given_up = True
-                why_not(f"from this call on: it failed while replayed ({type(error).__name__})")
+                give_up(f"it failed while replayed ({type(error).__name__})")
                 error.add_note(
                     f"fusepass: the compiled {'inference' if inference else phase} graph failed while warmed up, "
                     "recorded or replayed as a CUDA graph, and runs as compiled from now on; a capture that fails "
