@@ -13,9 +13,8 @@ with the gradients set to None first (as `compare` does), reading the allocator 
 - pools: reserved per pool at the end (the default pool, the trees' pool, per-op replay pools).
 
 Backends: Inductor's default and its `mode="reduce-overhead"`, fusepass without and with whole-graph replays, and
-`fusepass-graphs-in-pool`: replays that hand out what lies in the pool, as Inductor's mode does, without the copies
-(`whole_graphs._owned` patched to copy nothing; unsafe where a caller keeps an output past the next replay, which
-this step does not): the copies' share of the peak.
+`fusepass-graphs-lent`: replays that lend their gradients out of the pool (`lent_outputs.LEND_GRADIENTS`) instead of
+copying them.
 
 Writes bench/results/peaks-<date>.md and .json; GiB above what was reserved before the model's first call.
 """
@@ -33,7 +32,7 @@ import torch
 from harness import keep
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-BACKENDS = ["inductor", "inductor-reduce-overhead", "fusepass", "fusepass-graphs", "fusepass-graphs-in-pool"]
+BACKENDS = ["inductor", "inductor-reduce-overhead", "fusepass", "fusepass-graphs", "fusepass-graphs-lent"]
 COLUMNS = ["model", "backend", "inference reserved", "after forward allocated", "after backward allocated",
            "peak allocated", "peak reserved", "default pool", "other pools"]
 
@@ -61,10 +60,10 @@ def _compiled(model: torch.nn.Module, backend: str) -> torch.nn.Module:
         return torch.compile(model)
     if backend == "inductor-reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
-    if backend == "fusepass-graphs-in-pool":
-        from fusepass.runtime import whole_graphs
+    if backend == "fusepass-graphs-lent":
+        from fusepass.runtime import lent_outputs
 
-        whole_graphs._owned = lambda outputs, owned: list(outputs)
+        lent_outputs.LEND_GRADIENTS = True
     return torch.compile(model, backend=fusepass.backend(graphs=backend.startswith("fusepass-graphs")))
 
 

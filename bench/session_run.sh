@@ -16,9 +16,9 @@
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   columns      bench/column_sums.py: a bias alone, LayerNorm, bias+GELU and RMSNorm at 1, 2, 3 stages    ~30 s at one stage (12-06)
-#   peaks        bench/peaks.py: a step's memory per phase and pool, $PEAK_MODELS (default bert,vit),   (not run yet)
-#                Inductor default and reduce-overhead, fusepass with whole-graph replays, with and without
-#                the copies out of the pool
+#   peaks        bench/peaks.py: a step's memory per phase and pool, $PEAK_MODELS (default bert,vit),   >300 s (bert,vit)
+#                Inductor default and reduce-overhead, fusepass with whole-graph replays, its gradients copied
+#                and lent out of the pool
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
 #   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py) and the dropout and     (~110 s tests;
 #                per-op replay tests, then bench/models.py for $MODELS (default bert,vit,t5,gpt2)     with reduce-overhead:
@@ -91,7 +91,7 @@ for part in $parts; do
         timeout 300 python bench/latent_attention.py 2>&1 | grep -E "^\||Error" ;;
     peaks)
         timeout 540 python bench/peaks.py --models "${PEAK_MODELS:-bert,vit}" \
-            --backends inductor,inductor-reduce-overhead,fusepass-graphs,fusepass-graphs-in-pool 2>&1 | grep -E "^\||failed" | cut -c1-300 ;;
+            --backends inductor,inductor-reduce-overhead,fusepass-graphs,fusepass-graphs-lent 2>&1 | grep -E "^\||failed" | cut -c1-300 ;;
     columns)
         timeout 240 python bench/column_sums.py --programs 2 --tiles 2048 --stages 1,2,3 --cases bias,rmsnorm,layernorm 2>&1 | grep "^|" ;;
     models)

@@ -19,23 +19,25 @@ version counter) is checked before each replay, and a changed buffer ends the re
 call, run as compiled, sees the change and runs the replaced ops. The SDPA floor is off for graphs replayed whole:
 SDPA keeps its autograd graph in Python for the backward.
 
-What a graph hands its caller (a forward's outputs, the gradients) is copied out of the pool after each replay: the
-caller may keep it past the next step, as it keeps what eager gives (Inductor's mode leaves it in the pool, where
-the next replay overwrites it). What a forward saves for its backward stays in the pool.
+What a graph hands its caller may be kept past the next step, as what eager gives may (Inductor's mode leaves it in
+the pool, where the next replay overwrites it): a forward's outputs are copied out of the pool after each replay, and
+a backward's gradients too, or lent out of it and given memory of their own before the pool is next written where the
+caller still holds them (`lent_outputs`). What a forward saves for its backward stays in the pool.
 """
 from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
 
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged, checked_by_caller
-from fusepass.runtime import launch
+from fusepass.runtime import launch, lent_outputs
 
 
 # A warm-up routes the calling thread's allocations to the trees' pool, and a recording captures the stream: CUDA
@@ -114,6 +116,9 @@ class GraphsOfOneCompile:
     forward_replayed: bool = False
     given_up: bool = False  # a guarded buffer changed, or a replay failed: both phases run as compiled from then on
     trees: Any = None  # the trees (of the thread) that hold this compile's recordings, once a call replayed
+    # The forward's parameters by position, as its last replayed call had them: the gradient at a position of the
+    # backward's outputs is theirs (AOTAutograd's backward gives one per argument of the forward).
+    leaves: dict[int, Any] = field(default_factory=dict)
 
     def on_the_trees_thread(self) -> bool:
         """Whether this call runs where this compile's recordings are: torch's CUDA graph trees live in the state of
@@ -169,7 +174,7 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
         return compiled  # the forward's reason was told
     static = backward_static_inputs(graph) if backward else forward_static_inputs(len(inputs))
     guarded = [] if backward else guarded_arguments(graph)
-    owned = handed_out(graph, backward)
+    owned = set() if backward else handed_out(graph)  # (a backward's gradients: `lent_outputs`)
     if isinstance(guarded, str):
         reason = guarded
     elif owned is None:
@@ -241,8 +246,11 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
             return compiled(args)
         # Kernels compiled ahead on threads are loaded before a recording: no module loads while a stream captures.
         launch.finish_compiles_ahead()
+        if lent_outputs.LEND_GRADIENTS and not backward and not inference:
+            one.leaves = {i: weakref.ref(args[i]) for i in static}  # (the trees take the arguments over)
         with _one_thread_at_a_time:  # its copies out of the pool too, before another thread's replay
             try:
+                lent_outputs.reclaim(one.device_index)  # what earlier replays lent, where the caller still holds it
                 with checked_by_caller():  # the guards above: a recording's attention sees the recording's copies
                     handed = tree(args)
             except Exception as error:
@@ -258,10 +266,20 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
                     "can leave this process's later captures failing too. fusepass.backend(graphs=False) runs the "
                     "graphs as compiled")
                 raise
+            if backward:
+                return lent_outputs.lend(handed, one.leaves, one.device_index, _trees_pool(one.device_index))
             return _owned(handed, owned)
 
     run._boxed_call = True
     return run
+
+
+def _trees_pool(device_index: int) -> tuple[int, int] | None:
+    """The memory pool of the calling thread's trees on the device (None before they exist)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    return None if manager is None else manager.cuda_graphs_thread_pool
 
 
 def _forget_failed_warmup(device_index: int) -> None:
@@ -286,16 +304,13 @@ def symbolic_arguments(graph: torch.fx.GraphModule) -> list[int]:
     return positions
 
 
-def handed_out(graph: torch.fx.GraphModule, backward: bool) -> set[int] | None:
-    """The positions of the graph's outputs that reach the caller as they are, to copy out of the pool: a backward's
-    gradients; a forward's outputs that alias nothing and the intermediates the caller's views are made from
-    (AOTAutograd makes those views, and those of the inputs, after the call, from its metadata: a copy must not
-    stand in for a view). A training forward's saved values stay in the pool for its backward. None where
-    AOTAutograd's metadata is not at hand."""
+def handed_out(graph: torch.fx.GraphModule) -> set[int] | None:
+    """The positions of a forward's outputs that reach the caller as they are, to copy out of the pool: those that
+    alias nothing and the intermediates the caller's views are made from (AOTAutograd makes those views, and those of
+    the inputs, after the call, from its metadata: a copy must not stand in for a view). A training forward's saved
+    values stay in the pool for its backward. None where AOTAutograd's metadata is not at hand."""
     from torch._functorch._aot_autograd.schemas import OutputType
 
-    if backward:
-        return set(range(len(graph.graph.find_nodes(op="output")[0].args[0])))
     meta = _forward_metadata()
     if meta is None or meta.tokens:  # (effect tokens lead the outputs)
         return None
@@ -308,9 +323,9 @@ def handed_out(graph: torch.fx.GraphModule, backward: bool) -> set[int] | None:
 
 
 def _owned(outputs: Sequence[Any], owned: set[int]) -> list:
-    """`outputs` with those at the `owned` positions copied out of the pool: a replay writes the pool again, and the
-    caller may keep what it was given past the next step (a loss in a list, a gradient accumulated over steps), as
-    it may keep what eager gives."""
+    """`outputs` with those at the `owned` positions copied out of the pool. (A forward's outputs are not lent: alive
+    across the backward's replay, as a loss keeps its logits, they would have to be copied then, and the backward's
+    recording may have put its temporaries where they lie.)"""
     return [o.clone() if i in owned and isinstance(o, torch.Tensor) else o for i, o in enumerate(outputs)]
 
 

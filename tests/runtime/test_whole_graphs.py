@@ -168,7 +168,7 @@ def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buff
 
     monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
     monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)  # the CPU tensors of this graph
-    monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: {0})  # AOTAutograd's, at its compile
+    monkeypatch.setattr(whole_graphs, "handed_out", lambda module: {0})  # AOTAutograd's, at its compile
     handed = torch.ones(3)
     compiled_calls = []
 
@@ -195,12 +195,12 @@ def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buff
 
 def _replayed_by(monkeypatch, trees, graph, compiled=lambda args: [], inputs=(None, None), why_not=None):
     """`compiled` (of `graph`, a forward) through `whole_graphs.replayed`, `trees` standing in for the trees'
-    `cudagraphify_impl`, nothing refused and nothing copied out; the reasons told go to `why_not`'s list."""
+    `cudagraphify_impl`, nothing refused and nothing lent; the reasons told go to `why_not`'s list."""
     from torch._inductor import cudagraph_trees
 
     monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
     monkeypatch.setattr(whole_graphs, "refusal", lambda module, static: None)
-    monkeypatch.setattr(whole_graphs, "handed_out", lambda module, backward: set())
+    monkeypatch.setattr(whole_graphs, "handed_out", lambda module: set())
     told = [] if why_not is None else why_not
     return whole_graphs.replayed(compiled, graph, list(inputs), "forward", False, whole_graphs.GraphsOfOneCompile(0),
                                  told.append)
@@ -336,7 +336,8 @@ def test_threads_run_replayed_graphs_one_at_a_time(monkeypatch):
 def test_the_outputs_copied_out_of_the_pool_are_those_that_alias_nothing_and_the_bases_of_views():
     """AOTAutograd makes the caller's views of inputs and of intermediates after the call from its metadata and the
     graph's output as a template: a copy must not stand in for such an output (it has no offset into the base), but
-    the base of a view of an intermediate is copied, and the view made from the copy."""
+    the base of a view of an intermediate is copied, and the view made from the copy. The backward gives one output
+    per argument of the forward, where the gradients are lent from: a parameter's gradient at its position."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -344,13 +345,20 @@ def test_the_outputs_copied_out_of_the_pool_are_those_that_alias_nothing_and_the
 
     def backend(gm, example_inputs):
         def forward_compiler(graph, inputs):
-            seen["forward"] = whole_graphs.handed_out(graph, backward=False)
+            seen["forward"] = whole_graphs.handed_out(graph)
             seen["outputs"] = [n.name for n in graph.graph.find_nodes(op="output")[0].args[0]]
+            seen["arguments"] = [n.name for n in graph.graph.find_nodes(op="placeholder")]
             return make_boxed_func(graph.forward)
 
         def backward_compiler(graph, inputs):
-            seen["backward"] = whole_graphs.handed_out(graph, backward=True)
-            return make_boxed_func(graph.forward)
+            backward = make_boxed_func(graph.forward)
+
+            def run(args):
+                seen["gradients"] = backward(args)
+                return seen["gradients"]
+
+            run._boxed_call = True
+            return run
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=forward_compiler, bw_compiler=backward_compiler)
 
@@ -366,7 +374,9 @@ def test_the_outputs_copied_out_of_the_pool_are_those_that_alias_nothing_and_the
     named = [seen["outputs"][i] for i in sorted(seen["forward"])]
     assert len(named) == 2 and named[0] == "mul", seen
     sum(o.sum() for o in outs).backward()
-    assert seen["backward"] == {0, 1}  # the gradients of x (none: an empty slot) and of w
+    assert seen["arguments"] == ["primals_1", "primals_2"]  # x and w, in the order f takes them
+    x_slot, w_gradient = seen["gradients"]
+    assert x_slot is None and w_gradient.shape == w.shape
 
 
 def test_parameters_and_buffers_are_the_static_arguments_of_the_graphs_fusepass_compiles(monkeypatch):

@@ -163,6 +163,49 @@ def test_buffers_written_in_place_by_a_replayed_graph_are_written_as_compiled():
     assert _recorded_graphs() >= 2 and not _not_replayed()
 
 
+def test_gradients_are_lent_copied_only_where_kept_and_readable_after_the_trees_are_reset(monkeypatch):
+    """A replay's gradients are lent out of the trees' pool: a loop that sets them to None before the next forward
+    copies nothing; gradients accumulated over steps get memory of their own at the next forward and add up as
+    compiled; kept when the trees are reset, they still read their values (the pool is held while they may live)."""
+    from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+    from fusepass.runtime import lent_outputs
+
+    monkeypatch.setattr(lent_outputs, "LEND_GRADIENTS", True)
+    moved = []
+    move = lent_outputs._move
+    monkeypatch.setattr(lent_outputs, "_move", lambda grad: moved.append(grad.shape) or move(grad))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.LayerNorm(96)).cuda()
+    twin = copy.deepcopy(model)
+    fusepass.reset()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=False)
+    compiled = torch.compile(twin, backend=fusepass.backend(graphs=False, strict=True), dynamic=False)
+    batches = [torch.randn(8, 64, device="cuda") for _ in range(6)]
+    weights = torch.randn(8, 96, device="cuda")
+    for x in batches[:3]:
+        model.zero_grad(set_to_none=True)
+        (replayed(x) * weights).sum().backward()
+    assert moved == [] and _recorded_graphs() >= 2 and not _not_replayed()
+    for m, run in ((model, replayed), (twin, compiled)):
+        m.zero_grad(set_to_none=True)
+        for x in batches[3:]:  # accumulated, as over micro-batches
+            (run(x) * weights).sum().backward()
+    assert len(moved) == 2 * len(list(model.parameters()))  # each kept gradient, at each of the next two forwards
+    for grad, expected in zip((p.grad for p in model.parameters()), (p.grad for p in twin.parameters())):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
+    for m, run in ((model, replayed), (twin, compiled)):
+        m.zero_grad(set_to_none=True)
+        (run(batches[0]) * weights).sum().backward()
+    kept = [p.grad for p in model.parameters()]  # lent: the pool's memory
+    reset_cudagraph_trees()
+    torch.cuda.empty_cache()
+    scratch = torch.full((1 << 24,), float("nan"), device="cuda")  # memory given back would be written here
+    for grad, expected in zip(kept, (p.grad for p in twin.parameters())):
+        torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
+    del scratch
+
+
 class DropoutBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

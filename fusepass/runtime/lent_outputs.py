@@ -1,0 +1,126 @@
+"""The gradients a backward replayed whole hands out, lent out of the CUDA graph trees' memory pool rather than
+copied, and given memory of their own, before the pool is written again, only where the caller still holds them.
+
+A replay writes the pool again, and the caller may keep a gradient past the next step (accumulated over
+micro-batches), as it may keep what eager gives; Inductor's reduce-overhead mode leaves it in the pool, where the
+next replay overwrites it. A copy of each gradient after each backward is safe and holds a second set of gradients
+beside the pool at the end of each step. Lent instead, a gradient is a tensor on a storage of its own that points into
+the pool without owning it (the trees see their own output dead, as after a copy); AccumulateGrad takes it as the
+parameter's `.grad` (a `detach` of it: another tensor on the same storage). Before the next warm-up, recording or
+replay on the device (`reclaim`), a lent storage still alive is the parameter's `.grad`'s, which gets memory of its
+own with its values (`set_` onto a copy, its version kept); a view or `detach` of it kept elsewhere cannot follow (torch
+2.11 has no way to move a storage under its tensors) and reads, from then on, as an error that says so. A training
+loop that sets its gradients to None before the next forward copies nothing; one that accumulates copies its
+gradients once a step, at the next forward.
+
+A gradient whose parameter is not known (an input's, not a parameter's) is copied, as before. While anything is lent
+the trees' pool is held (one use of it, as a recording holds it), so that a reset of the trees
+(`torch._dynamo.reset`) does not give its memory back to CUDA under a kept gradient.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+# Off: the copies stay the product's until the lending has run through the GPU suite (bench/NOTES.md, item 000).
+LEND_GRADIENTS = False
+
+OVERWRITTEN = ("fusepass: this tensor views a gradient that a replayed backward handed out and the next replay "
+               "overwrote; the parameter's .grad itself is kept, a view or detach of it is not: clone it to keep it")
+
+
+@dataclass
+class _Loan:
+    storage: StorageWeakRef  # the lent gradient's storage, over the pool
+    leaf: weakref.ref  # the parameter whose .grad it becomes
+
+
+@dataclass
+class _LentOnDevice:
+    loans: list[_Loan] = field(default_factory=list)
+    pools: set[tuple[int, int]] = field(default_factory=set)  # the trees' pools held while anything is lent
+
+
+_lent: dict[int, _LentOnDevice] = {}
+
+
+def lend(gradients: Sequence[Any], leaves: Mapping[int, weakref.ref], device_index: int,
+         pool: tuple[int, int] | None) -> list:
+    """The `gradients` a backward's replay gave (in `pool`, the trees' memory pool on CUDA device `device_index`; None
+    where there is none to hold), each lent where `leaves` knows, at its position, the parameter it is the gradient
+    of (the forward's argument there) and `LEND_GRADIENTS` is on, copied otherwise."""
+    lent = _lent.setdefault(device_index, _LentOnDevice())
+    handed = []
+    for i, gradient in enumerate(gradients):
+        if isinstance(gradient, torch.Tensor):
+            ref = leaves.get(i)
+            leaf = None if ref is None else ref()
+            if LEND_GRADIENTS and _is_gradient_of(gradient, leaf):
+                gradient = _on_a_storage_of_its_own(gradient)
+                lent.loans.append(_Loan(StorageWeakRef(gradient.untyped_storage()), ref))
+            else:
+                gradient = gradient.clone()
+        handed.append(gradient)
+    if pool is not None and pool not in lent.pools and lent.loans:
+        _hold(device_index, pool)
+        lent.pools.add(pool)
+    return handed
+
+
+def reclaim(device_index: int) -> None:
+    """Give each gradient lent on the device and still held memory of its own, with its values: the pool is about
+    to be written. Nothing is lent afterwards, and the pools held for it are let go."""
+    lent = _lent.get(device_index)
+    if lent is None:
+        return
+    for loan in lent.loans:
+        if loan.storage.expired():
+            continue
+        leaf = loan.leaf()
+        grad = None if leaf is None else leaf.grad
+        if grad is not None and grad.untyped_storage()._cdata == loan.storage.cdata:
+            _move(grad)
+        if not loan.storage.expired():  # held elsewhere, as a view or a detach
+            storage = torch.UntypedStorage._new_with_weak_ptr(loan.storage.cdata)
+            torch._C._free_And_Remove_DeleterFn(storage)
+            torch._C._set_storage_data_ptr_access_error_msg(storage, OVERWRITTEN)
+    lent.loans.clear()
+    for pool in lent.pools:
+        torch._C._cuda_releasePool(device_index, pool)
+    lent.pools.clear()
+
+
+def _is_gradient_of(gradient: torch.Tensor, leaf: Any) -> bool:
+    return (isinstance(leaf, torch.Tensor) and leaf.is_leaf and leaf.requires_grad and gradient.numel() > 0
+            and gradient.shape == leaf.shape and gradient.dtype == leaf.dtype and gradient.device == leaf.device)
+
+
+def _on_a_storage_of_its_own(output: torch.Tensor) -> torch.Tensor:
+    """A tensor viewing `output`'s elements through a storage of its own, which does not own the memory."""
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(output.shape, output.stride()))
+    storage = torch._C._construct_storage_from_data_pointer(output.data_ptr(), output.device,
+                                                            extent * output.element_size())
+    return output.new_empty(0).set_(storage, 0, output.shape, output.stride())
+
+
+def _move(grad: torch.Tensor) -> None:
+    """`grad` (every handle on this tensor) onto memory of its own holding its values, its version kept: autograd
+    would take the move for an in-place write."""
+    storage = grad.untyped_storage()
+    own = torch.empty(storage.nbytes(), dtype=torch.uint8, device=grad.device).untyped_storage()
+    own.copy_(storage)
+    version = grad._version
+    with torch.no_grad():
+        grad.set_(own, grad.storage_offset(), grad.shape, grad.stride())
+    torch._C._autograd._unsafe_set_version_counter((grad,), (version,))
+
+
+def _hold(device_index: int, pool: tuple[int, int]) -> None:
+    """One use of the trees' `pool` more (released by `reclaim`): a pool in use keeps its memory."""
+    torch._C._cuda_beginAllocateCurrentThreadToPool(device_index, pool)
+    torch._C._cuda_endAllocateToPool(device_index, pool)
