@@ -206,6 +206,31 @@ def test_gradients_are_lent_copied_only_where_kept_and_readable_after_the_trees_
     del scratch
 
 
+def test_a_model_fed_more_sizes_than_are_recorded_trains_as_compiled_past_them():
+    """Under symbolic sizes each batch size is recorded apart; past `SIZES_RECORDED` the compile runs as compiled,
+    forward and backward, with one warning, and every step's gradients stay those of the same graphs run as
+    compiled."""
+    from fusepass.runtime import whole_graphs
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.LayerNorm(48)).cuda()
+    twin = copy.deepcopy(model)
+    fusepass.reset()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=True)
+    compiled = torch.compile(twin, backend=fusepass.backend(graphs=False, strict=True), dynamic=True)
+    sizes = list(range(3, 3 + whole_graphs.SIZES_RECORDED + 2)) + [3]
+    with pytest.warns(RuntimeWarning, match="runs as compiled from now on") as caught:
+        for rows in sizes:
+            x = torch.randn(rows, 32, device="cuda")
+            for m, run in ((model, replayed), (twin, compiled)):
+                m.zero_grad(set_to_none=True)
+                run(x).pow(2).sum().backward()
+            for a, b in zip(model.parameters(), twin.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5, msg=f"{rows} rows")
+    assert len([w for w in caught if "sets of sizes" in str(w.message)]) == 1
+    assert any("recorded at" in n for n in _not_replayed())
+
+
 class DropoutBlock(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
