@@ -77,6 +77,15 @@ def _train_side_by_side(name: str, dtype: torch.dtype, batches: list[int], seq: 
             torch.testing.assert_close(grads[n], grad, rtol=1e-4, atol=1e-5 * scale, msg=f"step {step}: {n}")
 
 
+def _beside_compiled(model: torch.nn.Module, dynamic: bool = False) -> tuple:
+    """A copy of `model`, and the two compiled: `model` with its graphs replayed whole, the copy run as compiled."""
+    twin = copy.deepcopy(model)
+    fusepass.reset()
+    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=dynamic)
+    compiled = torch.compile(twin, backend=fusepass.backend(graphs=False, strict=True), dynamic=dynamic)
+    return twin, replayed, compiled
+
+
 @pytest.mark.parametrize("name", REPLAYED)
 def test_a_model_trained_with_its_graphs_replayed_is_trained_as_compiled(name):
     _train_side_by_side(name, torch.float32, [2, 2, 2, 2, 3, 3, 3, 2, 2])
@@ -147,10 +156,7 @@ def test_buffers_written_in_place_by_a_replayed_graph_are_written_as_compiled():
     of the same model run as compiled."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.BatchNorm1d(40), torch.nn.Tanh()).cuda()
-    twin = copy.deepcopy(model)
-    fusepass.reset()
-    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=False)
-    compiled = torch.compile(twin, backend=fusepass.backend(graphs=False, strict=True), dynamic=False)
+    twin, replayed, compiled = _beside_compiled(model)
     for step in range(5):
         x = torch.randn(16, 24, device="cuda")
         for m, run in ((model, replayed), (twin, compiled)):
@@ -177,10 +183,7 @@ def test_gradients_are_lent_copied_only_where_kept_and_readable_after_the_trees_
     monkeypatch.setattr(lent_outputs, "_move", lambda grad: moved.append(grad.shape) or move(grad))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.LayerNorm(96)).cuda()
-    twin = copy.deepcopy(model)
-    fusepass.reset()
-    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=False)
-    compiled = torch.compile(twin, backend=fusepass.backend(graphs=False, strict=True), dynamic=False)
+    twin, replayed, compiled = _beside_compiled(model)
     batches = [torch.randn(8, 64, device="cuda") for _ in range(6)]
     weights = torch.randn(8, 96, device="cuda")
     for x in batches[:3]:
@@ -214,10 +217,7 @@ def test_a_model_fed_more_sizes_than_are_recorded_trains_as_compiled_past_them()
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.GELU(), torch.nn.LayerNorm(48)).cuda()
-    twin = copy.deepcopy(model)
-    fusepass.reset()
-    replayed = torch.compile(model, backend=fusepass.backend(graphs=True, strict=True), dynamic=True)
-    compiled = torch.compile(twin, backend=fusepass.backend(graphs=False, strict=True), dynamic=True)
+    twin, replayed, compiled = _beside_compiled(model, dynamic=True)
     sizes = list(range(3, 3 + whole_graphs.SIZES_RECORDED + 2)) + [3]
     with pytest.warns(RuntimeWarning, match="runs as compiled from now on") as caught:
         for rows in sizes:
