@@ -49,11 +49,10 @@ class _LentOnDevice:
 _lent: dict[int, _LentOnDevice] = {}
 
 
-def lend(gradients: Sequence[Any], leaves: Mapping[int, weakref.ref], device_index: int,
-         pool: tuple[int, int] | None) -> list:
-    """The `gradients` a backward's replay gave (in `pool`, the trees' memory pool on CUDA device `device_index`; None
-    where there is none to hold), each lent where `leaves` knows, at its position, the parameter it is the gradient
-    of (the forward's argument there) and `LEND_GRADIENTS` is on, copied otherwise."""
+def lend(gradients: Sequence[Any], leaves: Mapping[int, weakref.ref], device_index: int) -> list:
+    """The `gradients` a backward's replay gave (in the pool of the calling thread's trees on CUDA device
+    `device_index`), each lent where `leaves` knows, at its position, the parameter it is the gradient of (the
+    forward's argument there) and `LEND_GRADIENTS` is on, copied otherwise."""
     lent = _lent.setdefault(device_index, _LentOnDevice())
     handed = []
     for i, gradient in enumerate(gradients):
@@ -66,9 +65,11 @@ def lend(gradients: Sequence[Any], leaves: Mapping[int, weakref.ref], device_ind
             else:
                 gradient = gradient.clone()
         handed.append(gradient)
-    if pool is not None and pool not in lent.pools and lent.loans:
-        _hold(device_index, pool)
-        lent.pools.add(pool)
+    if lent.loans:
+        pool = _trees_pool(device_index)
+        if pool is not None and pool not in lent.pools:
+            _hold(device_index, pool)
+            lent.pools.add(pool)
     return handed
 
 
@@ -118,6 +119,14 @@ def _move(grad: torch.Tensor) -> None:
     with torch.no_grad():
         grad.set_(own, grad.storage_offset(), grad.shape, grad.stride())
     torch._C._autograd._unsafe_set_version_counter((grad,), (version,))
+
+
+def _trees_pool(device_index: int) -> tuple[int, int] | None:
+    """The memory pool of the calling thread's trees on the device (None where they do not exist)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
+    return None if manager is None else manager.cuda_graphs_thread_pool
 
 
 def _hold(device_index: int, pool: tuple[int, int]) -> None:

@@ -267,19 +267,11 @@ def replayed(compiled: Callable[[list], Any], graph: torch.fx.GraphModule, input
                     "graphs as compiled")
                 raise
             if backward:
-                return lent_outputs.lend(handed, one.leaves, one.device_index, _trees_pool(one.device_index))
+                return lent_outputs.lend(handed, one.leaves, one.device_index)
             return _owned(handed, owned)
 
     run._boxed_call = True
     return run
-
-
-def _trees_pool(device_index: int) -> tuple[int, int] | None:
-    """The memory pool of the calling thread's trees on the device (None before they exist)."""
-    from torch._inductor import cudagraph_trees
-
-    manager = cudagraph_trees.get_manager(device_index, create_if_none_exists=False)
-    return None if manager is None else manager.cuda_graphs_thread_pool
 
 
 def _forget_failed_warmup(device_index: int) -> None:

@@ -44,7 +44,7 @@ class Replayed(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.pool[2:2 + ctx.x.shape[-1]].copy_((grad * ctx.x).sum(0))
         gradient = ctx.pool[2:2 + ctx.x.shape[-1]]
-        lent, = lent_outputs.lend([gradient], {0: ctx.leaf}, DEVICE_INDEX, None)
+        lent, = lent_outputs.lend([gradient], {0: ctx.leaf}, DEVICE_INDEX)
         return lent, None, None
 
 
@@ -104,7 +104,7 @@ def test_a_gradient_of_no_known_parameter_is_copied(leaf):
     w = torch.ones(16, device=DEVICE, requires_grad=True)
     leaves = {"none": {}, "dead": {0: weakref.ref(torch.ones(1))}, "other shape": {0: weakref.ref(w[:4])},
               "not a leaf": {0: weakref.ref(w * 2)}}[leaf]
-    handed, = lent_outputs.lend([pool], leaves, DEVICE_INDEX, None)
+    handed, = lent_outputs.lend([pool], leaves, DEVICE_INDEX)
     assert handed.data_ptr() != pool.data_ptr() and torch.equal(handed, pool)
 
 
@@ -112,5 +112,5 @@ def test_gradients_are_copied_while_lending_is_off(monkeypatch):
     monkeypatch.setattr(lent_outputs, "LEND_GRADIENTS", False)
     pool = torch.randn(16, device=DEVICE)
     w = torch.ones(16, device=DEVICE, requires_grad=True)
-    handed, = lent_outputs.lend([pool], {0: weakref.ref(w)}, DEVICE_INDEX, None)
+    handed, = lent_outputs.lend([pool], {0: weakref.ref(w)}, DEVICE_INDEX)
     assert handed.data_ptr() != pool.data_ptr() and torch.equal(handed, pool)
