@@ -35,8 +35,8 @@ def t5_bias(q, k, v, table, relative_of=lambda context, memory: memory - context
     return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
 
 
-def inputs(dtype=torch.float32):
-    return [random_tensor(shape, dtype) for shape in ((B, H, NQ, D), (B, H, NK, D), (B, H, NK, D))]
+def inputs(dtype=torch.float32, q_len=NQ, kv_len=NK):
+    return [random_tensor(shape, dtype) for shape in ((B, H, q_len, D), (B, H, kv_len, D), (B, H, kv_len, D))]
 
 
 def spec():
@@ -111,5 +111,6 @@ def test_only_functions_of_the_distance_are_tabulated(q_coef, k_coef, shift):
     def relative_of(context, memory):
         return context * q_coef + memory * k_coef + shift
 
-    check(lambda q, k, v: t5_bias(q, k, v, table, relative_of), *inputs(), backward=True, **FP32)
+    # shorter than the other tests' (fewer tiles for each example to run), still not multiples of the tiles
+    check(lambda q, k, v: t5_bias(q, k, v, table, relative_of), *inputs(q_len=21, kv_len=29), backward=True, **FP32)
     assert bool(spec().spec.lifted.tables) == (q_coef == -k_coef != 0)

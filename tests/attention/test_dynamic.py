@@ -401,14 +401,13 @@ def test_layers_alike_share_one_plan_per_new_length(monkeypatch, other_last):
     assert len({n[0] for n in named}) == 3
     names = [k.name for k in specs[0].known if k is not None]
     assert names and f"or one of the {1 if other_last else 2} alike in the other layers" in names[0]
-    for t in (29, 45):
-        made.clear()
-        _train_at(compiled, stack, t)
-        assert len(made) == (2 if other_last else 1)
+    made.clear()
+    _train_at(compiled, stack, 29)  # a second new length
+    assert len(made) == (2 if other_last else 1)
     made.clear()
     _train_at(compiled, stack, 29)
     assert not made
-    assert sorted(k[0][0][1] for k in specs[0].plans) == [29, 37, 45]
+    assert sorted(k[0][0][1] for k in specs[0].plans) == [29, 37]
 
 
 def test_one_layers_buffer_written_takes_it_out_of_the_shared_plans():

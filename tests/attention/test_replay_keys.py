@@ -143,6 +143,11 @@ def _extra(case, b, h, n):
     return []
 
 
+# A key's first call (which builds what later ones find built), its second (whose trace a replay repeats), and a
+# third, traced and compared with the second.
+CALLS = 3
+
+
 @pytest.mark.parametrize("case", ["window", "documents", "alibi_learned", "t5_table"])
 def test_calls_with_one_key_launch_alike(traced, case):
     fn = globals()[case]
@@ -154,7 +159,7 @@ def test_calls_with_one_key_launch_alike(traced, case):
     compiled = torch.compile(fn, backend=fusepass.backend(strict=True))
     wrt = (q, k, v, *(x for x in extra if x.requires_grad))
     assigned = [t for t in (q, k, v, grad, *extra) if t.is_floating_point()]
-    values = [[torch.randn_like(t) for t in assigned] for _ in range(5)]
+    values = [[torch.randn_like(t) for t in assigned] for _ in range(CALLS)]
 
     def set_values(call):
         with torch.no_grad():  # new values in the same tensors
@@ -164,7 +169,7 @@ def test_calls_with_one_key_launch_alike(traced, case):
     # The compiled calls one after another (nothing else allocating between them: the same addresses), then
     # eager's on the same values.
     results = []
-    for call in range(5):
+    for call in range(CALLS):
         set_values(call)
         traced.unnamed = set()
         out = compiled(q, k, v, *extra)
@@ -173,7 +178,7 @@ def test_calls_with_one_key_launch_alike(traced, case):
             traced.assert_unread(t)
         results.append([t.clone() for t in gradients])
         del out, gradients
-    for call in range(5):
+    for call in range(CALLS):
         set_values(call)
         assert_close(results[call], torch.autograd.grad(fn(q, k, v, *extra), wrt, grad), **SUMMED_GRADIENT_FP32)
     assert traced.compared >= 2  # forward and backward met their keys again
