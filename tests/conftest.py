@@ -13,6 +13,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     from interpreter_rounding import round_to_nearest
 
     round_to_nearest()  # bf16 conversions as the GPU rounds them
+    from interpreter_device_calls import patch_language_once_per_launch
+
+    patch_language_once_per_launch()
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
