@@ -3,19 +3,23 @@ attention, its `tril` buffer) or a BERT layer (a padding mask the kernels load, 
 values under symbolic sizes) trained at lengths one after another, fusepass beside Inductor, in one process.
 
     PYTHONPATH=. python bench/new_lengths.py [--model gpt2|bert] [--lengths 1024,1536,2048,3000,4096,1536]
-        [--batch 4] [--layers 1]
+        [--batch 4] [--layers 1] [--profile-planning]
 
 Per backend and length: the first step's seconds, the step's median after it (ms), the first step's seconds
 beyond that median (what the new length cost), the Triton kernels compiled or loaded during that first step
 (their names: a kernel that comes back at each length is specialised on it), and for fusepass the seconds its
 attention spent planning the length. The second length recompiles with symbolic sizes (Dynamo's default);
-the lengths after it are what a user training at varying lengths pays.
+the lengths after it are what a user training at varying lengths pays. `--profile-planning` runs the planning under
+cProfile and adds where it spent its time: the functions of most time of their own (planning's seconds then
+include the profiler's).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import os
+import pstats
 import sys
 import time
 
@@ -49,25 +53,41 @@ class _Kernels:
 
 
 class _Planning:
-    """Seconds fusepass's attention spent planning new sizes meanwhile, and the plans it made."""
+    """Seconds fusepass's attention spent planning new sizes meanwhile, the plans it made, and where the time went
+    (`profiled`: the functions of most time of their own, under cProfile)."""
 
-    def __init__(self) -> None:
+    def __init__(self, profiled: bool) -> None:
         self.seconds, self.plans = 0.0, 0
+        self.profile = cProfile.Profile() if profiled else None
         plan = dynamic.plan_static
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
+            if self.profile is not None:
+                self.profile.enable()
             try:
                 return plan(*args, **kwargs)
             finally:
+                if self.profile is not None:
+                    self.profile.disable()
                 self.seconds += time.perf_counter() - start
                 self.plans += 1
         dynamic.plan_static = timed
 
-    def take(self) -> tuple[float, int]:
-        taken = self.seconds, self.plans
+    def take(self) -> tuple[float, int, str]:
+        taken = self.seconds, self.plans, self._most()
         self.seconds, self.plans = 0.0, 0
+        if self.profile is not None:
+            self.profile = cProfile.Profile()
         return taken
+
+    def _most(self, count: int = 4) -> str:
+        """The `count` functions of most time of their own since the last take, with their seconds."""
+        if self.profile is None or not self.plans:
+            return "-"
+        stats = pstats.Stats(self.profile).stats  # (file, line, name) → (calls, primitive, own s, cumulative s, ...)
+        most = sorted(stats.items(), key=lambda item: -item[1][2])[:count]
+        return ", ".join(f"{os.path.basename(file)}:{name} {own:.3f}" for (file, _, name), (_, _, own, *_) in most)
 
 
 class _Stack(torch.nn.Module):
@@ -116,10 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--width", type=int, default=768, help="12 heads of width/12 (a smaller one to try it on the CPU)")
     parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--profile-planning", action="store_true")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kernels, planning = _Kernels(), _Planning()
+    kernels, planning = _Kernels(), _Planning(args.profile_planning)
     rows = []
     for backend in ("inductor", "fusepass"):
         torch.manual_seed(0)
@@ -132,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             _step(compiled, inputs)
             first = time.perf_counter() - start
-            compiled_now, (planned, plans) = kernels.take(), planning.take()
+            compiled_now, (planned, plans, most) = kernels.take(), planning.take()
             times = []
             for _ in range(5):
                 start = time.perf_counter()
@@ -143,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
                          "new length s": round(first - step, 3),
                          "planning s": round(planned, 3) if backend == "fusepass" else None,
                          "plans": plans if backend == "fusepass" else None,
-                         "kernels compiled or loaded": compiled_now})
+                         "kernels compiled or loaded": compiled_now,
+                         **({"planning's own time, most first": most} if args.profile_planning else {})})
     print(keep("new-lengths", list(rows[0]), rows,
                notes=f"{'GPT-2 block' if args.model == 'gpt2' else 'BERT layer, padded'} (d {args.width}, 12 heads, "
                      f"bf16) × {args.layers}, batch {args.batch}, a training step per length"))
