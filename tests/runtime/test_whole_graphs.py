@@ -195,7 +195,7 @@ def test_a_replayed_graph_hands_out_copies_and_stops_replaying_at_a_changed_buff
 
 def _replayed_by(monkeypatch, trees, graph, compiled=lambda args: [], inputs=(None, None), why_not=None):
     """`compiled` (of `graph`, a forward) through `whole_graphs.replayed`, `trees` standing in for the trees'
-    `cudagraphify_impl`, nothing refused and nothing lent; the reasons told go to `why_not`'s list."""
+    `cudagraphify_impl`, nothing refused and nothing copied out; the reasons told go to `why_not`'s list."""
     from torch._inductor import cudagraph_trees
 
     monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", trees)
