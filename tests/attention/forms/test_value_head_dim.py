@@ -149,8 +149,7 @@ def test_latent_attention_in_bfloat16_on_the_gpu():
         return [out.detach(), *(x.grad for x in leaves)]
 
     fusepass.reset()
-    # SDPA off: the floor would run it in the kernels' place where it times faster
-    fused = run(torch.compile(latent_attention, backend=fusepass.backend(strict=True, sdpa=False)), torch.bfloat16)
+    fused = run(torch.compile(latent_attention, backend=fusepass.backend(strict=True)), torch.bfloat16)
     eager, reference = run(latent_attention, torch.bfloat16), run(latent_attention, torch.float32)
     for name, ours, theirs, wide in zip(("out", "dq", "dk", "dv"), fused, eager, reference):
         mine, eagers = relative_error(ours, wide), relative_error(theirs, wide)
