@@ -28,6 +28,9 @@
 #   bert         BERT-base's attention (B8 H12 N512 D64, padding and plain) beside SDPA and Inductor, then    ~130 s (2026-12-06)
 #                the forward's and the step's kernels under Inductor and fusepass (bench/profile_models.py),
 #                kept as bench/results/profile-models-bert-{forward,step}-<date>.txt
+#   gemma2       Gemma 2's step (T8192) kernels under Inductor and fusepass, kept as          (not run yet)
+#                bench/results/profile-models-gemma2-step-<date>.txt
+#   planning     bench/new_lengths.py --profile-planning: where a new length's planning spends its time   (not run yet)
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   latent       bench/latent_attention.py: DeepSeek's latent attention (q·k 192, V 128, causal) beside SDPA   (not run yet)
@@ -117,6 +120,12 @@ for part in $parts; do
                 > "$kept" 2>&1
             grep "^==" "$kept"
         done ;;
+    gemma2)
+        kept=bench/results/profile-models-gemma2-step-$(date -u +%Y-%m-%d-%H%M).txt
+        (cd bench && timeout 200 python profile_models.py --models gemma2 --rows 30) > "$kept" 2>&1
+        grep "^==" "$kept" ;;
+    planning)
+        timeout 150 python bench/new_lengths.py --profile-planning 2>&1 | grep "^|" | cut -c1-300 ;;
     gradients)
         for model in $(echo "${GRAD_MODELS:-bert,gpt2,t5}" | tr , " "); do
             echo "$model"

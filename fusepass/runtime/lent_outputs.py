@@ -87,9 +87,8 @@ def reclaim(device_index: int) -> None:
         if grad is not None and grad.untyped_storage()._cdata == loan.storage.cdata:
             _move(grad)
         if not loan.storage.expired():  # held elsewhere, as a view or a detach
-            storage = torch.UntypedStorage._new_with_weak_ptr(loan.storage.cdata)
-            torch._C._free_And_Remove_DeleterFn(storage)
-            torch._C._set_storage_data_ptr_access_error_msg(storage, OVERWRITTEN)
+            torch._C._free_And_Remove_DeleterFn(loan.storage.cdata)
+            torch._C._set_storage_data_ptr_access_error_msg(loan.storage.cdata, OVERWRITTEN)
     lent.loans.clear()
     for pool in lent.pools:
         torch._C._cuda_releasePool(device_index, pool)
