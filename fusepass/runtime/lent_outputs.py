@@ -6,12 +6,13 @@ micro-batches), as it may keep what eager gives; Inductor's reduce-overhead mode
 next replay overwrites it. A copy of each gradient after each backward is safe and holds a second set of gradients
 beside the pool at the end of each step. Lent instead, a gradient is a tensor on a storage of its own that points into
 the pool without owning it (the trees see their own output dead, as after a copy); AccumulateGrad takes it as the
-parameter's `.grad` (a `detach` of it: another tensor on the same storage). Before the next warm-up, recording or
-replay on the device (`reclaim`), a lent storage still alive is the parameter's `.grad`'s, which gets memory of its
-own with its values (`set_` onto a copy, its version kept); a view or `detach` of it kept elsewhere cannot follow (torch
-2.11 has no way to move a storage under its tensors) and reads, from then on, as an error that says so. A training
-loop that sets its gradients to None before the next forward copies nothing; one that accumulates copies its
-gradients once a step, at the next forward.
+parameter's `.grad` (a `detach` of it: another tensor on the same storage), which a hook after the accumulation notes.
+Before the next warm-up, recording or replay on the device (`reclaim`), each of those tensors still alive — the
+gradient as lent (`torch.autograd.grad` hands it to the caller), the `.grad` made of it, kept by the parameter or by
+the caller past `zero_grad` — gets memory of its own with its values (`set_` onto a copy, its version kept); a view or
+`detach` the caller made of one cannot follow (torch 2.11 has no way to move a storage under its tensors) and reads,
+from then on, as an error that says so. A training loop that sets its gradients to None before the next forward and
+keeps none copies nothing; one that accumulates copies its gradients once a step, at the next forward.
 
 A gradient whose parameter is not known (an input's, not a parameter's) is copied, as before. While anything is lent
 the trees' pool is held (one use of it, as a recording holds it), so that a reset of the trees
@@ -37,16 +38,18 @@ OVERWRITTEN = ("fusepass: this tensor views a gradient that a replayed backward 
 @dataclass
 class _Loan:
     storage: StorageWeakRef  # the lent gradient's storage, over the pool
-    leaf: weakref.ref  # the parameter whose .grad it becomes
+    tensors: list[weakref.ref]  # the tensors on it: the gradient as lent, then the .grad AccumulateGrad made of it
 
 
 @dataclass
 class _LentOnDevice:
-    loans: list[_Loan] = field(default_factory=list)
+    loans: dict[int, _Loan] = field(default_factory=dict)  # by the lent storage's cdata
     pools: set[tuple[int, int]] = field(default_factory=set)  # the trees' pools held while anything is lent
 
 
 _lent: dict[int, _LentOnDevice] = {}
+# The parameters whose accumulated gradients `_note_accumulated` looks at, by id (a tensor's == is elementwise).
+_watched: dict[int, weakref.ref] = {}
 
 
 def lend(gradients: Sequence[Any], leaves: Mapping[int, weakref.ref], device_index: int) -> list:
@@ -61,7 +64,9 @@ def lend(gradients: Sequence[Any], leaves: Mapping[int, weakref.ref], device_ind
             leaf = None if ref is None else ref()
             if LEND_GRADIENTS and _is_gradient_of(gradient, leaf):
                 gradient = _on_a_storage_of_its_own(gradient)
-                lent.loans.append(_Loan(StorageWeakRef(gradient.untyped_storage()), ref))
+                storage = gradient.untyped_storage()
+                lent.loans[storage._cdata] = _Loan(StorageWeakRef(storage), [weakref.ref(gradient)])
+                _watch(leaf)
             else:
                 gradient = gradient.clone()
         handed.append(gradient)
@@ -79,20 +84,39 @@ def reclaim(device_index: int) -> None:
     lent = _lent.get(device_index)
     if lent is None:
         return
-    for loan in lent.loans:
-        if loan.storage.expired():
-            continue
-        leaf = loan.leaf()
-        grad = None if leaf is None else leaf.grad
-        if grad is not None and grad.untyped_storage()._cdata == loan.storage.cdata:
-            _move(grad)
+    for loan in lent.loans.values():
+        for ref in loan.tensors:
+            if loan.storage.expired():
+                break
+            tensor = ref()
+            if tensor is not None and tensor.untyped_storage()._cdata == loan.storage.cdata:
+                _move(tensor)
         if not loan.storage.expired():  # held elsewhere, as a view or a detach
-            torch._C._free_And_Remove_DeleterFn(loan.storage.cdata)
+            # Its memory is the trees' (the lent storage owns none, so nothing is freed): it only stops reading it.
             torch._C._set_storage_data_ptr_access_error_msg(loan.storage.cdata, OVERWRITTEN)
     lent.loans.clear()
     for pool in lent.pools:
         torch._C._cuda_releasePool(device_index, pool)
     lent.pools.clear()
+
+
+def _watch(leaf: torch.Tensor) -> None:
+    ref = _watched.get(id(leaf))
+    if ref is None or ref() is not leaf:
+        leaf.register_post_accumulate_grad_hook(_note_accumulated)
+        _watched[id(leaf)] = weakref.ref(leaf, lambda _, key=id(leaf): _watched.pop(key, None))
+
+
+def _note_accumulated(leaf: torch.Tensor) -> None:
+    """After AccumulateGrad: where it took a lent gradient as `leaf.grad`, that tensor is on the loan too."""
+    grad = leaf.grad
+    if grad is None or not _lent:
+        return
+    cdata = grad.untyped_storage()._cdata
+    for lent in _lent.values():
+        loan = lent.loans.get(cdata)
+        if loan is not None:
+            loan.tensors.append(weakref.ref(grad))
 
 
 def _is_gradient_of(gradient: torch.Tensor, leaf: Any) -> bool:

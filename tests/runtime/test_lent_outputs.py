@@ -1,7 +1,8 @@
 """Gradients lent out of a replay's memory pool (runtime/lent_outputs.py), on this machine's memory, through a
 function whose backward stands in for a replayed one (it writes its gradient in a pool and lends it): the parameter's
-`.grad` reads the pool until the next replay; held then, it gets memory of its own with its values, its version kept;
-dropped, it costs nothing; a `detach` of it kept elsewhere reads as an error. The trees' pools and training steps:
+`.grad` reads the pool until the next replay; held then (by the parameter, or by the caller past `zero_grad`, or as
+`torch.autograd.grad` handed it out), it gets memory of its own with its values, its version kept; dropped, it costs
+nothing; a `detach` of it kept elsewhere reads as an error. The trees' pools and training steps:
 test_whole_graphs_cuda.py."""
 from __future__ import annotations
 
@@ -65,6 +66,30 @@ def test_a_kept_gradient_reads_the_pool_until_the_next_replay_then_memory_of_its
     pool.fill_(-1)
     torch.testing.assert_close(w.grad, expected)
     assert w.grad.data_ptr() != pool[2:].data_ptr() and w.grad._version == version and moves == [w.shape]
+
+
+def test_a_gradient_kept_past_zero_grad_keeps_its_values(moves):
+    pool = torch.zeros(16, device=DEVICE)
+    w = torch.ones(11, device=DEVICE, requires_grad=True)
+    expected = _step(w, pool)
+    kept = w.grad  # kept by the caller (logged, clipped, compared) past its `zero_grad()`
+    w.grad = None
+    lent_outputs.reclaim(DEVICE_INDEX)
+    pool.fill_(-1)
+    torch.testing.assert_close(kept, expected)
+    assert moves == [w.shape]
+
+
+def test_a_gradient_handed_out_by_autograd_grad_keeps_its_values(moves):
+    pool = torch.zeros(16, device=DEVICE)
+    w = torch.ones(11, device=DEVICE, requires_grad=True)
+    x = torch.randn(3, 11, device=DEVICE)
+    kept, = torch.autograd.grad(Replayed.apply(w, x, pool).sum(), w)  # no AccumulateGrad: the lent tensor itself
+    assert kept.data_ptr() == pool[2:].data_ptr()
+    lent_outputs.reclaim(DEVICE_INDEX)
+    pool.fill_(-1)
+    torch.testing.assert_close(kept, x.sum(0))
+    assert moves == [w.shape] and w.grad is None
 
 
 def test_gradients_set_to_none_before_the_next_replay_are_not_copied(moves):
