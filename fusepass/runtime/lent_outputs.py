@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.weak import WeakIdKeyDictionary
 
 # Off: the copies stay the product's until the lending has run through the GPU suite (bench/NOTES.md, item 000).
 LEND_GRADIENTS = False
@@ -48,8 +49,9 @@ class _LentOnDevice:
 
 
 _lent: dict[int, _LentOnDevice] = {}
-# The parameters whose accumulated gradients `_note_accumulated` looks at, by id (a tensor's == is elementwise).
-_watched: dict[int, weakref.ref] = {}
+# The parameters whose accumulated gradients `_note_accumulated` looks at (keyed by identity: a tensor's == is
+# elementwise).
+_watched: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def lend(gradients: Sequence[Any], leaves: Mapping[int, weakref.ref], device_index: int) -> list:
@@ -101,10 +103,8 @@ def reclaim(device_index: int) -> None:
 
 
 def _watch(leaf: torch.Tensor) -> None:
-    ref = _watched.get(id(leaf))
-    if ref is None or ref() is not leaf:
-        leaf.register_post_accumulate_grad_hook(_note_accumulated)
-        _watched[id(leaf)] = weakref.ref(leaf, lambda _, key=id(leaf): _watched.pop(key, None))
+    if leaf not in _watched:
+        _watched[leaf] = leaf.register_post_accumulate_grad_hook(_note_accumulated)
 
 
 def _note_accumulated(leaf: torch.Tensor) -> None:
