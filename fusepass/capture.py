@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx
+from torch._dynamo.source import ConstantSource
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -135,20 +136,36 @@ def carry_input_sources(dynamo: torch.fx.GraphModule, rewritten: torch.fx.GraphM
     sources and Dynamo's static marks. From them it takes its `static_input_indices`, which CUDA graph trees leave
     where they are: without them each whole-graph replay would copy every parameter into the recording's buffers
     first (and the pool would hold a second copy of them). Nothing is carried where the inputs do not match one to
-    one, or where `dynamo` carries no sources itself (not Dynamo's graph): False."""
+    one, or where `dynamo` carries no sources itself (not Dynamo's graph): False. A tensor the trace baked into
+    `rewritten` (``torch.tensor(width ** 0.5)`` in the user's code, a ``_tensor_constant`` buffer that Dynamo's
+    graph makes in a call) has no source of Dynamo's: it gets a constant source of its own name, which AOTAutograd
+    needs only to tell its lifted inputs apart, and counts as static like a buffer (it is one, and never changes)."""
     if "dynamo_compile_id" not in dynamo.meta or not hasattr(dynamo, "_param_name_to_source"):
         return False
     theirs = dynamo.graph.find_nodes(op="placeholder")
     ours = rewritten.graph.find_nodes(op="placeholder")
+    sources = dict(dynamo._param_name_to_source)
+    sources.update({name: ConstantSource(f"fusepass_{name}") for name in _baked_constants(dynamo, rewritten)
+                    if name not in sources})
     held = [name for name, _ in rewritten.named_parameters(remove_duplicate=False)] + \
         [name for name, _ in rewritten.named_buffers(remove_duplicate=False)]
     if len(theirs) != len(ours) or any(not hasattr(n, "_dynamo_source") for n in theirs) or \
-            any(name not in dynamo._param_name_to_source for name in held):
+            any(name not in sources for name in held):
         return False
     for node, source in zip(ours, theirs):
         node._dynamo_source = source._dynamo_source
         if "tensor_dict" in source.meta:
             node.meta["tensor_dict"] = source.meta["tensor_dict"]
-    rewritten._param_name_to_source = {name: dynamo._param_name_to_source[name] for name in held}
+    rewritten._param_name_to_source = {name: sources[name] for name in held}
     rewritten.meta["dynamo_compile_id"] = dynamo.meta["dynamo_compile_id"]
     return True
+
+
+def _baked_constants(dynamo: torch.fx.GraphModule, rewritten: torch.fx.GraphModule) -> set[str]:
+    """The buffers of `rewritten` that its graph reads by name and Dynamo's module does not hold: the tensors
+    `make_fx` baked in."""
+    theirs = {name for name, _ in dynamo.named_buffers(remove_duplicate=False)} | \
+        {name for name, _ in dynamo.named_parameters(remove_duplicate=False)}
+    buffers = dict(rewritten.named_buffers(remove_duplicate=False))
+    return {node.target for node in rewritten.graph.find_nodes(op="get_attr")
+            if node.target in buffers and node.target not in theirs}

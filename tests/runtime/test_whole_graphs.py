@@ -406,6 +406,45 @@ def test_parameters_and_buffers_are_the_static_arguments_of_the_graphs_fusepass_
     assert len(seen) >= 4 and all(len(static) == held for static in seen), seen
 
 
+class _Normalized(torch.nn.Module):
+    """Gemma's embedding scale: a tensor made in the forward, which the retrace bakes into a buffer of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 7)
+
+    def forward(self, x):
+        return self.linear(x) * torch.tensor(7 ** 0.5, dtype=x.dtype)
+
+
+def test_a_tensor_the_trace_baked_in_leaves_the_parameters_static(monkeypatch):
+    """`torch.tensor(...)` in the forward is a call in Dynamo's graph and a ``_tensor_constant`` buffer of the
+    retraced one, which Dynamo gave no source: it gets one of its own, so the parameters (and it) still count as
+    static, and the report says nothing of lost sources."""
+    import fusepass.pipeline as pipeline
+
+    seen = []
+    runnable = pipeline.runnable
+
+    def observed(module, annotated):
+        if annotated != "backward":
+            seen.append(whole_graphs.forward_static_inputs(len(module.graph.find_nodes(op="placeholder"))))
+        return runnable(module, annotated)
+
+    monkeypatch.setattr(pipeline, "runnable", observed)
+    model = _Normalized().to(DEVICE)
+    fusepass.reset()
+    compiled = torch.compile(model, backend=fusepass.backend(graphs=True), dynamic=False)
+    x = random_tensor((6, 5), torch.float32).requires_grad_()
+    compiled(x).sum().backward()
+    expected_x_grad = x.grad.clone()
+    x.grad = None
+    model(x).sum().backward()
+    assert_close(expected_x_grad, x.grad)
+    assert pipeline.SOURCES_LOST not in fusepass.last_report().notices
+    assert seen and all(len(static) == 3 for static in seen), seen  # weight, bias and the baked scale
+
+
 def test_sources_are_carried_only_where_the_inputs_match_and_a_loss_is_told(monkeypatch):
     import fusepass.pipeline as pipeline
     from fusepass.capture import carry_input_sources
