@@ -57,7 +57,7 @@
 # Without PARTs: attention elementwise tests (~480 s); the others make a second call.
 #
 # Each suite writes bench/results/ as it always does; what this run wrote comes back as one archive,
-# $OUT/results.tgz, beside $OUT/gpu-tests.log (the device tool returns at most 8 files).
+# $OUT/results.tgz (written again after each part), beside $OUT/gpu-tests.log (the device tool returns at most 8 files).
 set -u
 export PYTHONPATH=$PWD
 OUT_DIR=${OUT:-/tmp/session-run}
@@ -172,5 +172,6 @@ for part in $parts; do
     *)
         echo "unknown part: $part" ;;
     esac
+    # After each part: a call cut by the device's limit still brings back what the parts before wrote.
+    find bench/results -newer "$mark" -type f -print0 | tar czf "$OUT_DIR/results.tgz" --null -T -
 done
-find bench/results -newer "$mark" -type f -print0 | tar czf "$OUT_DIR/results.tgz" --null -T -
