@@ -36,13 +36,15 @@ from fusepass.report.records import Hotspot
 from fusepass.report.report import Report, discard, new_report
 from fusepass.runnable import copy_graph, on_device, runnable
 from fusepass.runtime import whole_graphs
-from fusepass.runtime.device import interpreting
+from fusepass.runtime.device import interpreter_asked_late, interpreting
 from fusepass.runtime.host_scalars import host_scalars_made_on_device
 from fusepass.saved_values import partition_with
 from fusepass.split import compile_around_higher_order_ops, has_higher_order_ops
 
 CPU_NOTICE = ("kernels need a CUDA device (or TRITON_INTERPRET=1 on the CPU): rewrites are planned and "
               "reported, the graph runs its ops unfused")
+LATE_INTERPRETER_NOTICE = ("TRITON_INTERPRET=1 was set after fusepass was imported, too late for its kernels: set it "
+                           "before the import to run them through Triton's interpreter")
 
 
 def kernels_can_run(device: torch.device) -> bool:
@@ -179,6 +181,8 @@ class Backend:
         run_kernels = kernels_can_run(device)
         if not run_kernels:
             _notice(report, CPU_NOTICE)
+            if device.type == "cpu" and interpreter_asked_late():
+                _notice(report, LATE_INTERPRETER_NOTICE)
         _notice(report, profile.notice(device))
         _notice(report, _ceilings_notice(report, device))
 

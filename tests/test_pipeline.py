@@ -130,6 +130,31 @@ def test_cpu_without_the_interpreter_plans_reports_and_runs_unfused(tmp_path):
     assert out.stdout.strip().endswith("False")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only machine's behaviour")
+def test_the_interpreter_asked_for_after_the_import_is_told_and_nothing_fails(tmp_path):
+    """Triton's decorator chose compiled mode for fusepass's kernels at its import: a TRITON_INTERPRET=1 set later
+    runs the graph unfused, as without it, and the report says to set it before the import."""
+    script = tmp_path / "late_interpreter.py"
+    script.write_text(textwrap.dedent("""
+        import os, warnings
+        import torch, fusepass
+        from fusepass.pipeline import LATE_INTERPRETER_NOTICE
+        os.environ["TRITON_INTERPRET"] = "1"
+        def f(x):
+            return torch.softmax(torch.exp(x * 2) + 1, dim=-1)
+        x = torch.randn(8, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y = torch.compile(f, backend="fusepass")(x)
+        torch.testing.assert_close(y, f(x))
+        print(LATE_INTERPRETER_NOTICE in fusepass.last_report().notices)
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.getcwd()
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
 class RewrittenGraph(expecttest.TestCase):
     def test_snapshot_of_forward_and_backward(self):
         x = random_tensor((8, 6), torch.float32)
