@@ -379,23 +379,28 @@ def test_the_outputs_copied_out_of_the_pool_are_those_that_alias_nothing_and_the
     assert x_slot is None and w_gradient.shape == w.shape
 
 
-def test_parameters_and_buffers_are_the_static_arguments_of_the_graphs_fusepass_compiles(monkeypatch):
-    """The trees copy every argument but the static ones into a recording's buffers before each replay. fusepass
-    retraces Dynamo's graph: unless its parameters' sources reach AOTAutograd, none counts as static (every
-    parameter was copied on each replay). Observed where each graph is compiled, training and inference, and at
-    a second shape."""
+def _forward_static_inputs_seen(monkeypatch) -> list[list[int]]:
+    """The static arguments of each forward graph fusepass compiles from here on, as AOTAutograd marked them."""
     import fusepass.pipeline as pipeline
 
     seen = []
     runnable = pipeline.runnable
 
     def observed(module, annotated):
-        placeholders = module.graph.find_nodes(op="placeholder")
         if annotated != "backward":
-            seen.append(whole_graphs.forward_static_inputs(len(placeholders)))
+            seen.append(whole_graphs.forward_static_inputs(len(module.graph.find_nodes(op="placeholder"))))
         return runnable(module, annotated)
 
     monkeypatch.setattr(pipeline, "runnable", observed)
+    return seen
+
+
+def test_parameters_and_buffers_are_the_static_arguments_of_the_graphs_fusepass_compiles(monkeypatch):
+    """The trees copy every argument but the static ones into a recording's buffers before each replay. fusepass
+    retraces Dynamo's graph: unless its parameters' sources reach AOTAutograd, none counts as static (every
+    parameter was copied on each replay). Observed where each graph is compiled, training and inference, and at
+    a second shape."""
+    seen = _forward_static_inputs_seen(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.LayerNorm(7), torch.nn.BatchNorm1d(7)).to(DEVICE)
     compiled = torch.compile(model, backend=fusepass.backend(graphs=True), dynamic=False)
     held = len(list(model.parameters())) + len(list(model.buffers()))
@@ -423,26 +428,21 @@ def test_a_tensor_the_trace_baked_in_leaves_the_parameters_static(monkeypatch):
     static, and the report says nothing of lost sources."""
     import fusepass.pipeline as pipeline
 
-    seen = []
-    runnable = pipeline.runnable
-
-    def observed(module, annotated):
-        if annotated != "backward":
-            seen.append(whole_graphs.forward_static_inputs(len(module.graph.find_nodes(op="placeholder"))))
-        return runnable(module, annotated)
-
-    monkeypatch.setattr(pipeline, "runnable", observed)
+    seen = _forward_static_inputs_seen(monkeypatch)
     model = _Normalized().to(DEVICE)
-    fusepass.reset()
     compiled = torch.compile(model, backend=fusepass.backend(graphs=True), dynamic=False)
-    x = random_tensor((6, 5), torch.float32).requires_grad_()
-    compiled(x).sum().backward()
-    expected_x_grad = x.grad.clone()
-    x.grad = None
-    model(x).sum().backward()
-    assert_close(expected_x_grad, x.grad)
-    assert pipeline.SOURCES_LOST not in fusepass.last_report().notices
-    assert seen and all(len(static) == 3 for static in seen), seen  # weight, bias and the baked scale
+    for rows in (6, 9):
+        fusepass.reset()
+        x = random_tensor((rows, 5), torch.float32).requires_grad_()
+        compiled(x).sum().backward()
+        fused_grads = [t.grad for t in (x, model.linear.weight, model.linear.bias)]
+        x.grad = model.linear.weight.grad = model.linear.bias.grad = None
+        model(x).sum().backward()
+        for fused, eager in zip(fused_grads, (x.grad, model.linear.weight.grad, model.linear.bias.grad)):
+            assert_close(fused, eager)
+        model.linear.weight.grad = model.linear.bias.grad = None
+        assert pipeline.SOURCES_LOST not in fusepass.last_report().notices
+    assert len(seen) >= 2 and all(len(static) == 3 for static in seen), seen  # weight, bias and the baked scale
 
 
 def test_sources_are_carried_only_where_the_inputs_match_and_a_loss_is_told(monkeypatch):
