@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
 
     PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|packed|alibi|none] [--head-dim 128]
-        [--group 4] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1] [--dq 128,64,8,3,1] [--forward-only]
+        [--head-dim-v 128] [--group 4] [--no-descriptors] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1] [--dq 128,64,8,3,1] [--forward-only]
 
 Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
 through Triton's own compiler and ptxas, no GPU needed: a stand-in driver names the target, and every launch
@@ -9,7 +9,9 @@ becomes a compile. Prints per kernel the registers per thread, the stack frame (
 there), shared memory, and for each pipelined loop its buffers per operand and how many async copies it
 may leave in flight (``async_wait`` num): what decides whether a tile change can pay before it costs GPU
 time. Configs are block_m,block_n,num_warps,num_stages,descriptors (0 or 1)[,head_group]; the defaults are
-``flash_config``'s for the H200.
+``flash_config``'s for the H200 (with descriptors, as there; pointer loads with --no-descriptors). Each kernel's
+launcher source is generated too, as at its first launch (not compiled): Triton 3.6's checks the descriptors among
+its arguments against the compiled kernel's.
 
 Registers depend on Triton's version. With the GPU machine's (``pip install --no-deps --target DIR
 triton==3.6.0``, then ``PYTHONPATH=DIR:.``) the stack frame follows the spill count its kernels report
@@ -73,6 +75,16 @@ def compile_launches() -> list[tuple[str, object]]:
     return compiled
 
 
+def check_launcher(kernel) -> None:
+    """Generate the launcher's source of a compiled kernel as the driver does before its first launch (a tuple
+    of descriptors as an argument failed an assert there under triton 3.6, on the GPU only)."""
+    from triton.backends.nvidia.driver import make_launcher
+    src = kernel.src
+    constants = {(src.fn.arg_names.index(key),) if isinstance(key, str) else key: value
+                 for key, value in src.constants.items()}
+    make_launcher(constants, dict(src.signature), getattr(kernel.metadata, "tensordesc_meta", None))
+
+
 def resources(kernel) -> dict:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -127,19 +139,24 @@ def config(text: str | None, default: FlashConfig) -> FlashConfig:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mask", choices=tuple(MASKS), default="causal")
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=128, help="Q's and K's")
+    parser.add_argument("--head-dim-v", type=int, help="V's (multi-head latent attention: 128 at --head-dim 192); "
+                        "--head-dim's where not given")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--group", type=int, default=1, help="query heads per kv head (GQA)")
     parser.add_argument("--forward")
     parser.add_argument("--dkdv")
     parser.add_argument("--dq")
+    parser.add_argument("--no-descriptors", action="store_true", help="default configs load through pointers")
     parser.add_argument("--forward-only", action="store_true", help="the forward without gradients alone")
     args = parser.parse_args()
     mod = MASKS[args.mask]
-    flash_config.has_tma = lambda device: True
+    flash_config.has_tma = lambda device: not args.no_descriptors
     cuda, dtype = torch.device("cuda"), torch.bfloat16
-    forward = config(args.forward, flash_config.forward_config(args.head_dim, dtype, mod.has_mask, cuda))
-    defaults = flash_config.backward_configs(args.head_dim, dtype, mod.has_mask, cuda)
+    head_dim_v = args.head_dim_v or args.head_dim
+    width = flash_config.tile_width(args.head_dim, head_dim_v)
+    forward = config(args.forward, flash_config.forward_config(width, dtype, mod.has_mask, cuda))
+    defaults = flash_config.backward_configs(width, dtype, mod.has_mask, cuda)
     backward = BackwardConfigs(config(args.dkdv, defaults.dkdv), config(args.dq, defaults.dq))
     flash_fwd.forward_config = lambda *_: forward
     # At the given tiles: the maps are never built here (every launch only compiles), so a row length read
@@ -149,18 +166,20 @@ def main() -> None:
 
     compiled = compile_launches()
     q = torch.randn(1, 2 * args.group, args.seq, args.head_dim, dtype=dtype)
-    k, v = (torch.randn(1, 2, args.seq, args.head_dim, dtype=dtype) for _ in range(2))
+    k = torch.randn(1, 2, args.seq, args.head_dim, dtype=dtype)
+    v = torch.randn(1, 2, args.seq, head_dim_v, dtype=dtype)
     aux = AUX[args.mask](args.seq, 2 * args.group) if args.mask in AUX else ()
     # A training forward in bf16 (the backward follows) computes the exact weights and keeps the output's residual,
     # as the backward kernels read them (`forward.keeps_residual`); a forward without gradients does neither.
-    outputs = flash_fwd.forward_outputs(q, mod, None, q.device, backward=not args.forward_only)
+    outputs = flash_fwd.forward_outputs(q, mod, None, q.device, backward=not args.forward_only, head_dim_v=head_dim_v)
     out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux, outputs=outputs)
     if not args.forward_only:
-        flash_bwd.flash_attention_backward(q, q, k, v, out, lse, extra, mod, aux, None)
-    print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}, group {args.group}: forward {forward}, "
-          f"dK/dV {backward.dkdv}, dQ {backward.dq}")
+        flash_bwd.flash_attention_backward(torch.randn_like(out), q, k, v, out, lse, extra, mod, aux, None)
+    print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}, Dv={head_dim_v}, group {args.group}: "
+          f"forward {forward}, dK/dV {backward.dkdv}, dQ {backward.dq}")
     for name, kernel in compiled:
         if name.startswith("_flash"):
+            check_launcher(kernel)
             print(f"{name}: {resources(kernel)}")
 
 

@@ -1,5 +1,5 @@
 """Multi-head latent attention as DeepSeek's eager code writes it (q·k over 192 = 128 + 64 rotary dims, values 128
-wide, causal, the softmax in fp32), under fusepass (its values padded to the q·k head dim: attention/head_dims.py)
+wide, causal, the softmax in fp32), under fusepass (V at its own head dim, q·k's 192 as products of 128 and 64)
 beside SDPA, which takes the two head dims as they are, eager and Inductor; bf16.
 
     PYTHONPATH=. python bench/latent_attention.py [--shapes B,H,N ...] [--dims 192,128]

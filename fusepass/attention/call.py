@@ -24,7 +24,7 @@ from fusepass.codegen.modules import load_module
 from fusepass.flash.ahead import compile_attention_ahead
 from fusepass.flash.backward import flash_attention_backward
 from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
-from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles
+from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles, tile_width
 from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs, keeps_residual
 from fusepass.flash import hopper_forward
 from fusepass.flash.score_mod import ScoreMod, SeparableKeep
@@ -90,9 +90,9 @@ class AttentionCall:
             return None
         key = (q.dtype, q.device)
         if key not in self._passed_maps:
-            head_dim = spec.q.size[3]
-            tiles = narrow_kv_tiles(forward_config(head_dim, q.dtype, True, q.device), None)
-            kinds_at = kind_block_m(tiles, head_dim, q.dtype, q.device)
+            width = tile_width(spec.q.size[3], spec.v.size[3])
+            tiles = narrow_kv_tiles(forward_config(width, q.dtype, True, q.device), None)
+            kinds_at = kind_block_m(tiles, width, q.dtype, q.device)
             batch, heads, q_len, _ = spec.out_shape
             uses = spec.lifted.keep_uses
             extent = map_extent(batch if "b" in uses else 1, heads if "h" in uses else 1, q_len, spec.k.size[2],
@@ -155,7 +155,8 @@ class AttentionCall:
         try:
             # Everything the call returns is allocated here, outside the launches a replay repeats (the map's
             # views are made inside: a replayed call needs only its buffer).
-            outputs = forward_outputs(q4, self.mod, s.out_dtype, q.device, s.out_by_position, self.keeps_residual())
+            outputs = forward_outputs(q4, self.mod, s.out_dtype, q.device, s.out_by_position, self.keeps_residual(),
+                                      v4.shape[3])
             packed_map = [torch.empty(shape, dtype=torch.int32, device=q.device) for shape in self.map_shapes(q)]
             if s.replay and attention_replays.can_replay(q):
                 # The outputs' layouts follow from the spec (named by the values) and q, k, v: keyed by pointer (the
@@ -308,7 +309,7 @@ class AttentionCall:
                 in_a_backward(lambda: run.backward(grad_out, lse, grads), q.device)
 
         def fused_step() -> None:
-            outputs = forward_outputs(q, self.mod, s.out_dtype, q.device, s.out_by_position, gradients)
+            outputs = forward_outputs(q, self.mod, s.out_dtype, q.device, s.out_by_position, gradients, v.shape[3])
             self._fused_forward(q, k, v, aux, None, outputs, None, hopper)
             if gradients:
                 out, lse, log_sum, fallback_rows, residual = outputs

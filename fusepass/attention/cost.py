@@ -17,7 +17,8 @@ the Q and dO rows and row statistics (lse, log_sum, delta) of the q blocks liste
 once per wave of the ⌈Nk/BLOCK_N⌉ programs of a kv head — and writes dK and dV. The dQ kernel, grid
 (q block, query head, batch), reads Q, dO and the statistics once, K and V as the forward does, and
 writes dQ. Each kernel at its own tiles (and density); dQ, dK, dV are written straight into the layouts
-of the tensors they are gradients of.
+of the tensors they are gradients of. Each tensor counts at its own head dim: Q, K, dQ and dK at q·k's, V, the
+output, dO and dV at V's (multi-head latent attention's are 192 and 128).
 
 Aux tensors (masks, biases, tables the score functions read): one with at least Nq·Nk elements (a
 dense mask or bias) is loaded tile by tile by every query head's programs, for each visited tile; a
@@ -39,7 +40,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
-from fusepass.flash.config import FlashConfig, ModeledRows, backward_configs, forward_config, narrow_kv_tiles
+from fusepass.flash.config import (FlashConfig, ModeledRows, backward_configs, forward_config, narrow_kv_tiles,
+                                    tile_width)
 from fusepass.fx_util import op_name, val
 from fusepass.report.ledger import (backward_ops, is_matmul, moves_no_bytes, op_flops, saved_for_backward, storage_root,
                                     unfused_bytes, unfused_flops, value_bytes)
@@ -58,7 +60,8 @@ class AttentionShape:
     kv_heads: int
     q_len: int
     kv_len: int
-    head_dim: int
+    head_dim: int  # of Q and K (and dQ, dK)
+    head_dim_v: int  # of V (and the output, dO, dV): multi-head latent attention's differs
     itemsize: int  # of Q, K and V
     out_itemsize: int
     masked: bool  # the score chain has a mask (the forward writes per-row fallback flags)
@@ -139,7 +142,8 @@ def _aux_tiles(shape: AttentionShape, tiles: Tiles, aux: Sequence[AuxRead]) -> f
 
 def _kv_reads(shape: AttentionShape, tiles: Tiles) -> float:
     """K and V as the forward and the dQ kernel read them: once per wave of a kv head's programs."""
-    return 2 * shape.kv_rows * shape.head_dim * shape.itemsize * tiles.waves(shape.group * tiles.q_blocks(shape))
+    return shape.kv_rows * (shape.head_dim + shape.head_dim_v) * shape.itemsize \
+        * tiles.waves(shape.group * tiles.q_blocks(shape))
 
 
 FORWARD_KERNEL = "_flash_forward_kernel"
@@ -151,11 +155,11 @@ def attention_forward_bytes(shape: AttentionShape, tiles: Tiles, aux: Sequence[A
                             ) -> tuple[dict[str, float], int]:
     """(bytes the forward moves, by kernel; ideal bytes: Q, K, V and aux read once, O written once). `residual`:
     whether it writes its output's rounding residual too (`forward.keeps_residual`)."""
-    d, es, oes = shape.head_dim, shape.itemsize, shape.out_itemsize
-    q_and_out = shape.rows * d * (es + oes * (2 if residual else 1))
+    d, dv, es, oes = shape.head_dim, shape.head_dim_v, shape.itemsize, shape.out_itemsize
+    q_and_out = shape.rows * (d * es + dv * oes * (2 if residual else 1))
     stats = shape.rows * (2 * STAT_BYTES + (1 if shape.masked else 0))
     kernel = q_and_out + _kv_reads(shape, tiles) + stats + _aux_tiles(shape, tiles, aux)
-    ideal = q_and_out + 2 * shape.kv_rows * d * es + sum(a.bytes for a in aux)
+    ideal = q_and_out + shape.kv_rows * (d + dv) * es + sum(a.bytes for a in aux)
     return {FORWARD_KERNEL: kernel}, ideal
 
 
@@ -164,9 +168,9 @@ def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles:
     """(bytes the backward moves, by kernel; ideal bytes: Q, K, V, O, dO and aux read once, dQ, dK, dV and
     aux gradients written once). Each kernel at its own tiles; `residual`: whether dQ reads the output's rounding
     residual for its row term."""
-    d, es, oes = shape.head_dim, shape.itemsize, shape.out_itemsize
+    d, dv, es, oes = shape.head_dim, shape.head_dim_v, shape.itemsize, shape.out_itemsize
     q_rows, kv_rows = shape.rows, shape.kv_rows
-    row = d * (es + oes) + 3 * STAT_BYTES  # a query row of Q and dO, and its lse, log_sum, delta
+    row = d * es + dv * oes + 3 * STAT_BYTES  # a query row of Q and dO, and its lse, log_sum, delta
     with_grad = [a for a in aux if a.needs_grad]
     # Aux gradients: atomic fp32 updates of each visited tile in the dK/dV kernel (read and written), a
     # zero-filled fp32 buffer before it, a conversion to the tensor's dtype after it.
@@ -174,15 +178,15 @@ def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles:
                   for a in with_grad)
     buffers = sum(a.bytes // a.itemsize * (4 + 4 + a.itemsize) for a in with_grad)
     parts = {
-        DKDV_KERNEL: 4 * kv_rows * d * es + q_rows * row * dkdv_tiles.waves(dkdv_tiles.kv_blocks(shape))
+        DKDV_KERNEL: 2 * kv_rows * (d + dv) * es + q_rows * row * dkdv_tiles.waves(dkdv_tiles.kv_blocks(shape))
         + _aux_tiles(shape, dkdv_tiles, aux) + atomics,
         # dQ also reads O, for delta = rowsum(dO · O), which it writes for dK/dV (in `row`, read there).
-        DQ_KERNEL: q_rows * (row + d * oes * (2 if residual else 1)) + _kv_reads(shape, dq_tiles) + q_rows * d * es
+        DQ_KERNEL: q_rows * (row + dv * oes * (2 if residual else 1)) + _kv_reads(shape, dq_tiles) + q_rows * d * es
         + _aux_tiles(shape, dq_tiles, aux),
     }
     if buffers:
         parts[TORCH_OPS] = buffers
-    ideal = 2 * (q_rows + 2 * kv_rows) * d * es + 2 * q_rows * d * oes \
+    ideal = 2 * (q_rows * d + kv_rows * (d + dv)) * es + 2 * q_rows * dv * oes \
         + sum(a.bytes * (2 if a.needs_grad else 1) for a in aux)
     return parts, ideal
 
@@ -222,7 +226,7 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
     activation = 0
     if gradient_flows:
         # The fused op keeps its output (and its residual) and row statistics instead.
-        kept_instead = shape.rows * shape.head_dim * shape.out_itemsize * (2 if residual else 1) + row_stats
+        kept_instead = shape.rows * shape.head_dim_v * shape.out_itemsize * (2 if residual else 1) + row_stats
         activation = _saved_bytes(compute, set(kept_by_kernel)) - kept_instead
     forward = Rewrite(
         kind="attention", phase="forward", location=location, ops=tuple(op_name(n) for n in compute),
@@ -235,11 +239,12 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
     backward_elementwise = sum(op.flops for op in backward if not op.matmul)
     dkdv_tiles, dq_tiles = backward_tiles
     parts, ideal = attention_backward_bytes(shape, dkdv_tiles, dq_tiles, aux, residual)
-    # Both backward kernels recompute the scores and weights of each tile they visit; dK/dV adds dP, dV, dK
-    # (8 flops per score per head-dim element in all), dQ adds dP and dQ (6).
+    # Both backward kernels recompute the scores (2 flops per score per element of Q's and K's head dim) and weights
+    # of each tile they visit; dK/dV adds dK (2 at Q's and K's) and dP, dV (2 each at V's), dQ adds dQ and dP.
     per_kernel = elementwise_flops + backward_elementwise
-    recomputed = (8 * shape.scores * shape.head_dim + per_kernel) * dkdv_tiles.density \
-        + (6 * shape.scores * shape.head_dim + per_kernel) * dq_tiles.density
+    d, dv = shape.head_dim, shape.head_dim_v
+    recomputed = (4 * shape.scores * (d + dv) + per_kernel) * dkdv_tiles.density \
+        + (2 * shape.scores * (2 * d + dv) + per_kernel) * dq_tiles.density
     tiles = {"tiles": {"dk_dv": _tiles_detail(dkdv_tiles), "dq": _tiles_detail(dq_tiles)}}
     return [forward, Rewrite(
         kind="attention", phase="backward", location=location, ops=tuple(op.name for op in backward),
@@ -262,12 +267,14 @@ def attention_records(replaced: list[torch.fx.Node], spec: AttentionSpec, source
     """The records of a rewrite (forward, and backward when a gradient flows to an input), and the forward's tiles on
     the GPU where the density model knows the mask's rows (None where it does not)."""
     kept = sources + spec.lifted.aux
-    batch, heads, q_len, head_dim = spec.out_shape
+    batch, heads, q_len, head_dim_v = spec.out_shape
+    head_dim = spec.q.size[3]
     dtype = val(sources[0]).dtype
     masked = "keep" in spec.lifted.functions
     shape = AttentionShape(batch=batch, heads=heads, kv_heads=spec.k.size[1], q_len=q_len, kv_len=spec.k.size[2],
-                           head_dim=head_dim, itemsize=dtype.itemsize, out_itemsize=spec.out_dtype.itemsize,
-                           masked=masked)
+                           head_dim=head_dim, head_dim_v=head_dim_v, itemsize=dtype.itemsize,
+                           out_itemsize=spec.out_dtype.itemsize, masked=masked)
+    width = tile_width(head_dim, head_dim_v)
     # Tiles are skipped only where the fill contributes nothing (docs/flash-kernel-interface.md).
     skips = masked and spec.lifted.fill_bound != math.inf
     cuda = torch.device("cuda")  # the ledger models the GPU's tiles, wherever the graph runs
@@ -275,12 +282,12 @@ def attention_records(replaced: list[torch.fx.Node], spec: AttentionSpec, source
     def tiles(config: FlashConfig) -> Tiles:
         return tile_density(features, skips, q_len, shape.kv_len, config.block_m, config.block_n, sms)
 
-    backward = backward_configs(head_dim, dtype, masked, cuda)
+    backward = backward_configs(width, dtype, masked, cuda)
     aux = [AuxRead(bytes=value_bytes(a), itemsize=val(a).element_size(),
                    per_tile=value_bytes(a) // val(a).element_size() >= q_len * shape.kv_len,
                    needs_grad=bool(a.meta.get("requires_grad"))) for a in spec.lifted.aux]
     gradient_flows = any(n.meta.get("requires_grad") for n in kept)
-    forward = forward_config(head_dim, dtype, masked, cuda)
+    forward = forward_config(width, dtype, masked, cuda)
     known = True
     if masked:  # the width the kernel takes for the mask's rows, as far as the density model knows them
         wide = tiles(forward)
@@ -289,5 +296,6 @@ def attention_records(replaced: list[torch.fx.Node], spec: AttentionSpec, source
     records = attention_rewrites(where, replaced, kept, shape, tiles(forward),
                                  (tiles(backward.dkdv), tiles(backward.dq)), aux,
                                  tuple(features), {"shape": [batch, heads, q_len, shape.kv_len, head_dim],
-                                                   "kv_heads": shape.kv_heads}, gradient_flows)
+                                                   "kv_heads": shape.kv_heads, "head_dim_v": head_dim_v},
+                                 gradient_flows)
     return records, forward if known else None

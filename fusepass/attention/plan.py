@@ -174,10 +174,14 @@ def plan(m: AttentionMatch, name: str, replay: bool, sizes_vary: bool = False, s
         raise Unsupported(f"Q, K, V dtypes {sorted(map(str, dtypes))}")
     if k.group != v.group or k.size[1] != v.size[1]:
         raise Unsupported("K and V have different head layouts")
-    if q.size[3] != k.size[3] or q.size[3] != v.size[3]:
-        raise Unsupported(f"head dims differ: q {q.size[3]}, k {k.size[3]}, v {v.size[3]}")
+    if q.size[3] != k.size[3]:
+        raise Unsupported(f"head dims differ: q {q.size[3]}, k {k.size[3]}")
     if q.size[3] not in HEAD_DIMS:
         raise Unsupported(f"head dim {q.size[3]} outside 16..256")
+    # V may have a head dim of its own (multi-head latent attention: q·k over 192, values 128 wide): the kernels run
+    # each product at its operands' width.
+    if v.size[3] not in HEAD_DIMS:
+        raise Unsupported(f"V's head dim {v.size[3]} outside 16..256")
     canon = Canon(batch=B, heads=H, q_len=q_len, kv_len=kv_len)
     lifted = Lifter(m, canon, sizes_vary, scales).lift()
     if any(lifted.aux_needs_grad) and torch.are_deterministic_algorithms_enabled():
@@ -192,6 +196,8 @@ def plan(m: AttentionMatch, name: str, replay: bool, sizes_vary: bool = False, s
         features.append("gqa")
     if q_len != kv_len:
         features.append("cross")
+    if v.size[3] != q.size[3]:
+        features.append("value_head_dim")
     if m.dropout_p > 0:
         features.append("dropout")
     return spec, [q_src, k_src, v_src], sorted(set(features))

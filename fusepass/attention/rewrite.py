@@ -16,7 +16,6 @@ import torch.fx
 from fusepass.attention.call import AttentionCall, register
 from fusepass.attention.cost import attention_records
 from fusepass.attention.dynamic import reads_symbolic_ints, rewrite_dynamic
-from fusepass.attention.head_dims import differing_head_dims, pad_to_one_head_dim
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged, describe, known_input
 from fusepass.attention.layout import Unsupported
 from fusepass.attention.match import AttentionMatch, Operands, match, softmaxes
@@ -64,19 +63,13 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
     for softmax in softmaxes(graph):
         where = location(softmax)
         name = f"attention_{next(_names)}"
-        unpad = None
         try:
             m = match(softmax)
             if not _static(m) or reads_symbolic_ints(graph, m):
                 ctx.report.rewrites.extend(rewrite_dynamic(graph, m, ctx, name, where, rewrite_attention))
                 changed = changed or ctx.run_kernels
                 continue
-            if differing_head_dims(m) is not None:
-                unpad = pad_to_one_head_dim(graph, m)
-                m = match(softmax)
             spec, sources, features = plan(m, name, ctx.options.replay, ctx.sizes_vary, sdpa)
-            if unpad is not None:
-                features = sorted([*features, "padded_head_dim"])
             # The op's inputs: Q, K and V's sources, what the score functions read, the buffers read as the bands
             # they hold (for their guards), then whatever else the replaced ops read.
             banded = [node for node, _ in spec.lifted.bands]
@@ -91,13 +84,9 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
                 raise Unsupported(f"a gradient flows to {', '.join(lost)}, which the replaced ops read and which "
                                   "cannot be recomputed from the fused op's inputs (a random op)")
         except Unsupported as reason:
-            if unpad is not None:
-                unpad()
             ctx.report.hotspots.append(_unfused_hotspot(softmax, str(reason)))
             continue
         except Exception as error:
-            if unpad is not None:
-                unpad()
             ctx.fallback("attention", where, "attention rewrite failed", error, ("aten.softmax",),
                          op_bytes(softmax))
             continue
@@ -126,8 +115,6 @@ def rewrite_attention(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gr
             changed = True
         else:
             mark_planned(replaced, spec.name)
-            if unpad is not None:  # the graph runs its ops as written
-                unpad()
     if changed:
         graph.eliminate_dead_code()
         gm.recompile()

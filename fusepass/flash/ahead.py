@@ -18,7 +18,8 @@ import torch
 
 from fusepass.flash.backward import backward_launches
 from fusepass.flash.blockmap import BlockMap, block_map_for, build_block_map, empty_block_map
-from fusepass.flash.config import FlashConfig, backward_configs, compile_fitting_ahead, forward_config, kind_block_m
+from fusepass.flash.config import (FlashConfig, backward_configs, compile_fitting_ahead, forward_config, kind_block_m,
+                                    tile_width)
 from fusepass.flash.distance_table import distance_gradients, meta_distance_tables
 from fusepass.flash.forward import forward_launch, forward_outputs, forward_tile_configs
 from fusepass.flash.score_mod import ScoreMod
@@ -37,13 +38,15 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     device = device or q.device
     batch, q_heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
+    width = tile_width(head_dim, v.shape[3])
     aux = aux + meta_distance_tables(mod)
-    out, lse, log_sum, fallback_rows, residual = forward_outputs(q, mod, out_dtype, "meta", backward=grads is not None)
+    out, lse, log_sum, fallback_rows, residual = forward_outputs(q, mod, out_dtype, "meta", backward=grads is not None,
+                                                                 head_dim_v=v.shape[3])
 
     def map_at(config: FlashConfig) -> BlockMap:
         return empty_block_map(mod, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, "meta")
 
-    forward_configs = (forward_tiles,) if forward_tiles else forward_tile_configs(mod, head_dim, q.dtype, device)
+    forward_configs = (forward_tiles,) if forward_tiles else forward_tile_configs(mod, width, q.dtype, device)
     seed = torch.empty(1, dtype=torch.int64, device=q.device)  # dropout's, as the call draws it
     for config in forward_configs:
         kernel, _, args, keywords = forward_launch(q, k, v, mod, aux, config,
@@ -57,13 +60,13 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     passed_map = None  # the forward's map, mapped in each call and passed to the backward
     if cached_maps and q.is_meta:
         # The forward maps the mask at its widest tiles first, to see whether its rows are short.
-        widest = forward_config(head_dim, q.dtype, True, device)
+        widest = forward_config(width, q.dtype, True, device)
         for block_m, block_n in dict.fromkeys((c.block_m, c.block_n) for c in (widest, *forward_configs)):
             block_map_for(mod, (), batch, q_heads, q_len, kv_len, block_m, block_n, q.device)
     elif mod.has_mask and q.is_meta:  # mapped in each call, at the forward's tiles, its kinds at dK/dV's rows
         config, = forward_configs
         passed_map = build_block_map(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
-                                     q.device, kind_block_m=kind_block_m(config, head_dim, q.dtype, device))
+                                     q.device, kind_block_m=kind_block_m(config, width, q.dtype, device))
     if grads is None:
         return
 
@@ -83,6 +86,6 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
             dropout_p, seed, backward_map_at, device, residual):
         compile_fitting_ahead(kernel, *args, **keywords)
     if cached_maps and not q.is_meta:
-        configs = backward_configs(head_dim, q.dtype, True, device)
+        configs = backward_configs(width, q.dtype, True, device)
         for config in (configs.dq, configs.dkdv):
             block_map_for(mod, (), batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)

@@ -11,7 +11,8 @@ Two kernels, no atomics for dQ / dK / dV, launched in this order:
    through shared memory). dV's product takes a tile's weights before dp is computed, so that fewer tiles
    are live at once (the kernel's registers are what bound its q chunks).
 
-dO may come in `out`'s dtype; the dots read it in the inputs' dtype.
+dO may come in `out`'s dtype; the dots read it in the inputs' dtype. As in the forward, the scores, dQ = dS·K and
+dK = dSᵀ·Q run at Q's and K's head dim in its parts (`tiles.load_parts`), dO·Vᵀ, dV and the row term dO·O at V's.
 
 Both recompute the weights p = exp(x - m - log_sum) from the forward's lse and log_sum (m = lse - log_sum,
 see FlashForwardExtra), then ds = p · (dp - delta) with dp = dO · Vᵀ, and push ds through the score chain
@@ -34,12 +35,13 @@ import triton.language as tl
 
 from fusepass.flash.blockmap import (EMPTY, FULL_LIST, PARTIAL_LIST, BlockMap, block_list, block_map_for, list_entry,
                                      row_lists, walk_start, walk_step)
-from fusepass.flash.config import FlashConfig, backward_configs, head_block, launch_fitting
+from fusepass.flash.config import FlashConfig, backward_configs, head_block, head_blocks, launch_fitting, tile_width
 from fusepass.flash.distance_table import add_distance_gradients, distance_gradients, distance_tables
 from fusepass.flash.forward import LOG2E, FlashForwardExtra, has_partial_tiles
 from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, dropout_seed, grouped_program,
-                                  load_kv_tile, load_tile, load_tiles, masked_scores, q_block_program, store_rows,
-                                  tail_placement, tile_operands, tile_positions, truncated)
+                                  load_kv_tile, load_parts, load_tile, masked_scores, parts_product, parts_scores,
+                                  q_block_program, store_parts, store_rows, tail_placement, tile_operands,
+                                  tile_positions, truncated, zero_parts)
 from fusepass.flash.score_mod import ScoreMod
 from fusepass.runtime.sizes import cdiv
 
@@ -153,27 +155,31 @@ def _weights_gradient(s, p, dp, kept, dropped, delta, scale, b, h, q_idx, kv_idx
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, h, bh,
+def _dkdv_tile(dk, dv, k, v, q_block, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b, h, bh,
                cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr,
                FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
-               DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               DESCRIPTORS: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
+               DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, DESCRIPTORS: tl.constexpr,
+               Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
+    """Add one q tile's share to dK and dV (dK and the kv block's K in the parts of their head dim,
+    `tiles.load_parts`)."""
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
-                       DESCRIPTORS)
-    do = do.to(q.dtype)
+    q = load_parts(Q, Q2, b, h, q_block * BLOCK_M, Nq, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D2, True,
+                   DESCRIPTORS)
+    do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, DESCRIPTORS)
+    do = do.to(v.dtype)
     stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
     # dV's product takes the weights before dp = dO · Vᵀ is computed: fewer tiles live at once.
-    s = dot(k, tl.trans(q))
+    s = parts_scores(k, q)
     p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, stats, k, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
+        s, stats, v, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
         DROPOUT, True, BLOCK_M, Q_TAIL, EXACT_WEIGHTS)
     dv = dot(p_dropped.to(do.dtype), do, dv)
     dp = dot(v, tl.trans(do))
     delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
     grad = _weights_gradient(s, p, dp, kept, dropped, delta, stats[2], b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
                              dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True, EXACT_WEIGHTS)
-    dk = dot(grad.to(q.dtype), q, dk)
+    dk = parts_product(grad.to(v.dtype), q, dk)
     return dk, dv
 
 
@@ -198,11 +204,12 @@ FALLBACK_CHUNK = tl.constexpr(128)
 
 
 @triton.jit
-def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head, kv_block, cols,
+def _dkdv_walk(dk, dv, k, v, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head, kv_block, cols,
                first_head, n_heads, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists, fallback_blocks,
                aux, aux_grad, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
+               HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, DESCRIPTORS: tl.constexpr,
                PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
     """dK and dV of the kv block after the tiles of `n_heads` query heads from `first_head` (of the kv head's
     group): with FLAT, heads that share one block map, in one walk over (query head, q block) pairs for each tile
@@ -255,10 +262,10 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
                 # Past the walk's last step, step 0 of its last head (read, not used): no flags past the group's.
                 following_head = tl.minimum(following_head, n_heads - 1)
                 next_block = _partial_walk_block(following, _walk_of_head(walk, following_head))
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                                 first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE,
-                                KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS)
+                                KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
+                                BLOCK_D, BLOCK_D2, BLOCK_DV, DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS)
     first_block = walk_start(full_blocks, n_full, KEEP is not None)
     next_block = first_block
     for j in range(0, n_heads * n_full):
@@ -266,10 +273,10 @@ def _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b
         q_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
         if FLAT and KEEP is not None:  # the next head's walk starts the list again
             next_block = tl.where(i + 1 == n_full, first_block, next_block)
-        dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
+        dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                             first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP,
-                            FILL, SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_D, DESCRIPTORS,
-                            Q_TAIL, EXACT_WEIGHTS)
+                            FILL, SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D,
+                            BLOCK_D2, BLOCK_DV, DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS)
     return dk, dv
 
 
@@ -292,12 +299,13 @@ def _walk_of_head(walk, g):
 
 @triton.jit
 def _flash_backward_dkdv_kernel(
-    Q, K, V, DO, Lse, LogSum, Delta, DK, DV,
+    Q, Q2, K, K2, V, DO, Lse, LogSum, Delta, DK, DV,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
     Nq, Nk, group, q_lists, fallback_blocks, aux, aux_grad, Seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
     PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr,
 ):
     # First kv blocks first: under a causal mask they hold the most tiles.
@@ -307,60 +315,62 @@ def _flash_backward_dkdv_kernel(
     n_q_blocks = tl.cdiv(Nq, BLOCK_M)
     n_q_heads = tl.num_programs(1) * group
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    k, v = load_tiles(K, V, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
-                      True, DESCRIPTORS)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    k = load_parts(K, K2, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, True,
+                   DESCRIPTORS)
+    v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM_V, BLOCK_N, BLOCK_DV, True, DESCRIPTORS)
+    dk = zero_parts(BLOCK_N, BLOCK_D, BLOCK_D2)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # The query heads reading this kv head: with FLAT_HEADS (GQA, their block maps one) in one walk, else a
     # walk each.
     if FLAT_HEADS:
-        dk, dv = _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head, kv_block,
+        dk, dv = _dkdv_walk(dk, dv, k, v, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head, kv_block,
                             cols, 0, group, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                             fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
-                            FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS, PARTIAL_TILES,
-                            True, Q_TAIL, EXACT_WEIGHTS)
+                            FILL_GRAD, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV,
+                            DESCRIPTORS, PARTIAL_TILES, True, Q_TAIL, EXACT_WEIGHTS)
     else:
         for g in range(0, group):
-            dk, dv = _dkdv_walk(dk, dv, k, v, Q, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head,
+            dk, dv = _dkdv_walk(dk, dv, k, v, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head,
                                 kv_block, cols, g, 1, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                                 fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
-                                FILL_GRAD, DROPOUT, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                PARTIAL_TILES, False, Q_TAIL, EXACT_WEIGHTS)
+                                FILL_GRAD, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2,
+                                BLOCK_DV, DESCRIPTORS, PARTIAL_TILES, False, Q_TAIL, EXACT_WEIGHTS)
 
-    store_rows(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
-               dk_strides[2], offs_d, dk_strides[3], HEAD_DIM)
+    store_parts(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
+                dk_strides[2], dk_strides[3], HEAD_DIM, BLOCK_D, BLOCK_D2)
     store_rows(DV + b.to(tl.int64) * dv_strides[0] + kv_head.to(tl.int64) * dv_strides[1], dv, cols, Nk,
-               dv_strides[2], offs_d, dv_strides[3], HEAD_DIM)
+               dv_strides[2], tl.arange(0, BLOCK_DV), dv_strides[3], HEAD_DIM_V)
 
 
 @triton.jit
-def _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh, rows,
+def _dq_tile(dq, q, do, stats, delta, kv_block, K, K2, V, k_strides, v_strides, b, h, kv_head, bh, rows,
              Nq, Nk, aux, seed, dropout_p, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
              SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-             KV_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
-    """Add one kv tile's share to dQ."""
-    cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
-                              PARTIAL, DESCRIPTORS, KV_TAIL)
-    s = dot(q, tl.trans(k))
+             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, DESCRIPTORS: tl.constexpr, KV_TAIL: tl.constexpr,
+             EXACT_WEIGHTS: tl.constexpr):
+    """Add one kv tile's share to dQ (dQ and Q in the parts of their head dim, `tiles.load_parts`)."""
+    cols, k, v = load_kv_tile(K, K2, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, HEAD_DIM_V,
+                              BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, PARTIAL, DESCRIPTORS, KV_TAIL)
+    s = parts_scores(q, k)
     dp = dot(do, tl.trans(v))
     p, _, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, stats, k, b, h, bh, rows, cols, kv_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL,
+        s, stats, v, b, h, bh, rows, cols, kv_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL,
         PARTIAL, DROPOUT, False, BLOCK_N, KV_TAIL, EXACT_WEIGHTS)
     grad = _weights_gradient(s, p, dp, kept, dropped, delta, stats[2], b, h, q_idx, kv_idx, kv_in, aux, None,
                              dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, False, EXACT_WEIGHTS)
-    return dot(grad.to(k.dtype), k, dq)
+    return parts_product(grad.to(v.dtype), k, dq)
 
 
 @triton.jit
 def _flash_backward_dq_kernel(
-    Q, K, V, Out, Residual, DO, Lse, LogSum, Delta, DQ,
+    Q, Q2, K, K2, V, Out, Residual, DO, Lse, LogSum, Delta, DQ,
     q_strides, k_strides, v_strides, out_strides, do_strides, dq_strides,
     Nq, Nk, group, kv_lists, fallback_rows, fallback_blocks, aux, Seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
-    FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
+    FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DESCRIPTORS: tl.constexpr, DKDV_BLOCK_M: tl.constexpr,
     HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr, DELTA_BY_DOT: tl.constexpr,
     EXACT_WEIGHTS: tl.constexpr,
 ):
@@ -368,13 +378,13 @@ def _flash_backward_dq_kernel(
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
     n_kv_blocks = tl.cdiv(Nk, BLOCK_N)
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
     kv_head = h // group
     seed = dropout_seed(Seed, DROPOUT)
-    q, do = load_tiles(Q, DO, b, h, q_block * BLOCK_M, Nq, q_strides, do_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
-                       DESCRIPTORS)
-    out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True, DESCRIPTORS)
-    do = do.to(q.dtype)
+    q = load_parts(Q, Q2, b, h, q_block * BLOCK_M, Nq, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D2, True,
+                   DESCRIPTORS)
+    do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, DESCRIPTORS)
+    out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, DESCRIPTORS)
+    do = do.to(q[0].dtype)
     if DELTA_BY_DOT:
         # delta_i = dO_i · O_i as the dot dp_ij = dO_i · V_j is computed (the diagonal of dO · Oᵀ): where a row's
         # weight is all on one key, its O is that key's V and dp - delta cancels exactly, as in eager's softmax
@@ -388,8 +398,8 @@ def _flash_backward_dq_kernel(
     if Residual is not None:
         # What rounding O left out (`keeps_residual`): without it a row's score gradients sum to dO · (O - round(O)),
         # not 0. A row whose weight is all on one key has O = V exactly, residual 0: the cancellation above stays.
-        residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True,
-                             DESCRIPTORS)
+        residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
+                             True, DESCRIPTORS)
         delta += tl.sum(residual.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
     stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
@@ -414,25 +424,27 @@ def _flash_backward_dq_kernel(
         n_sub_blocks = tl.cdiv(Nq, DKDV_BLOCK_M)
         tl.store(fallback_blocks + bh * n_sub_blocks + sub_blocks, sub_flags, mask=sub_blocks < n_sub_blocks)
 
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = zero_parts(BLOCK_M, BLOCK_D, BLOCK_D2)
     next_block = walk_start(full_blocks, n_full, KEEP is not None)
     for i in range(0, n_full):
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
-        dq = _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head, bh,
+        dq = _dq_tile(dq, q, do, stats, delta, kv_block, K, K2, V, k_strides, v_strides, b, h, kv_head, bh,
                       rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, False,
-                      DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL, EXACT_WEIGHTS)
+                      DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, DESCRIPTORS, KV_TAIL,
+                      EXACT_WEIGHTS)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial + n_all):  # one of the two is 0
             kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
             if KEEP is not None:
                 kv_block = tl.where(n_all > 0, i, kv_block)
-            dq = _dq_tile(dq, q, do, stats, delta, kv_block, K, V, k_strides, v_strides, b, h, kv_head,
+            dq = _dq_tile(dq, q, do, stats, delta, kv_block, K, K2, V, k_strides, v_strides, b, h, kv_head,
                           bh, rows, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD, FILL_GRAD, True,
-                          DROPOUT, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL, EXACT_WEIGHTS)
+                          DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, DESCRIPTORS, KV_TAIL,
+                          EXACT_WEIGHTS)
 
-    store_rows(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
-               dq_strides[2], offs_d, dq_strides[3], HEAD_DIM)
+    store_parts(DQ + b.to(tl.int64) * dq_strides[0] + h.to(tl.int64) * dq_strides[1], dq, rows, Nq,
+                dq_strides[2], dq_strides[3], HEAD_DIM, BLOCK_D, BLOCK_D2)
 
 
 def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int,
@@ -457,11 +469,11 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     its launch. `aux` includes the distance tables, `aux_grad` the gradients by distance; `lse` and `log_sum`
     contiguous. `device`: where the kernels will run, where the tensors are meta stand-ins (q's otherwise)."""
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    configs = backward_configs(head_dim, q.dtype, mod.has_mask, device or q.device)
+    kv_heads, kv_len, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
+    configs = backward_configs(tile_width(head_dim, head_dim_v), q.dtype, mod.has_mask, device or q.device)
     assert not mod.has_mask or configs.dq.block_m % configs.dkdv.block_m == 0, \
         "a dQ q block flags whole dK/dV q blocks"
-    block_d = head_block(head_dim)
+    qk_blocks, block_dv = head_blocks(head_dim), head_block(head_dim_v)
     dq, dk, dv = grads
     # Per (b, h) and dK/dV q block: whether it holds a row the forward recomputed (written by the dQ kernel).
     fallback_blocks = None if fallback_rows is None else torch.empty(
@@ -470,8 +482,9 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
     def constants(config: FlashConfig) -> dict:
         return dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCORE_GRAD=mod.score_grad,
-                    FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim,
-                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, HEAD_GROUP=config.head_group,
+                    FILL_GRAD=mod.fill_grad, DROPOUT=dropout_p > 0.0, HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v,
+                    BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=qk_blocks[0], BLOCK_D2=qk_blocks[1],
+                    BLOCK_DV=block_dv, HEAD_GROUP=config.head_group,
                     PARTIAL_TILES=has_partial_tiles(mod, kv_len, config.block_n), EXACT_WEIGHTS=residual is not None,
                     num_warps=config.num_warps,
                     num_stages=config.num_stages)
@@ -481,13 +494,13 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if mod.has_mask:
         block_map = map_at(config, False)
         kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides)
-    tiled = ((q, config.block_m), (k, config.block_n), (v, config.block_n), (out, config.block_m), (do, config.block_m))
-    operands, descriptors = tile_operands(tiled + (((residual, config.block_m),) if residual is not None else ()),
-                                          block_d, config.descriptors)
-    q_operand, k_operand, v_operand, out_operand, do_operand, *residual_operand = operands
+    tiled = ((q, config.block_m, qk_blocks), (k, config.block_n, qk_blocks), (v, config.block_n, block_dv),
+             (out, config.block_m, block_dv), (do, config.block_m, block_dv))
+    operands, descriptors = tile_operands(
+        tiled + (((residual, config.block_m, block_dv),) if residual is not None else ()), config.descriptors)
+    qk_v_operands, (out_operand, do_operand, *residual_operand) = operands[:5], operands[5:]  # Q, Q2, K, K2, V
     yield (_flash_backward_dq_kernel, (cdiv(q_len, config.block_m), q_heads, batch),
-           (q_operand, k_operand, v_operand, out_operand, *(residual_operand or [None]), do_operand, lse, log_sum,
-            delta, dq,
+           (*qk_v_operands, out_operand, *(residual_operand or [None]), do_operand, lse, log_sum, delta, dq,
             q.stride(), k.stride(), v.stride(), out.stride(), do.stride(), dq.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, fallback_rows, fallback_blocks, aux, read_seed, dropout_p),
            dict(DESCRIPTORS=descriptors, DKDV_BLOCK_M=configs.dkdv.block_m,
@@ -499,11 +512,11 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if mod.has_mask:
         block_map = map_at(config, True)
         q_lists = (block_map.cols.count, block_map.cols.index, *block_map.batch_head_strides, block_map.kind)
-    (q_operand, k_operand, v_operand, do_operand), descriptors = tile_operands(
-        ((q, config.block_m), (k, config.block_n), (v, config.block_n), (do, config.block_m)), block_d,
-        config.descriptors)
+    operands, descriptors = tile_operands(
+        ((q, config.block_m, qk_blocks), (k, config.block_n, qk_blocks), (v, config.block_n, block_dv),
+         (do, config.block_m, block_dv)), config.descriptors)
     yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
-           (q_operand, k_operand, v_operand, do_operand, lse, log_sum, delta, dk, dv,
+           (*operands, lse, log_sum, delta, dk, dv,
             q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
             q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux, aux_grad, read_seed, dropout_p),
            dict(DESCRIPTORS=descriptors, Q_TAIL=tail_placement(q_len, config.block_m, False),
@@ -526,7 +539,8 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     """
     check_attention_inputs(q, k, v)
     assert dropout_p == 0.0 or seed is not None, "dropout reads its seed from a tensor"
-    assert do.shape == out.shape == q.shape, f"do {tuple(do.shape)}, out {tuple(out.shape)}, q {tuple(q.shape)}"
+    assert do.shape == out.shape == (*q.shape[:3], v.shape[3]), \
+        f"do {tuple(do.shape)}, out {tuple(out.shape)}, q {tuple(q.shape)}, v {tuple(v.shape)}"
     kv_len = k.shape[2]
     assert lse.shape == extra.log_sum.shape == q.shape[:3]
     aux = aux + distance_tables(mod, aux, q.device)

@@ -1,7 +1,7 @@
 """Tile sizes and launch parameters of the flash-attention kernels.
 
 One `FlashConfig` per kernel (the forward; the backward's dK/dV and dQ kernels, each with a block map at its
-tiles). Chosen by head dim, dtype, the device and whether a mask is present.
+tiles). Chosen by the width of the head dims' tiles (`tile_width`), dtype, the device and whether a mask is present.
 
 Under Triton's interpreter (CPU) every tile is 16 × 16: the interpreter's cost grows with the number of
 elements a program touches, and 16 is the smallest size `tl.dot` accepts. The GPU numbers are starting
@@ -53,11 +53,30 @@ def head_block(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
+def head_blocks(head_dim: int) -> tuple[int, int]:
+    """Q's and K's head dim as the kernels' column blocks (first, second), powers of two of at least 16: two where
+    they cover it in fewer columns than one padded block (192 = 128 + 64, 96 = 64 + 32, 80 = 64 + 16), the products
+    over it then two into one accumulator; else (`head_block`, 0)."""
+    whole = head_block(head_dim)
+    first = whole // 2
+    second = head_block(head_dim - first) if head_dim > first else 0
+    return (first, second) if second and first + second < whole else (whole, 0)
+
+
+def tile_width(head_dim: int, head_dim_v: int) -> int:
+    """The width the tile configs are chosen by, for Q and K of `head_dim` and V of `head_dim_v`: the wider of Q's and
+    K's blocks together and V's block. Shared memory holds K's and V's tiles of each pipeline stage, and registers
+    Q's tile and the output's accumulator, so the wider side decides which of the configs' widths fits (a first rule:
+    the configs were tuned with both sides at one width)."""
+    return max(sum(head_blocks(head_dim)), head_block(head_dim_v))
+
+
 @functools.cache  # asked on every call of the kernels
-def forward_config(head_dim: int, dtype: torch.dtype, has_mask: bool, device: torch.device) -> FlashConfig:
+def forward_config(width: int, dtype: torch.dtype, has_mask: bool, device: torch.device) -> FlashConfig:
+    """`width`: the head dims' (`tile_width`)."""
     if device.type != "cuda":
         return INTERPRETER_CONFIG
-    return _on_gpu(_forward_tiles(head_dim, dtype, has_mask), device)
+    return _on_gpu(_forward_tiles(width, dtype, has_mask), device)
 
 
 # Programs take (batch, head) pairs in groups of this many: at the large causal shape the forward ran faster in
@@ -70,17 +89,16 @@ def _on_gpu(config: FlashConfig, device: torch.device) -> FlashConfig:
     return replace(config, descriptors=has_tma(device), head_group=GPU_HEAD_GROUP)
 
 
-def _forward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> FlashConfig:
-    block_d = head_block(head_dim)
+def _forward_tiles(width: int, dtype: torch.dtype, has_mask: bool) -> FlashConfig:
     wide = dtype == torch.float32  # fp32 tiles take twice the shared memory
-    if block_d <= 64:
+    if width <= 64:
         # At D64 (causal, the small shape) 64 × 64 and 128 × 128 tiles (the latter spilling a little) ran about
         # level, 128 × 64 slower. Masked attentions take 64 × 64, the backward's tiles: a mask that reads tensors
         # is mapped once per call for all three kernels. Unmasked ones take the widest tiles.
         if has_mask:
             return FlashConfig(64, 64, num_warps=4, num_stages=3)
         return FlashConfig(128, 64 if wide else 128, num_warps=4, num_stages=3)
-    if block_d <= 128:
+    if width <= 128:
         if wide:
             return FlashConfig(64, 32, num_warps=4, num_stages=3)
         # At the large causal shape, with K and V through descriptors (faster at either width than pointer
@@ -127,28 +145,28 @@ class BackwardConfigs:
 
 
 @functools.cache  # asked on every call of the kernels
-def backward_configs(head_dim: int, dtype: torch.dtype, has_mask: bool, device: torch.device) -> BackwardConfigs:
+def backward_configs(width: int, dtype: torch.dtype, has_mask: bool, device: torch.device) -> BackwardConfigs:
+    """`width`: the head dims' (`tile_width`)."""
     if device.type != "cuda":
         return BackwardConfigs(INTERPRETER_CONFIG, INTERPRETER_CONFIG)
-    tiles = _backward_tiles(head_dim, dtype, has_mask)
+    tiles = _backward_tiles(width, dtype, has_mask)
     return BackwardConfigs(_on_gpu(tiles.dkdv, device), _on_gpu(tiles.dq, device))
 
 
-def _backward_tiles(head_dim: int, dtype: torch.dtype, has_mask: bool) -> BackwardConfigs:
-    block_d = head_block(head_dim)
+def _backward_tiles(width: int, dtype: torch.dtype, has_mask: bool) -> BackwardConfigs:
     if dtype == torch.float32:  # fp32 tiles take twice the registers and shared memory
         return BackwardConfigs(FlashConfig(32, 32, num_warps=4, num_stages=2), FlashConfig(32, 32, 4, 2))
-    # dK/dV keeps dK and dV (block_n × block_d, fp32) in registers for its whole loop; q chunks of 64 give
+    # dK/dV keeps dK and dV (block_n × their widths, fp32) in registers for its whole loop; q chunks of 64 give
     # its sᵀ = K·Qᵀ and dpᵀ = V·dOᵀ products N = 64, where N = 32 reads K or V from shared memory twice as
     # often per FLOP.
-    if block_d <= 64:
+    if width <= 64:
         if not has_mask:
             # Without a mask (the small shape) these tiles ran faster than the masks' below: dK/dV 32 × 128 with
             # dQ 64 × 128, the best of the dQ tiles swept.
             return BackwardConfigs(FlashConfig(32, 128, num_warps=4, num_stages=3), FlashConfig(64, 128, 4, 3))
         # Causal, the small shape: dK/dV at 64 × 64 ran level with 32 × 64 and well ahead of 32 × 128 at 8 warps.
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(64, 64, 4, 3))
-    if block_d <= 128:
+    if width <= 128:
         # Causal, the large shape, with descriptors: dK/dV at 64 × 64 and 2 stages ran fastest. 32 × 64 at 3
         # stages, the best before dV's product took the weights ahead of dp, has been slower since; 64 × 64 at 3
         # stages spills more under triton 3.6 and runs slower.
@@ -167,12 +185,12 @@ def forward_warps(config: FlashConfig, reads_tables: bool) -> int:
     return 8 if reads_tables and config.num_warps == 4 else config.num_warps
 
 
-def kind_block_m(forward: FlashConfig, head_dim: int, dtype: torch.dtype, device: torch.device) -> int:
+def kind_block_m(forward: FlashConfig, width: int, dtype: torch.dtype, device: torch.device) -> int:
     """The q extent of the kinds and cols lists of the block map a forward at `forward`'s tiles builds for a
     mask that reads tensors (mapped on every call, and passed to the backward): the dK/dV kernel's q blocks
     where they divide the forward's and the kv extents agree, so that one map serves the forward and both
     backward kernels (the dQ kernel reads the forward's rows lists); else the forward's."""
-    dkdv = backward_configs(head_dim, dtype, True, device).dkdv
+    dkdv = backward_configs(width, dtype, True, device).dkdv
     if dkdv.block_n == forward.block_n and forward.block_m % dkdv.block_m == 0:
         return dkdv.block_m
     return forward.block_m

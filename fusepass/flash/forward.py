@@ -5,6 +5,10 @@ lists for its q block (FULL tiles evaluate SCORE only, PARTIAL tiles `where(KEEP
 running row max `m`, the running denominator `l` and the unnormalised output in fp32. Without a mask every
 kv tile is FULL except a last, partly out-of-range one. See docs/flash-kernel-interface.md for the contract.
 
+q·kᵀ runs over Q's and K's head dim, in two parts where two powers of two cover it in fewer columns than one
+(`config.head_blocks`: 192 = 128 + 64, two products into one accumulator), P·V and the output at V's own head dim
+(multi-head latent attention's values are narrower than its queries and keys).
+
 Dots accumulate in fp32; fp32 inputs use input_precision="ieee" (no TF32) so fp32 results match eager
 fp32, half inputs run on tensor cores (the P·V dot takes P cast to V's dtype).
 
@@ -30,13 +34,13 @@ import triton
 import triton.language as tl
 
 from fusepass.flash.blockmap import BlockMap, block_map_for, capturing, row_lists, walk_start, walk_step
-from fusepass.flash.config import (FlashConfig, forward_config, forward_warps, head_block, kind_block_m, launch_fitting,
-                                    narrow_kv_tiles)
+from fusepass.flash.config import (FlashConfig, forward_config, forward_warps, head_block, head_blocks, kind_block_m,
+                                    launch_fitting, narrow_kv_tiles, tile_width)
 from fusepass.flash.distance_table import distance_tables
 from fusepass.flash.score_mod import ScoreMod
-from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, dropout_seed, load_kv_tile, load_tile,
-                                  masked_scores, q_block_program, store_rows, tail_placement, tile_operands,
-                                  tile_positions, truncated)
+from fusepass.flash.tiles import (check_attention_inputs, dot, dropout_kept, dropout_seed, load_kv_tile, load_parts,
+                                  masked_scores, parts_scores, q_block_program, store_rows, tail_placement,
+                                  tile_operands, tile_positions, truncated)
 from fusepass.runtime.sizes import cdiv
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -51,16 +55,18 @@ TAME = tl.constexpr(2.0 ** 24)
 
 
 @triton.jit
-def _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk, aux,
+def _attend_tile(acc, m, l, excess, q, K, K2, V, k_strides, v_strides, kv_block, b, h, kv_head, q_idx, Nk, aux,
                  seed, dropout_p, drop_rows, SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr,
                  SCALE: tl.constexpr, PARTIAL: tl.constexpr, DROPOUT: tl.constexpr, FUSED_EXP: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DESCRIPTORS: tl.constexpr,
-                 KV_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, DESCRIPTORS: tl.constexpr, KV_TAIL: tl.constexpr,
+                 EXACT_WEIGHTS: tl.constexpr):
     """Fold one kv tile into the running (acc, m, l, excess) of a q block (`excess`: see the fused form below;
-    `EXACT_WEIGHTS`: the weights the backward recomputes, see `row_statistics`)."""
-    cols, k, v = load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D,
-                              PARTIAL, DESCRIPTORS, KV_TAIL)
-    s = dot(q, tl.trans(k))
+    `EXACT_WEIGHTS`: the weights the backward recomputes, see `row_statistics`). `q` in the parts of its head dim
+    (`tiles.load_parts`)."""
+    cols, k, v = load_kv_tile(K, K2, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM, HEAD_DIM_V,
+                              BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV, PARTIAL, DESCRIPTORS, KV_TAIL)
+    s = parts_scores(q, k)
     x_scale = 1.0  # the final scores are x · x_scale
     if PARTIAL:
         _, kv_idx, kv_in = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
@@ -125,12 +131,13 @@ def _power_of_two(e):
 
 @triton.jit
 def _flash_forward_kernel(
-    Q, K, V, Out, Residual, Lse, LogSum, Fallback,
+    Q, Q2, K, K2, V, Out, Residual, Lse, LogSum, Fallback,
     q_strides, k_strides, v_strides, out_strides,
     Nq, Nk, group, kv_lists, aux, fill_bound, Seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCALE: tl.constexpr, DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, DESCRIPTORS: tl.constexpr,
+    HEAD_GROUP: tl.constexpr, PARTIAL_TILES: tl.constexpr, KV_TAIL: tl.constexpr,
 ):
     n_q_blocks = tl.num_programs(0)
     q_block, h, b, bh = q_block_program(HEAD_GROUP)
@@ -138,13 +145,14 @@ def _flash_forward_kernel(
     seed = dropout_seed(Seed, DROPOUT)
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     row_in = rows < Nq
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_DV)
     # Positions past Nq are clamped for the score functions, which may load aux tensors by position.
     q_idx = tl.minimum(rows, Nq - 1)[:, None]
     drop_rows = (bh * Nq + rows) * Nk
 
     kv_head = h // group
-    q = load_tile(Q, b, h, q_block * BLOCK_M, Nq, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D, True, DESCRIPTORS)
+    q = load_parts(Q, Q2, b, h, q_block * BLOCK_M, Nq, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D2, True,
+                   DESCRIPTORS)
 
     if KEEP is None:
         n_full, full_blocks = Nk // BLOCK_N, None
@@ -155,23 +163,23 @@ def _flash_forward_kernel(
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     excess = tl.zeros([BLOCK_M], tl.float32)
     next_block = walk_start(full_blocks, n_full, KEEP is not None)
     for i in range(0, n_full):
         kv_block, next_block = walk_step(full_blocks, n_full, i, next_block, 0, KEEP is not None)
-        acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h, kv_head,
+        acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, K2, V, k_strides, v_strides, kv_block, b, h, kv_head,
                                          q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL, SCALE, False,
-                                         DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS, KV_TAIL,
-                                         Residual is not None)
+                                         DROPOUT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D, BLOCK_D2,
+                                         BLOCK_DV, DESCRIPTORS, KV_TAIL, Residual is not None)
     if PARTIAL_TILES:
         next_block = walk_start(partial_blocks, n_partial, KEEP is not None)
         for i in range(0, n_partial):
             kv_block, next_block = walk_step(partial_blocks, n_partial, i, next_block, n_full, KEEP is not None)
-            acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
+            acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, K2, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
-                                             SCALE, True, DROPOUT, True, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                             KV_TAIL, Residual is not None)
+                                             SCALE, True, DROPOUT, True, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D,
+                                             BLOCK_D2, BLOCK_DV, DESCRIPTORS, KV_TAIL, Residual is not None)
 
     # Rows recomputed over all tiles the exact way. EMPTY tiles were skipped; that is exact only for rows
     # whose max stands SKIP_MARGIN above every fill value: not for rows without a kept element, or with
@@ -198,12 +206,12 @@ def _flash_forward_kernel(
     if recomputed:
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for kv_block in range(0, n_kv_blocks):
-            acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, V, k_strides, v_strides, kv_block, b, h,
+            acc, m, l, excess = _attend_tile(acc, m, l, excess, q, K, K2, V, k_strides, v_strides, kv_block, b, h,
                                              kv_head, q_idx, Nk, aux, seed, dropout_p, drop_rows, SCORE, KEEP, FILL,
-                                             SCALE, True, DROPOUT, False, HEAD_DIM, BLOCK_N, BLOCK_D, DESCRIPTORS,
-                                             KV_TAIL, Residual is not None)
+                                             SCALE, True, DROPOUT, False, HEAD_DIM, HEAD_DIM_V, BLOCK_N, BLOCK_D,
+                                             BLOCK_D2, BLOCK_DV, DESCRIPTORS, KV_TAIL, Residual is not None)
         excess = tl.zeros([BLOCK_M], tl.float32)  # the exact form's weights carry no common factor
     if KEEP is not None:
         tl.store(Fallback + bh * Nq + rows, fallback.to(tl.int8), mask=row_in)
@@ -214,11 +222,11 @@ def _flash_forward_kernel(
         l_out = l
     Out_bh = Out + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1]
     o = acc / l_out[:, None]
-    store_rows(Out_bh, o, rows, Nq, out_strides[2], offs_d, out_strides[3], HEAD_DIM)
+    store_rows(Out_bh, o, rows, Nq, out_strides[2], offs_d, out_strides[3], HEAD_DIM_V)
     if Residual is not None:  # what rounding the output to its dtype left out, laid out as it
         residual = o - o.to(Out.dtype.element_ty).to(tl.float32)
         store_rows(Residual + b.to(tl.int64) * out_strides[0] + h.to(tl.int64) * out_strides[1], residual, rows, Nq,
-                   out_strides[2], offs_d, out_strides[3], HEAD_DIM)
+                   out_strides[2], offs_d, out_strides[3], HEAD_DIM_V)
     if Residual is not None:
         # (the shift, ±1 / l), `row_statistics`: a block recomputed the exact way shifts by its maxima m
         exact_form = tl.zeros([BLOCK_M], tl.int1) | recomputed
@@ -250,16 +258,17 @@ class FlashForwardExtra:
     log_sum: torch.Tensor  # [B, Hq, Nq] fp32
     fallback_rows: torch.Tensor | None  # [B, Hq, Nq] int8, 1 where the row was recomputed over all tiles
     block_map: BlockMap | None  # the forward's block map (the backward reuses it if its tiles match)
-    # [B, Hq, Nq, D] as `out`: out's fp32 value minus out (`keeps_residual`), or None; the backward's row term reads
+    # [B, Hq, Nq, Dv] as `out`: out's fp32 value minus out (`keeps_residual`), or None; the backward's row term reads
     # both
     residual: torch.Tensor | None = None
 
 
-def forward_tile_configs(mod: ScoreMod, head_dim: int, dtype: torch.dtype, device: torch.device
+def forward_tile_configs(mod: ScoreMod, width: int, dtype: torch.dtype, device: torch.device
                          ) -> tuple[FlashConfig, ...]:
     """The tiles `flash_attention_forward` may take for `mod` before it has seen the mask's rows: the config,
-    and half-width kv tiles where short rows would take them (see `narrow_kv_tiles`)."""
-    config = forward_config(head_dim, dtype, mod.has_mask, device)
+    and half-width kv tiles where short rows would take them (see `narrow_kv_tiles`). `width`: the head dims'
+    (`config.tile_width`)."""
+    config = forward_config(width, dtype, mod.has_mask, device)
     if not mod.has_mask:
         return (config,)
     narrow = narrow_kv_tiles(config, None)
@@ -281,34 +290,37 @@ def forward_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mod: Score
     tiles (`config`'s where no mask). `aux` includes the distance tables; `residual`: where to write the output's
     rounding residual (laid out as `out`), or None."""
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
+    kv_heads, kv_len, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
     block_m, block_n = (block_map.block_m, block_map.block_n) if mod.has_mask else (config.block_m,
                                                                                      config.block_n)
+    qk_blocks, block_dv = head_blocks(head_dim), head_block(head_dim_v)
     kv_lists = (block_map.rows.count, block_map.rows.index, *block_map.batch_head_strides) \
         if mod.has_mask else None
     grid = (cdiv(q_len, block_m), q_heads, batch)
-    (q_operand, k_operand, v_operand), descriptors = tile_operands(((q, block_m), (k, block_n), (v, block_n)),
-                                                                    head_block(head_dim), config.descriptors)
-    args = (q_operand, k_operand, v_operand, out, residual, lse, log_sum, fallback_rows,
+    operands, descriptors = tile_operands(
+        ((q, block_m, qk_blocks), (k, block_n, qk_blocks), (v, block_n, block_dv)), config.descriptors)
+    args = (*operands, out, residual, lse, log_sum, fallback_rows,  # operands: Q, Q2, K, K2, V
             q.stride(), k.stride(), v.stride(), out.stride(),
             q_len, kv_len, q_heads // kv_heads, kv_lists, aux, mod.fill_bound, seed if dropout_p > 0.0 else None,
             dropout_p)
     keywords = dict(SCORE=mod.score, KEEP=mod.keep, FILL=mod.fill, SCALE=mod.linear_scale, DROPOUT=dropout_p > 0.0,
-                    HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim),
-                    DESCRIPTORS=descriptors, HEAD_GROUP=config.head_group,
-                    PARTIAL_TILES=has_partial_tiles(mod, kv_len, block_n),
+                    HEAD_DIM=head_dim, HEAD_DIM_V=head_dim_v, BLOCK_M=block_m, BLOCK_N=block_n,
+                    BLOCK_D=qk_blocks[0], BLOCK_D2=qk_blocks[1], BLOCK_DV=block_dv, DESCRIPTORS=descriptors,
+                    HEAD_GROUP=config.head_group, PARTIAL_TILES=has_partial_tiles(mod, kv_len, block_n),
                     KV_TAIL=tail_placement(kv_len, block_n, True),
                     num_warps=forward_warps(config, bool(mod.tables)), num_stages=config.num_stages)
     return _flash_forward_kernel, grid, args, keywords
 
 
 def forward_outputs(q: torch.Tensor, mod: ScoreMod, out_dtype: torch.dtype | None, device: torch.device | str,
-                    by_position: bool = False, backward: bool = False
+                    by_position: bool = False, backward: bool = False, head_dim_v: int | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The forward kernel's outputs for `q`, on `device`: out, lse, log_sum, the fallback rows (masks only) and,
-    where a `backward` will read it, the output's rounding residual (`keeps_residual`). `out` is [B, H, N, D], laid
-    out [B, N, H, D] where `by_position` (the kernel writes through its strides); the residual as `out`."""
+    """The forward kernel's outputs for `q` and values of `head_dim_v` (q's where None), on `device`: out, lse,
+    log_sum, the fallback rows (masks only) and, where a `backward` will read it, the output's rounding residual
+    (`keeps_residual`). `out` is [B, H, N, Dv], laid out [B, N, H, Dv] where `by_position` (the kernel writes through
+    its strides); the residual as `out`."""
     b, h, n, d = q.shape
+    d = head_dim_v or d
     dtype = out_dtype or q.dtype
 
     def output() -> torch.Tensor:
@@ -335,7 +347,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
                             seed: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                             outputs: tuple | None = None, map_into: BlockMap | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, FlashForwardExtra]:
-    """softmax(final scores) @ v. Returns (out [B, Hq, Nq, D], lse [B, Hq, Nq] fp32, extra for backward).
+    """softmax(final scores) @ v. Returns (out [B, Hq, Nq, Dv], lse [B, Hq, Nq] fp32, extra for backward).
 
     `block_map` defaults to the cached map of `mod` at the forward's tile size; its tile size, when given,
     is the one the kernel uses. `outputs`: where to write them, as `forward_outputs` allocates them;
@@ -348,7 +360,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
     aux = aux + distance_tables(mod, aux, q.device)
     batch, q_heads, q_len, head_dim = q.shape
     kv_len = k.shape[2]
-    config = forward_config(head_dim, q.dtype, mod.has_mask, q.device)
+    width = tile_width(head_dim, v.shape[3])
+    config = forward_config(width, q.dtype, mod.has_mask, q.device)
     if mod.has_mask and block_map is None:
         # A cached map (KEEP reads no tensors) says once how many tiles the rows list; another would cost a
         # wait on the device per call to ask, and while a CUDA graph captures (a cached map dropped since the
@@ -357,10 +370,11 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
             block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
         config = narrow_kv_tiles(config, wide_map)
         # A map built per call serves the backward too: its kinds at the dK/dV kernel's q blocks.
-        kinds_at = kind_block_m(config, head_dim, q.dtype, q.device) if mod.keep_reads_aux else None
+        kinds_at = kind_block_m(config, width, q.dtype, q.device) if mod.keep_reads_aux else None
         block_map = block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n,
                                   q.device, map_into, kinds_at)
-    out, lse, log_sum, fallback_rows, residual = outputs or forward_outputs(q, mod, out_dtype, q.device)
+    out, lse, log_sum, fallback_rows, residual = outputs or forward_outputs(q, mod, out_dtype, q.device,
+                                                                            head_dim_v=v.shape[3])
     kernel, grid, args, keywords = forward_launch(q, k, v, mod, aux, config, block_map, out, lse, log_sum,
                                                   fallback_rows, seed, dropout_p, residual)
     launch_fitting(kernel, grid, *args, **keywords)

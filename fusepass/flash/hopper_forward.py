@@ -290,7 +290,10 @@ def serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> b
     their dtype laid out as `forward.forward_outputs` lays it out (rows of a matrix either way); the caller has
     checked the function (`sdpa_floor.sdpa_form`)."""
     (_, q_heads, q_len, d), (_, kv_heads, kv_len, _) = q.shape, k.shape
+    # One head dim for Q, K and V: values of another (multi-head latent attention's) take the Triton forward, which
+    # runs each product at its own width.
     return (available(q.device) and q.dtype in _GL_DTYPES and k.dtype == v.dtype == q.dtype and d in HEAD_DIMS
+            and v.shape[3] == d
             and q_len % BLOCK_M == 0 and kv_len % BLOCK_N == 0 and q_heads % kv_heads == 0
             and (not causal or q_len == kv_len) and all(_Rows.of(t) is not None for t in (q, k, v)))
 

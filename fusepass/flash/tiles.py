@@ -42,17 +42,33 @@ def truncated(x, like):
 
 
 @triton.jit
-def load_rows(base, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr,
-              CHECK_ROWS: tl.constexpr):
-    """A [len(rows), BLOCK_D] tile of an [n_rows, HEAD_DIM] matrix: zeros past HEAD_DIM and, when
-    CHECK_ROWS, past the last row."""
+def load_rows(base, rows, n_rows, row_stride, d_stride, HEAD_DIM: tl.constexpr, FIRST_COL: tl.constexpr,
+              BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """Columns FIRST_COL .. FIRST_COL + BLOCK_D of rows `rows` of an [n_rows, HEAD_DIM] matrix: zeros past HEAD_DIM
+    and, when CHECK_ROWS, past the last row."""
+    offs_d = FIRST_COL + tl.arange(0, BLOCK_D)
     ptrs = base + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :] * d_stride
     if CHECK_ROWS:
         tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    elif offs_d.shape[0] == HEAD_DIM:
+    elif FIRST_COL + BLOCK_D <= HEAD_DIM:
         tile = tl.load(ptrs)
     else:
         tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _load_columns(src, b, head, row0, n_rows, strides, HEAD_DIM: tl.constexpr, FIRST_COL: tl.constexpr,
+                  BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr,
+                  DESCRIPTOR: tl.constexpr):
+    """Columns FIRST_COL .. FIRST_COL + BLOCK_D of `load_tile`'s rows; `src` a descriptor of [1, 1, BLOCK_ROWS,
+    BLOCK_D] tiles when DESCRIPTOR."""
+    if DESCRIPTOR:
+        tile = src.load([b, head, row0, FIRST_COL]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        base = src + b.to(tl.int64) * strides[0] + head.to(tl.int64) * strides[1]
+        tile = load_rows(base, row0 + tl.arange(0, BLOCK_ROWS), n_rows, strides[2], strides[3], HEAD_DIM, FIRST_COL,
+                         BLOCK_D, CHECK_ROWS)
     return tile
 
 
@@ -63,29 +79,70 @@ def load_tile(src, b, head, row0, n_rows, strides, HEAD_DIM: tl.constexpr, BLOCK
     HEAD_DIM (and past n_rows, where CHECK_ROWS; a descriptor's copy always fills them with zeros). `src` is
     the tensor's descriptor of [1, 1, BLOCK_ROWS, BLOCK_D] tiles when DESCRIPTOR (see `tile_operands`), else
     the tensor, with `strides`."""
-    if DESCRIPTOR:
-        tile = src.load([b, head, row0, 0]).reshape(BLOCK_ROWS, BLOCK_D)
-    else:
-        base = src + b.to(tl.int64) * strides[0] + head.to(tl.int64) * strides[1]
-        tile = load_rows(base, row0 + tl.arange(0, BLOCK_ROWS), n_rows, strides[2], tl.arange(0, BLOCK_D),
-                         strides[3], HEAD_DIM, CHECK_ROWS)
-    return tile
+    return _load_columns(src, b, head, row0, n_rows, strides, HEAD_DIM, 0, BLOCK_ROWS, BLOCK_D, CHECK_ROWS,
+                         DESCRIPTOR)
 
 
 @triton.jit
-def load_tiles(first, second, b, head, row0, n_rows, first_strides, second_strides, HEAD_DIM: tl.constexpr,
-               BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, DESCRIPTOR: tl.constexpr):
-    """The same rows (`load_tile`) of two tensors of one shape: a tile's K and V, or Q and dO."""
-    return (load_tile(first, b, head, row0, n_rows, first_strides, HEAD_DIM, BLOCK_ROWS, BLOCK_D, CHECK_ROWS,
-                      DESCRIPTOR),
-            load_tile(second, b, head, row0, n_rows, second_strides, HEAD_DIM, BLOCK_ROWS, BLOCK_D, CHECK_ROWS,
-                      DESCRIPTOR))
+def load_parts(src, src2, b, head, row0, n_rows, strides, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, CHECK_ROWS: tl.constexpr, DESCRIPTOR: tl.constexpr):
+    """`load_tile`'s rows of Q or K in the parts of its head dim (`config.head_blocks`): a tuple of one tile
+    (columns 0 .. BLOCK_D) or, where BLOCK_D2 > 0, two (and columns BLOCK_D .. BLOCK_D + BLOCK_D2). `src` reads the
+    first part and `src2` the second (`tile_operands`: their descriptors, or the tensor twice; `src2` None where
+    BLOCK_D2 is 0). A tuple of parts, never one holding None: Triton 3.6 takes no None inside a tuple."""
+    first = _load_columns(src, b, head, row0, n_rows, strides, HEAD_DIM, 0, BLOCK_ROWS, BLOCK_D, CHECK_ROWS,
+                          DESCRIPTOR)
+    parts = (first,)
+    if BLOCK_D2 > 0:
+        second = _load_columns(src2, b, head, row0, n_rows, strides, HEAD_DIM, BLOCK_D, BLOCK_ROWS, BLOCK_D2,
+                               CHECK_ROWS, DESCRIPTOR)
+        parts = (first, second)
+    return parts
+
+
+@triton.jit
+def parts_scores(a, b):
+    """a · bᵀ of two tiles in parts (`load_parts`): one product per part, summed in one fp32 accumulator (q · kᵀ
+    at 192 = 128 + 64 columns instead of one product over 256, a quarter of them zeros)."""
+    s = dot(a[0], tl.trans(b[0]))
+    if len(a) > 1:
+        s = dot(a[1], tl.trans(b[1]), s)
+    return s
+
+
+@triton.jit
+def parts_product(a, b, acc):
+    """acc + a @ b for `b` and `acc` in parts (`load_parts`), part by part: dQ's ds · K, dK's dsᵀ · Q."""
+    first = dot(a, b[0], acc[0])
+    product = (first,)
+    if len(b) > 1:
+        product = (first, dot(a, b[1], acc[1]))
+    return product
+
+
+@triton.jit
+def zero_parts(BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr):
+    """fp32 accumulators of BLOCK_ROWS rows in the parts of a head dim (`load_parts`)."""
+    first = tl.zeros([BLOCK_ROWS, BLOCK_D], tl.float32)
+    parts = (first,)
+    if BLOCK_D2 > 0:
+        parts = (first, tl.zeros([BLOCK_ROWS, BLOCK_D2], tl.float32))
+    return parts
 
 
 @triton.jit
 def store_rows(base, tile, rows, n_rows, row_stride, offs_d, d_stride, HEAD_DIM: tl.constexpr):
     ptrs = base + rows.to(tl.int64)[:, None] * row_stride + offs_d[None, :] * d_stride
     tl.store(ptrs, tile.to(base.dtype.element_ty), mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def store_parts(base, parts, rows, n_rows, row_stride, d_stride, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_D2: tl.constexpr):
+    """`store_rows` of a tile in the parts of its head dim (`load_parts`)."""
+    store_rows(base, parts[0], rows, n_rows, row_stride, tl.arange(0, BLOCK_D), d_stride, HEAD_DIM)
+    if BLOCK_D2 > 0:
+        store_rows(base, parts[1], rows, n_rows, row_stride, BLOCK_D + tl.arange(0, BLOCK_D2), d_stride, HEAD_DIM)
 
 
 # Where the last tile along a walked axis lies (`tail_placement`): the axis's length a multiple of the tile
@@ -130,17 +187,18 @@ def tile_positions(block, n, BLOCK: tl.constexpr, TAIL: tl.constexpr):
 
 
 @triton.jit
-def load_kv_tile(K, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PARTIAL: tl.constexpr, DESCRIPTORS: tl.constexpr,
-                 KV_TAIL: tl.constexpr):
-    """(columns, K tile, V tile) of kv tile `kv_block` where it lies (`tile_positions`): only PARTIAL tiles may
-    be the last."""
+def load_kv_tile(K, K2, V, b, kv_head, kv_block, Nk, k_strides, v_strides, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, PARTIAL: tl.constexpr, DESCRIPTORS: tl.constexpr, KV_TAIL: tl.constexpr):
+    """(columns, K tile in the parts of its head dim (`load_parts`), V tile) of kv tile `kv_block` where it lies
+    (`tile_positions`): only PARTIAL tiles may be the last."""
     if PARTIAL:
         first, _, _ = tile_positions(kv_block, Nk, BLOCK_N, KV_TAIL)
     else:
         first = kv_block * BLOCK_N
-    k, v = load_tiles(K, V, b, kv_head, first, Nk, k_strides, v_strides, HEAD_DIM, BLOCK_N, BLOCK_D, PARTIAL,
-                      DESCRIPTORS)
+    k = load_parts(K, K2, b, kv_head, first, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, PARTIAL,
+                   DESCRIPTORS)
+    v = load_tile(V, b, kv_head, first, Nk, v_strides, HEAD_DIM_V, BLOCK_N, BLOCK_DV, PARTIAL, DESCRIPTORS)
     return first + tl.arange(0, BLOCK_N), k, v
 
 
@@ -254,29 +312,34 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_d: int) -> TensorDescrip
     return descriptor
 
 
-def tile_operands(tiles: Sequence[tuple[torch.Tensor, int]], block_d: int, use: bool) -> tuple[tuple, bool]:
-    """The kernel arguments of a kernel's tiled operands ((tensor, block_rows) pairs: [B, H, N, D] tensors read
-    block_rows rows at a time) and whether they are descriptors: TMA descriptors of [1, 1, block_rows, block_d]
-    tiles when `use` and every tensor's layout allows one, else the tensors.
+def tile_operands(tiles: Sequence[tuple[torch.Tensor, int, int | tuple[int, int]]], use: bool) -> tuple[tuple, bool]:
+    """The kernel arguments of a kernel's tiled operands ((tensor, block_rows, column blocks) triples: [B, H, N, D]
+    tensors read block_rows rows at a time, in one block of columns or, Q and K, in the (first, second) parts of
+    their head dim, `config.head_blocks`) and whether they are descriptors: TMA descriptors of [1, 1, block_rows,
+    block] tiles when `use` and every tensor's layout allows one, else the tensors. A tensor in parts gives two
+    arguments, its first part's and its second's (`load_parts`): the second part's descriptor, or the tensor
+    again without descriptors, None where the second part is 0. Each argument stands alone: Triton 3.6's compiler
+    takes no None inside a tuple argument, and its launcher counts no descriptor inside one.
 
     The tiles a program loads once (its Q rows in the forward) go through descriptors too: the copy fills what
     lies past the head dim with zeros, where a masked load's predicates (head dims below block_d) were held
     across the kernel's loops: 35 more registers in the forward at D96 (231 against 196, sm_90, triton 3.6)."""
-    tensors = tuple(t for t, _ in tiles)
-    if not use:
-        return tensors, False
-    descriptors = tuple(_descriptor(t, block_rows, block_d) for t, block_rows in tiles)
-    if any(descriptor is None for descriptor in descriptors):
-        return tensors, False
-    return descriptors, True
+    blocks = [(t, block_rows, block) for t, block_rows, column_blocks in tiles
+              for block in ((column_blocks,) if isinstance(column_blocks, int) else column_blocks)]
+    if use:
+        descriptors = tuple(_descriptor(t, block_rows, block) if block else None for t, block_rows, block in blocks)
+        if all(descriptor is not None for descriptor, (_, _, block) in zip(descriptors, blocks) if block):
+            return descriptors, True
+    return tuple(t if block else None for t, _, block in blocks), False
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     assert q.dim() == k.dim() == v.dim() == 4, "q, k, v must be [B, H, N, D]"
-    assert k.shape == v.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    assert k.shape[:3] == v.shape[:3], f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
     assert q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3], f"q {tuple(q.shape)} vs k {tuple(k.shape)}"
     assert q.shape[1] % k.shape[1] == 0, f"{q.shape[1]} query heads do not group over {k.shape[1]} kv heads"
-    assert 16 <= q.shape[3] <= 256, f"head dim {q.shape[3]} outside 16..256"
+    assert 16 <= q.shape[3] <= 256 and 16 <= v.shape[3] <= 256, \
+        f"head dims {q.shape[3]} (q, k) and {v.shape[3]} (v) outside 16..256"
     assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.float16, torch.bfloat16), \
         f"unsupported dtypes {q.dtype}, {k.dtype}, {v.dtype}"
     assert q.device == k.device == v.device

@@ -1,10 +1,12 @@
-"""Launch parameters: a kernel that does not fit in shared memory runs with fewer pipeline stages."""
+"""Launch parameters: a kernel that does not fit in shared memory runs with fewer pipeline stages; the head dims'
+column blocks and the width the tiles are chosen by."""
 from __future__ import annotations
 
 import pytest
 from triton.runtime.errors import OutOfResources
 
-from fusepass.flash.config import INTERPRETER_CONFIG, FlashConfig, forward_warps, launch_fitting
+from fusepass.flash.config import (INTERPRETER_CONFIG, FlashConfig, forward_warps, head_blocks, launch_fitting,
+                                    tile_width)
 
 
 class Kernel:
@@ -42,3 +44,18 @@ def test_forwards_whose_score_functions_read_tables_run_at_twice_four_warps():
     assert forward_warps(four, reads_tables=True) == 8 and forward_warps(four, reads_tables=False) == 4
     assert forward_warps(eight, reads_tables=True) == 8
     assert forward_warps(INTERPRETER_CONFIG, reads_tables=True) == INTERPRETER_CONFIG.num_warps
+
+
+@pytest.mark.parametrize("head_dim, blocks", [(16, (16, 0)), (24, (32, 0)), (48, (32, 16)), (64, (64, 0)),
+                                              (80, (64, 16)), (96, (64, 32)), (100, (128, 0)), (128, (128, 0)),
+                                              (160, (128, 32)), (192, (128, 64)), (200, (256, 0)), (256, (256, 0))])
+def test_q_k_head_dims_in_two_parts_where_they_cover_fewer_columns(head_dim, blocks):
+    """192 = 128 + 64 columns in two products, not 256 in one; 100 would take 64 + 64, no fewer than 128."""
+    assert head_blocks(head_dim) == blocks
+
+
+def test_tiles_are_chosen_by_the_wider_side():
+    """Latent attention's (192, 128) by its q·k columns; wider values than keys by V's padded block."""
+    assert tile_width(192, 128) == 192
+    assert tile_width(64, 96) == 128
+    assert tile_width(128, 128) == 128

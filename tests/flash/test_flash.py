@@ -169,6 +169,11 @@ class Shape:
     q_len: int
     kv_len: int
     head_dim: int
+    head_dim_v: int | None = None  # V's, where it differs from Q's and K's (multi-head latent attention)
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim_v or self.head_dim
 
 
 @dataclass
@@ -297,12 +302,12 @@ CASES = {
 
 def make_qkv(shape: Shape, dtype: torch.dtype, layout: str = "bhnd"):
     """q, k, v, do; layout "bnhd" gives [B, H, N, D] views of [B, N, H, D] storage."""
-    def make(heads, length):
+    def make(heads, length, head_dim):
         if layout == "bnhd":
-            return torch.randn(shape.batch, length, heads, shape.head_dim).to(DEVICE, dtype).transpose(1, 2)
-        return torch.randn(shape.batch, heads, length, shape.head_dim).to(DEVICE, dtype)
-    return (make(shape.q_heads, shape.q_len), make(shape.kv_heads, shape.kv_len),
-            make(shape.kv_heads, shape.kv_len), make(shape.q_heads, shape.q_len))
+            return torch.randn(shape.batch, length, heads, head_dim).to(DEVICE, dtype).transpose(1, 2)
+        return torch.randn(shape.batch, heads, length, head_dim).to(DEVICE, dtype)
+    return (make(shape.q_heads, shape.q_len, shape.head_dim), make(shape.kv_heads, shape.kv_len, shape.head_dim),
+            make(shape.kv_heads, shape.kv_len, shape.value_dim), make(shape.q_heads, shape.q_len, shape.value_dim))
 
 
 def positions(batch, heads, q_len, kv_len) -> Index:
@@ -368,11 +373,15 @@ MATRIX = [
     ("key_pad_min", f32, Shape(2, 2, 1, 48, 64, 24), "bhnd"),
     # Fewer keys than one tile: their positions clamped (`tail_placement`); elsewhere the last kv tile is shifted
     ("key_pad_min", f32, Shape(2, 2, 1, 37, 11, 24), "bhnd"),
+    # V of its own head dim: q·k in two parts (96 = 64 + 32, 48 = 32 + 16) beside narrower values, GQA; wider values
+    ("causal_inf", f32, Shape(1, 4, 2, 37, 37, 96, head_dim_v=64), "bhnd"),
+    ("causal_min", bf16, Shape(1, 2, 1, 70, 70, 48, head_dim_v=32), "bnhd"),
+    ("plain", f32, Shape(1, 2, 2, 29, 45, 32, head_dim_v=48), "bnhd"),
 ]
 
 
 @pytest.mark.parametrize("name, dtype, shape, layout", MATRIX,
-                         ids=[f"{m[0]}-{str(m[1])[6:]}-D{m[2].head_dim}" for m in MATRIX])
+                         ids=[f"{m[0]}-{str(m[1])[6:]}-D{m[2].head_dim}-Dv{m[2].value_dim}" for m in MATRIX])
 def test_matches_reference(name, dtype, shape, layout):
     torch.manual_seed(0)
     case = CASES[name]
@@ -645,7 +654,7 @@ def test_a_block_map_is_views_of_one_buffer_at_aligned_offsets(extent):
 
 def test_tensor_descriptors_only_where_the_layout_allows():
     def descriptors(t):
-        operands, used = tile_operands(((t, 16),), 32, use=True)
+        operands, used = tile_operands(((t, 16, 32),), use=True)
         return used and operands[0].strides
     # Contiguous; a dim of extent 1 takes a contiguous stride whatever its own (here 3, not 16-byte aligned).
     assert descriptors(torch.randn(2, 3, 5, 24)) == [360, 120, 24, 1]
@@ -655,12 +664,12 @@ def test_tensor_descriptors_only_where_the_layout_allows():
     assert not descriptors(torch.randn(1, 2, 5, 25)[..., 1:])
     assert not descriptors(torch.randn(1, 2, 24, 5).transpose(-1, -2))
     assert not descriptors(torch.randn(1, 1, 5, 24).expand(1, 4, 5, 24))
-    assert not tile_operands(((torch.randn(2, 3, 5, 24), 16),), 32, use=False)[1]
+    assert not tile_operands(((torch.randn(2, 3, 5, 24), 16, 32),), use=False)[1]
     # One layout at a base 4 bytes past 16-byte alignment, then at one 16 bytes past: checked per base.
     flat = torch.randn(2 * 3 * 5 * 24 + 4)
     assert not descriptors(flat[1:1 + 360 * 2].view(2, 3, 5, 24))
     operand = flat[4:4 + 360 * 2].view(2, 3, 5, 24)
-    (descriptor,), used = tile_operands(((operand, 16),), 32, use=True)
+    (descriptor,), used = tile_operands(((operand, 16, 32),), use=True)
     assert used and descriptor.base is operand and descriptor.block_shape == [1, 1, 16, 32]
 
 

@@ -120,8 +120,8 @@ def test_a_causal_mask_halves_the_fused_flops(planned_only):
 
 
 def test_a_dense_bias_is_read_tile_by_tile_a_small_table_once():
-    shape = AttentionShape(batch=2, heads=4, kv_heads=4, q_len=256, kv_len=256, head_dim=64, itemsize=2,
-                           out_itemsize=2, masked=False)
+    shape = AttentionShape(batch=2, heads=4, kv_heads=4, q_len=256, kv_len=256, head_dim=64, head_dim_v=64,
+                           itemsize=2, out_itemsize=2, masked=False)
     tiles = Tiles(block_m=128, block_n=128, density=1.0, model="dense", concurrent=132)
     plain, ideal = attention_forward_bytes(shape, tiles, [])
     bias = AuxRead(bytes=4 * 256 * 256 * 2, itemsize=2, per_tile=True, needs_grad=False)  # [1, H, N, N]
