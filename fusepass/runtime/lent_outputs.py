@@ -29,8 +29,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Off: the copies stay the product's until the lending has run through the GPU suite (bench/NOTES.md, item 000).
-LEND_GRADIENTS = False
+# On since its GPU suite passed (bench/NOTES.md, item 000); off, each gradient is copied out of the pool after each
+# backward, as before (a step then holds its gradients twice).
+LEND_GRADIENTS = True
 
 OVERWRITTEN = ("fusepass: this tensor views a gradient that a replayed backward handed out and the next replay "
                "overwrote; the parameter's .grad itself is kept, a view or detach of it is not: clone it to keep it")
