@@ -66,6 +66,18 @@ def packed_keep(b, h, q_idx, kv_idx, aux):
     return (document_id(b, h, q_idx, aux) == document_id(b, h, kv_idx, aux)) & (q_idx >= kv_idx)
 
 
+@triton.jit
+def softcapped(s, b, h, q_idx, kv_idx, aux):
+    # Gemma 2's cap of 50 on the scaled scores: 50 · tanh(s · scale / 50), tanh(x) = 2 · sigmoid(2x) - 1
+    return 50.0 * (2.0 * tl.sigmoid(s * (2.0 * 0.08838834764831845 / 50.0)) - 1.0)
+
+
+@triton.jit
+def softcapped_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    capped = 2.0 * tl.sigmoid(s * (2.0 * 0.08838834764831845 / 50.0)) - 1.0
+    return ds * (1.0 - capped * capped) * 0.08838834764831845
+
+
 # A constant fill has no gradient function (fill_grad None), as the attention pass lifts one.
 CAUSAL = ScoreMod(name="sweep_causal", score=scaled, score_grad=scaled_grad, keep=causal_keep, fill=minus_inf)
 # The same, its scale declared (ScoreMod.linear_scale): full tiles fold it into the exponent.
@@ -78,7 +90,18 @@ PACKED_LINEAR = replace(PACKED, name="sweep_packed_linear", linear_scale=SCALE)
 # A bound, not a mask: the packed documents' map with KEEP the causal condition alone, what PARTIAL tiles would cost
 # without the per-element compare of ids (its output is wrong wherever a PARTIAL tile is cut by a document's end).
 PACKED_BOUND = replace(PACKED, name="sweep_packed_bound", keep=causal_keep)
-MASKS = {"causal": (CAUSAL, CAUSAL_LINEAR), "plain": (PLAIN, PLAIN_LINEAR), "packed": (PACKED, PACKED_LINEAR),
+@triton.jit
+def window_keep(b, h, q_idx, kv_idx, aux):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 4096)
+
+
+# Gemma 2's global layers: causal, the scores capped (no scale to fold: its folded twin is itself). SDPA has no cap:
+# its outputs are a reference for the timing only, the errors printed are the cap's.
+SOFTCAP = replace(CAUSAL, name="sweep_softcap", score=softcapped, score_grad=softcapped_grad)
+# Its local layers: the same in a causal window of 4096 keys.
+SOFTCAP_WINDOW = replace(SOFTCAP, name="sweep_softcap_window", keep=window_keep)
+MASKS = {"causal": (CAUSAL, CAUSAL_LINEAR), "softcap": (SOFTCAP, SOFTCAP),
+         "softcap-window": (SOFTCAP_WINDOW, SOFTCAP_WINDOW), "plain": (PLAIN, PLAIN_LINEAR), "packed": (PACKED, PACKED_LINEAR),
          "packed-bound": (PACKED_BOUND, replace(PACKED_BOUND, name="sweep_packed_bound_linear", linear_scale=SCALE))}
 
 # Per-tile operands through TMA descriptors; the first config of each list also with pointer loads.
@@ -117,6 +140,8 @@ def main() -> None:
     parser.add_argument("--chosen", action="store_true", help="only the configs flash_config chooses")
     parser.add_argument("--dkdv", nargs="*", default=None,
                         help="block_m,block_n,num_warps,num_stages[,head_group] of dK/dV")
+    parser.add_argument("--dkdv-apart", action="store_true",
+                        help="each --dkdv config with dK and dV in launches of their own (BackwardConfigs.apart)")
     parser.add_argument("--dq", nargs="*", default=None, help="block_m,block_n,num_warps,num_stages[,head_group] of dQ")
     parser.add_argument("--forward", nargs="*", default=None,
                         help="block_m,block_n,num_warps,num_stages[,head_group] (tiles.grouped_program)")
@@ -135,9 +160,10 @@ def main() -> None:
     swept_kernel = "" if args.forward is None else "-forward"
     for kernel in ("dkdv", "dq"):
         if getattr(args, kernel) is not None:
-            swept_kernel = f"-{kernel}"
+            swept_kernel = f"-{kernel}" + ("-apart" if kernel == "dkdv" and args.dkdv_apart else "")
             chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, masked, torch.device("cuda"))
-            forward, backward = [], [replace(chosen, **{kernel: _config(c)}) for c in getattr(args, kernel)]
+            apart = {"apart": args.dkdv_apart} if kernel == "dkdv" else {}
+            forward, backward = [], [replace(chosen, **{kernel: _config(c)}, **apart) for c in getattr(args, kernel)]
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     kv_heads = args.kv_heads or h
     q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
@@ -150,9 +176,14 @@ def main() -> None:
         sdpa_mask = {"attn_mask": ((ids[:, :, None] == ids[:, None, :]) &
                                    torch.ones(n, n, dtype=torch.bool, device="cuda").tril())[:, None],
                      "enable_gqa": kv_heads != h}
+    if args.mask == "softcap-window":
+        positions = torch.arange(n, device="cuda")
+        distance = positions[:, None] - positions[None, :]
+        sdpa_mask = {"attn_mask": (distance >= 0) & (distance < 4096), "enable_gqa": kv_heads != h}
     # SDPA's forward and backward under the packed mask (a dense one) are no peer: a reference only
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask)
-    density = {"causal": (n + 1) / (2 * n), "plain": 1, "packed": (n / 8 + 1) / (2 * n)}[args.mask.removesuffix("-bound")]
+    density = {"causal": (n + 1) / (2 * n), "softcap": (n + 1) / (2 * n),
+               "softcap-window": (4096 * (n - 4096) + 4096 * 4097 / 2) / n ** 2, "plain": 1, "packed": (n / 8 + 1) / (2 * n)}[args.mask.removesuffix("-bound")]
     flops = 4 * b * h * n * n * d * density
     rows = []
     sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask))

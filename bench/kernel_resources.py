@@ -1,7 +1,8 @@
 """Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
 
     PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|packed|alibi|none] [--head-dim 128]
-        [--head-dim-v 128] [--group 4] [--no-descriptors] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1] [--dq 128,64,8,3,1] [--forward-only]
+        [--head-dim-v 128] [--group 4] [--no-descriptors] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1]
+        [--dkdv-apart] [--dq 128,64,8,3,1] [--forward-only]
 
 Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
 through Triton's own compiler and ptxas, no GPU needed: a stand-in driver names the target, and every launch
@@ -147,6 +148,8 @@ def main() -> None:
     parser.add_argument("--forward")
     parser.add_argument("--dkdv")
     parser.add_argument("--dq")
+    parser.add_argument("--dkdv-apart", action="store_true", help="dK and dV in launches of their own "
+                        "(BackwardConfigs.apart); the default configs' choice where not given")
     parser.add_argument("--no-descriptors", action="store_true", help="default configs load through pointers")
     parser.add_argument("--forward-only", action="store_true", help="the forward without gradients alone")
     args = parser.parse_args()
@@ -157,7 +160,8 @@ def main() -> None:
     width = flash_config.tile_width(args.head_dim, head_dim_v)
     forward = config(args.forward, flash_config.forward_config(width, dtype, mod.has_mask, cuda))
     defaults = flash_config.backward_configs(width, dtype, mod.has_mask, cuda)
-    backward = BackwardConfigs(config(args.dkdv, defaults.dkdv), config(args.dq, defaults.dq))
+    backward = BackwardConfigs(config(args.dkdv, defaults.dkdv), config(args.dq, defaults.dq),
+                               args.dkdv_apart or defaults.apart)
     flash_fwd.forward_config = lambda *_: forward
     # At the given tiles: the maps are never built here (every launch only compiles), so a row length read
     # from one is whatever its memory held.
@@ -176,7 +180,7 @@ def main() -> None:
     if not args.forward_only:
         flash_bwd.flash_attention_backward(torch.randn_like(out), q, k, v, out, lse, extra, mod, aux, None)
     print(f"sm_90, triton {triton.__version__}, {args.mask}, D={args.head_dim}, Dv={head_dim_v}, group {args.group}: "
-          f"forward {forward}, dK/dV {backward.dkdv}, dQ {backward.dq}")
+          f"forward {forward}, dK/dV {backward.dkdv}{' apart' if backward.apart else ''}, dQ {backward.dq}")
     for name, kernel in compiled:
         if name.startswith("_flash"):
             check_launcher(kernel)

@@ -9,7 +9,8 @@ Two kernels, no atomics for dQ / dK / dV, launched in this order:
    q blocks the block map lists for its kv block, accumulating dK and dV in registers. Its tiles are laid
    out [kv, q] (pᵀ and d sᵀ are then the dots' operands as they are; transposing a tile in registers goes
    through shared memory). dV's product takes a tile's weights before dp is computed, so that fewer tiles
-   are live at once (the kernel's registers are what bound its q chunks).
+   are live at once (the kernel's registers are what bound its q chunks). At wide head dims (`BackwardConfigs.apart`)
+   it runs twice, dV's launch and then dK's, each holding one accumulator for twice the kv rows.
 
 dO may come in `out`'s dtype; the dots read it in the inputs' dtype. As in the forward, the scores, dQ = dS·K and
 dK = dSᵀ·Q run at Q's and K's head dim in its parts (`tiles.load_parts`), dO·Vᵀ, dV and the row term dO·O at V's.
@@ -160,26 +161,29 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, Q2, DO, q_strides, do_strides, Lse, Log
                FILL: tl.constexpr, SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, PARTIAL: tl.constexpr,
                DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, DESCRIPTORS: tl.constexpr,
-               Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
-    """Add one q tile's share to dK and dV (dK and the kv block's K in the parts of their head dim,
-    `tiles.load_parts`)."""
+               Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """Add one q tile's share to dK where DK and to dV where DV (dK and the kv block's K in the parts of their head
+    dim, `tiles.load_parts`; `v` None without DK)."""
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    like = k[0]  # the inputs' dtype (V's too)
     q = load_parts(Q, Q2, b, h, q_block * BLOCK_M, Nq, q_strides, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_D2, True,
                    DESCRIPTORS)
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, DESCRIPTORS)
-    do = do.to(v.dtype)
+    do = do.to(like.dtype)
     stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
     # dV's product takes the weights before dp = dO · Vᵀ is computed: fewer tiles live at once.
     s = parts_scores(k, q)
     p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
-        s, stats, v, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
+        s, stats, like, b, h, bh, rows, cols, q_block, Nq, Nk, aux, seed, dropout_p, SCORE, KEEP, FILL, PARTIAL,
         DROPOUT, True, BLOCK_M, Q_TAIL, EXACT_WEIGHTS)
-    dv = dot(p_dropped.to(do.dtype), do, dv)
-    dp = dot(v, tl.trans(do))
-    delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
-    grad = _weights_gradient(s, p, dp, kept, dropped, delta, stats[2], b, h, q_idx, kv_idx, kv_in, aux, aux_grad,
-                             dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True, EXACT_WEIGHTS)
-    dk = parts_product(grad.to(v.dtype), q, dk)
+    if DV:
+        dv = dot(p_dropped.to(do.dtype), do, dv)
+    if DK:
+        dp = dot(v, tl.trans(do))
+        delta = tl.load(Delta + bh * Nq + rows, mask=rows < Nq, other=0.0)
+        grad = _weights_gradient(s, p, dp, kept, dropped, delta, stats[2], b, h, q_idx, kv_idx, kv_in, aux,
+                                 aux_grad, dropout_p, SCORE_GRAD, FILL_GRAD, PARTIAL, DROPOUT, True, EXACT_WEIGHTS)
+        dk = parts_product(grad.to(like.dtype), q, dk)
     return dk, dv
 
 
@@ -210,11 +214,12 @@ def _dkdv_walk(dk, dv, k, v, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delt
                SCORE_GRAD: tl.constexpr, FILL_GRAD: tl.constexpr, DROPOUT: tl.constexpr, HEAD_DIM: tl.constexpr,
                HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr, DESCRIPTORS: tl.constexpr,
-               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr):
-    """dK and dV of the kv block after the tiles of `n_heads` query heads from `first_head` (of the kv head's
-    group): with FLAT, heads that share one block map, in one walk over (query head, q block) pairs for each tile
-    kind, the map's lists of the first head repeated for each head; else one head (n_heads 1). A loop over the
-    heads around the two tile loops spilled 176 bytes under triton 3.6 at 4 heads, document mask, D128; in one
+               PARTIAL_TILES: tl.constexpr, FLAT: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr,
+               DK: tl.constexpr, DV: tl.constexpr):
+    """dK (where DK) and dV (where DV) of the kv block after the tiles of `n_heads` query heads from `first_head` (of
+    the kv head's group): with FLAT, heads that share one block map, in one walk over (query head, q block) pairs for
+    each tile kind, the map's lists of the first head repeated for each head; else one head (n_heads 1). A loop over
+    the heads around the two tile loops spilled 176 bytes under triton 3.6 at 4 heads, document mask, D128; in one
     walk, 56, and none once K and V came through descriptors (bench/kernel_resources.py). One head's walk is not
     flattened: its divisions and the wrap to the list's start raised MHA's spills (causal 40 → 64 bytes)."""
     first_h = kv_head * group + first_head
@@ -265,7 +270,7 @@ def _dkdv_walk(dk, dv, k, v, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delt
             dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                                 first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE,
                                 KEEP, FILL, SCORE_GRAD, FILL_GRAD, True, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M,
-                                BLOCK_D, BLOCK_D2, BLOCK_DV, DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS)
+                                BLOCK_D, BLOCK_D2, BLOCK_DV, DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS, DK, DV)
     first_block = walk_start(full_blocks, n_full, KEEP is not None)
     next_block = first_block
     for j in range(0, n_heads * n_full):
@@ -276,7 +281,7 @@ def _dkdv_walk(dk, dv, k, v, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delt
         dk, dv = _dkdv_tile(dk, dv, k, v, q_block, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b,
                             first_h + g, first_bh + g, cols, Nq, Nk, aux, aux_grad, seed, dropout_p, SCORE, KEEP,
                             FILL, SCORE_GRAD, FILL_GRAD, False, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_D,
-                            BLOCK_D2, BLOCK_DV, DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS)
+                            BLOCK_D2, BLOCK_DV, DESCRIPTORS, Q_TAIL, EXACT_WEIGHTS, DK, DV)
     return dk, dv
 
 
@@ -299,7 +304,7 @@ def _walk_of_head(walk, g):
 
 @triton.jit
 def _flash_backward_dkdv_kernel(
-    Q, Q2, K, K2, V, DO, Lse, LogSum, Delta, DK, DV,
+    Q, Q2, K, K2, V, DO, Lse, LogSum, Delta, DK_OUT, DV_OUT,
     q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides,
     Nq, Nk, group, q_lists, fallback_blocks, aux, aux_grad, Seed, dropout_p,
     SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, SCORE_GRAD: tl.constexpr,
@@ -307,7 +312,10 @@ def _flash_backward_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV: tl.constexpr,
     DESCRIPTORS: tl.constexpr, HEAD_GROUP: tl.constexpr,
     PARTIAL_TILES: tl.constexpr, FLAT_HEADS: tl.constexpr, Q_TAIL: tl.constexpr, EXACT_WEIGHTS: tl.constexpr,
+    DK: tl.constexpr, DV: tl.constexpr,
 ):
+    """dK where DK, dV where DV: both in one launch, or each in a launch of its own (`BackwardConfigs.apart`; V
+    then None in dV's)."""
     # First kv blocks first: under a causal mask they hold the most tiles.
     kv_block, kv_head, b = grouped_program(HEAD_GROUP)
     seed = dropout_seed(Seed, DROPOUT)
@@ -317,7 +325,10 @@ def _flash_backward_dkdv_kernel(
     cols = kv_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k = load_parts(K, K2, b, kv_head, kv_block * BLOCK_N, Nk, k_strides, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_D2, True,
                    DESCRIPTORS)
-    v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM_V, BLOCK_N, BLOCK_DV, True, DESCRIPTORS)
+    v = None
+    if DK:  # dp = dO · Vᵀ is dK's only
+        v = load_tile(V, b, kv_head, kv_block * BLOCK_N, Nk, v_strides, HEAD_DIM_V, BLOCK_N, BLOCK_DV, True,
+                      DESCRIPTORS)
     dk = zero_parts(BLOCK_N, BLOCK_D, BLOCK_D2)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # The query heads reading this kv head: with FLAT_HEADS (GQA, their block maps one) in one walk, else a
@@ -327,19 +338,21 @@ def _flash_backward_dkdv_kernel(
                             cols, 0, group, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                             fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
                             FILL_GRAD, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2, BLOCK_DV,
-                            DESCRIPTORS, PARTIAL_TILES, True, Q_TAIL, EXACT_WEIGHTS)
+                            DESCRIPTORS, PARTIAL_TILES, True, Q_TAIL, EXACT_WEIGHTS, DK, DV)
     else:
         for g in range(0, group):
             dk, dv = _dkdv_walk(dk, dv, k, v, Q, Q2, DO, q_strides, do_strides, Lse, LogSum, Delta, b, kv_head,
                                 kv_block, cols, g, 1, n_q_heads, n_kv_blocks, n_q_blocks, Nq, Nk, group, q_lists,
                                 fallback_blocks, aux, aux_grad, seed, dropout_p, SCORE, KEEP, FILL, SCORE_GRAD,
                                 FILL_GRAD, DROPOUT, HEAD_DIM, HEAD_DIM_V, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_D2,
-                                BLOCK_DV, DESCRIPTORS, PARTIAL_TILES, False, Q_TAIL, EXACT_WEIGHTS)
+                                BLOCK_DV, DESCRIPTORS, PARTIAL_TILES, False, Q_TAIL, EXACT_WEIGHTS, DK, DV)
 
-    store_parts(DK + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
-                dk_strides[2], dk_strides[3], HEAD_DIM, BLOCK_D, BLOCK_D2)
-    store_rows(DV + b.to(tl.int64) * dv_strides[0] + kv_head.to(tl.int64) * dv_strides[1], dv, cols, Nk,
-               dv_strides[2], tl.arange(0, BLOCK_DV), dv_strides[3], HEAD_DIM_V)
+    if DK:
+        store_parts(DK_OUT + b.to(tl.int64) * dk_strides[0] + kv_head.to(tl.int64) * dk_strides[1], dk, cols, Nk,
+                    dk_strides[2], dk_strides[3], HEAD_DIM, BLOCK_D, BLOCK_D2)
+    if DV:
+        store_rows(DV_OUT + b.to(tl.int64) * dv_strides[0] + kv_head.to(tl.int64) * dv_strides[1], dv, cols, Nk,
+                   dv_strides[2], tl.arange(0, BLOCK_DV), dv_strides[3], HEAD_DIM_V)
 
 
 @triton.jit
@@ -515,13 +528,17 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     operands, descriptors = tile_operands(
         ((q, config.block_m, qk_blocks), (k, config.block_n, qk_blocks), (v, config.block_n, block_dv),
          (do, config.block_m, block_dv)), config.descriptors)
-    yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
-           (*operands, lse, log_sum, delta, dk, dv,
-            q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
-            q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux, aux_grad, read_seed, dropout_p),
-           dict(DESCRIPTORS=descriptors, Q_TAIL=tail_placement(q_len, config.block_m, False),
-                FLAT_HEADS=q_heads > kv_heads and (not mod.has_mask or block_map.batch_head_strides[1] == 0),
-                **constants(config)))
+    flat_heads = q_heads > kv_heads and (not mod.has_mask or block_map.batch_head_strides[1] == 0)
+    # Apart, dV's launch first: it reads no V and takes no aux gradient.
+    for computes_dk, computes_dv in ((False, True), (True, False)) if configs.apart else ((True, True),):
+        qk_operands, (v_operand, do_operand) = operands[:4], operands[4:]
+        yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
+               (*qk_operands, v_operand if computes_dk else None, do_operand, lse, log_sum, delta, dk, dv,
+                q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
+                q_len, kv_len, q_heads // kv_heads, q_lists, fallback_blocks, aux,
+                aux_grad if computes_dk else None, read_seed, dropout_p),
+               dict(DESCRIPTORS=descriptors, Q_TAIL=tail_placement(q_len, config.block_m, False), FLAT_HEADS=flat_heads,
+                    DK=computes_dk, DV=computes_dv, **constants(config)))
 
 
 def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

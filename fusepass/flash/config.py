@@ -107,9 +107,9 @@ def _forward_tiles(width: int, dtype: torch.dtype, has_mask: bool) -> FlashConfi
         return FlashConfig(128, 128, num_warps=8, num_stages=3)
     if wide:
         return FlashConfig(32, 32, num_warps=4, num_stages=2)
-    # D256: at 4 warps the training forward (the exact weights) spills, compiled for sm_90; at 8 it does not
-    # (bench/NOTES.md, the kernel-resources rows).
-    return FlashConfig(64, 64, num_warps=8, num_stages=2)
+    # D256: at 8 warps 128 × 64 ran twice as fast as 64 × 64 (each warpgroup's products 64 rows tall) and ahead of
+    # 128 × 32 and of 64 × 64 at 4 warps (bench/NOTES.md, the D256 sweep).
+    return FlashConfig(128, 64, num_warps=8, num_stages=2)
 
 
 # Forward programs of masked attention walking fewer kv tiles than this (on average over the q blocks, at
@@ -142,6 +142,9 @@ class BackwardConfigs:
 
     dkdv: FlashConfig
     dq: FlashConfig
+    # dK and dV in two launches of the dK/dV kernel at `dkdv`'s tiles, each program holding one accumulator: twice
+    # the kv rows in the registers one pair would take, so wider products, for a recompute of K·Qᵀ in both.
+    apart: bool = False
 
 
 @functools.cache  # asked on every call of the kernels
@@ -171,9 +174,14 @@ def _backward_tiles(width: int, dtype: torch.dtype, has_mask: bool) -> BackwardC
         # stages, the best before dV's product took the weights ahead of dp, has been slower since; 64 × 64 at 3
         # stages spills more under triton 3.6 and runs slower.
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(128, 64, 8, 3))
-    # D256 (Gemma 2): dK and dV alone take 128 registers a thread at 64 kv rows and 8 warps. Timed at Gemma 2's
-    # shape (bench/flash_sweep.py), dK/dV's 32 q rows a step ran faster than 16 despite a few spilled bytes, and
-    # dQ's 128 × 32 faster than 64 × 64; 4 warps spilled hundreds of bytes in either kernel.
+    # Wider than 128: dK and dV together take up to 128 registers a thread at 64 kv rows and 8 warps; apart, each
+    # at 128 kv rows, whose products are then twice as wide. At 192 (latent attention: q·k 128 + 64, V 128) the
+    # training step ran faster apart; at 256 so did the kernels alone (Gemma 2's shape, causal and capped), but
+    # Gemma 2's step ran slower (bench/NOTES.md), so D256 stays together. dK/dV's 32 q rows a step ran faster than 16
+    # despite a few spilled bytes, dQ's 128 × 32 faster than 64 × 64; 4 warps spilled hundreds of bytes in either.
+    if width <= 192:
+        return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=2), FlashConfig(128, 32, 8, 2),
+                               apart=True)
     return BackwardConfigs(FlashConfig(32, 64, num_warps=8, num_stages=2), FlashConfig(128, 32, 8, 2))
 
 

@@ -493,6 +493,41 @@ def test_grouped_programs(monkeypatch, name):
         assert torch.equal(got[output], expected[output]), output
 
 
+@pytest.mark.parametrize("name, dtype, shape, dropout_p", [
+    ("causal_min", bf16, Shape(1, 4, 2, 45, 37, 48, head_dim_v=32), 0.0),  # GQA, q·k in parts, V of its own width
+    ("left_pad_min", f32, Shape(2, 2, 1, 37, 37, 24), 0.0),  # rows the forward recomputed: flagged q blocks
+    ("bias_grad", f32, Shape(2, 2, 1, 37, 53, 24), 0.0),  # an aux gradient, dK's launch's only
+    ("causal_min", f32, Shape(1, 2, 1, 37, 53, 24), 0.3)], ids=["gqa-parts", "fallback", "aux-grad", "dropout"])
+def test_dk_and_dv_apart(monkeypatch, name, dtype, shape, dropout_p):
+    """dK and dV in launches of their own (`BackwardConfigs.apart`: dV's without V, dK's with the aux gradients)
+    compute what one launch computes, bit for bit, at the same tiles: each recomputes the same weights."""
+    torch.manual_seed(0)
+    case = CASES[name]
+    inputs = case.make_inputs(shape)
+    q, k, v, do = make_qkv(shape, dtype)
+    dropout = dict(dropout_p=dropout_p, seed=torch.tensor([99], device=DEVICE)) if dropout_p else {}
+    device_backward = flash_bwd.backward_configs
+
+    out, lse, extra = flash_attention_forward(q, k, v, case.mod, inputs.aux, out_dtype=q.dtype, **dropout)
+
+    def run(apart):
+        monkeypatch.setattr(flash_bwd, "backward_configs", lambda *args: replace(device_backward(*args), apart=apart))
+        if inputs.aux_grad is not None:
+            inputs.aux_grad[0].zero_()
+        grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))  # a gradient not written stays NaN
+        dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, extra, case.mod, inputs.aux, inputs.aux_grad,
+                                              grads=grads, **dropout)
+        aux_grad = None if inputs.aux_grad is None else inputs.aux_grad[0].clone()
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv), aux_grad
+
+    (together, aux_together), (apart, aux_apart) = run(False), run(True)
+    for output in ("dq", "dk", "dv"):
+        assert torch.equal(apart[output], together[output]), output
+    assert aux_together is None or torch.equal(aux_apart, aux_together)
+    if not dropout_p:
+        assert_matches(apart, reference(case, inputs.ref, q, k, v, do), dtype)
+
+
 # ---- dropout ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["plain", "causal_min"])
