@@ -164,10 +164,12 @@ def attention_forward_bytes(shape: AttentionShape, tiles: Tiles, aux: Sequence[A
 
 
 def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles: Tiles, aux: Sequence[AuxRead],
-                             residual: bool = False) -> tuple[dict[str, float], int]:
+                             residual: bool = False, apart: bool = False) -> tuple[dict[str, float], int]:
     """(bytes the backward moves, by kernel; ideal bytes: Q, K, V, O, dO and aux read once, dQ, dK, dV and
     aux gradients written once). Each kernel at its own tiles; `residual`: whether dQ reads the output's rounding
-    residual for its row term."""
+    residual for its row term; `apart`: whether the dK/dV kernel runs as two launches (`BackwardConfigs.apart`:
+    dV's reads K, the q rows but their delta, and the aux tiles; dK's everything one launch reads but dV's tiles),
+    counted together under its name."""
     d, dv, es, oes = shape.head_dim, shape.head_dim_v, shape.itemsize, shape.out_itemsize
     q_rows, kv_rows = shape.rows, shape.kv_rows
     row = d * es + dv * oes + 3 * STAT_BYTES  # a query row of Q and dO, and its lse, log_sum, delta
@@ -177,9 +179,12 @@ def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles:
     atomics = sum((shape.scores * dkdv_tiles.density if a.per_tile else a.bytes // a.itemsize) * 2 * 4
                   for a in with_grad)
     buffers = sum(a.bytes // a.itemsize * (4 + 4 + a.itemsize) for a in with_grad)
+    q_reads = dkdv_tiles.waves(dkdv_tiles.kv_blocks(shape))
+    dkdv = 2 * kv_rows * (d + dv) * es + q_rows * row * q_reads + _aux_tiles(shape, dkdv_tiles, aux) + atomics
+    if apart:
+        dkdv += kv_rows * d * es + q_rows * (row - STAT_BYTES) * q_reads + _aux_tiles(shape, dkdv_tiles, aux)
     parts = {
-        DKDV_KERNEL: 2 * kv_rows * (d + dv) * es + q_rows * row * dkdv_tiles.waves(dkdv_tiles.kv_blocks(shape))
-        + _aux_tiles(shape, dkdv_tiles, aux) + atomics,
+        DKDV_KERNEL: dkdv,
         # dQ also reads O, for delta = rowsum(dO · O), which it writes for dK/dV (in `row`, read there).
         DQ_KERNEL: q_rows * (row + dv * oes * (2 if residual else 1)) + _kv_reads(shape, dq_tiles) + q_rows * d * es
         + _aux_tiles(shape, dq_tiles, aux),
@@ -209,12 +214,12 @@ def _saved_bytes(nodes: Iterable[torch.fx.Node], kept_by_kernel: set[torch.fx.No
 def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by_kernel: Sequence[torch.fx.Node],
                        shape: AttentionShape, forward_tiles: Tiles, backward_tiles: tuple[Tiles, Tiles],
                        aux: Sequence[AuxRead], features: tuple[str, ...], detail: dict,
-                       gradient_flows: bool) -> list[Rewrite]:
+                       gradient_flows: bool, apart: bool = False) -> list[Rewrite]:
     """The forward record of one attention rewrite and, when a gradient flows, its backward record.
 
     ``replaced``: the ops the rewrite removes, in graph order (the matched ones and those only they used,
     such as a mask's construction); ``kept_by_kernel``: the tensors the fused op reads; ``backward_tiles``:
-    the dK/dV kernel's and the dQ kernel's."""
+    the dK/dV kernel's and the dQ kernel's; ``apart``: dK and dV in two launches (`BackwardConfigs.apart`)."""
     compute = [n for n in replaced if not moves_no_bytes(n)]
     flops = unfused_flops(compute)
     elementwise_flops = flops - sum(op_flops(n) for n in compute if is_matmul(n))
@@ -238,14 +243,16 @@ def attention_rewrites(location: str, replaced: Sequence[torch.fx.Node], kept_by
     backward = [op for n in reversed(compute) for op in backward_ops(n)]
     backward_elementwise = sum(op.flops for op in backward if not op.matmul)
     dkdv_tiles, dq_tiles = backward_tiles
-    parts, ideal = attention_backward_bytes(shape, dkdv_tiles, dq_tiles, aux, residual)
+    parts, ideal = attention_backward_bytes(shape, dkdv_tiles, dq_tiles, aux, residual, apart)
     # Both backward kernels recompute the scores (2 flops per score per element of Q's and K's head dim) and weights
-    # of each tile they visit; dK/dV adds dK (2 at Q's and K's) and dP, dV (2 each at V's), dQ adds dQ and dP.
+    # of each tile they visit; dK/dV adds dK (2 at Q's and K's) and dP, dV (2 each at V's), dQ adds dQ and dP. Apart,
+    # dK/dV's two launches each recompute the scores and weights.
     per_kernel = elementwise_flops + backward_elementwise
     d, dv = shape.head_dim, shape.head_dim_v
-    recomputed = (4 * shape.scores * (d + dv) + per_kernel) * dkdv_tiles.density \
-        + (2 * shape.scores * (2 * d + dv) + per_kernel) * dq_tiles.density
-    tiles = {"tiles": {"dk_dv": _tiles_detail(dkdv_tiles), "dq": _tiles_detail(dq_tiles)}}
+    dkdv_flops = 2 * (shape.scores * (3 * d + 2 * dv) + per_kernel) if apart else 4 * shape.scores * (d + dv) \
+        + per_kernel
+    recomputed = dkdv_flops * dkdv_tiles.density + (2 * shape.scores * (2 * d + dv) + per_kernel) * dq_tiles.density
+    tiles = {"tiles": {"dk_dv": {**_tiles_detail(dkdv_tiles), "apart": apart}, "dq": _tiles_detail(dq_tiles)}}
     return [forward, Rewrite(
         kind="attention", phase="backward", location=location, ops=tuple(op.name for op in backward),
         bytes_unfused=sum(op.bytes for op in backward), bytes_fused=round(sum(parts.values())), bytes_ideal=ideal,
@@ -297,5 +304,5 @@ def attention_records(replaced: list[torch.fx.Node], spec: AttentionSpec, source
                                  (tiles(backward.dkdv), tiles(backward.dq)), aux,
                                  tuple(features), {"shape": [batch, heads, q_len, shape.kv_len, head_dim],
                                                    "kv_heads": shape.kv_heads, "head_dim_v": head_dim_v},
-                                 gradient_flows)
+                                 gradient_flows, backward.apart)
     return records, forward if known else None

@@ -140,6 +140,23 @@ def test_a_dense_bias_is_read_tile_by_tile_a_small_table_once():
         2 * (2 * elements * 2) + 2 * elements * 8 + elements * (4 + 4 + 2)
 
 
+def test_dk_and_dv_apart_read_k_and_the_q_rows_twice():
+    """Apart (`BackwardConfigs.apart`), dV's launch reads K, the q rows but their delta and the aux tiles again;
+    one dK/dV entry holds both launches, the dQ kernel's is unchanged."""
+    shape = AttentionShape(batch=1, heads=2, kv_heads=1, q_len=300, kv_len=300, head_dim=192, head_dim_v=128,
+                           itemsize=2, out_itemsize=2, masked=False)
+    tiles = Tiles(block_m=32, block_n=128, density=1.0, model="dense", concurrent=132)
+    bias = AuxRead(bytes=2 * 300 * 300 * 2, itemsize=2, per_tile=True, needs_grad=False)
+    together, ideal = attention_backward_bytes(shape, tiles, tiles, [bias])
+    apart, ideal_apart = attention_backward_bytes(shape, tiles, tiles, [bias], apart=True)
+    kernel = "_flash_backward_dkdv_kernel"
+    q_reads = tiles.waves(3)  # each of the kv head's 3 kv blocks reads the q rows
+    row_but_delta = 192 * 2 + 128 * 2 + 2 * 4
+    assert apart[kernel] - together[kernel] == pytest.approx(
+        300 * 192 * 2 + 2 * 300 * row_but_delta * q_reads + 2 * 300 * 300 * 2)
+    assert apart["_flash_backward_dq_kernel"] == together["_flash_backward_dq_kernel"] and ideal_apart == ideal
+
+
 def gelu_chain(x, b):
     return F.gelu(x * 0.5 + b) * torch.sigmoid(x)
 
