@@ -153,7 +153,7 @@ def backward_configs(width: int, dtype: torch.dtype, has_mask: bool, device: tor
     if device.type != "cuda":
         return BackwardConfigs(INTERPRETER_CONFIG, INTERPRETER_CONFIG)
     tiles = _backward_tiles(width, dtype, has_mask)
-    return BackwardConfigs(_on_gpu(tiles.dkdv, device), _on_gpu(tiles.dq, device))
+    return replace(tiles, dkdv=_on_gpu(tiles.dkdv, device), dq=_on_gpu(tiles.dq, device))
 
 
 def _backward_tiles(width: int, dtype: torch.dtype, has_mask: bool) -> BackwardConfigs:
@@ -174,16 +174,13 @@ def _backward_tiles(width: int, dtype: torch.dtype, has_mask: bool) -> BackwardC
         # stages, the best before dV's product took the weights ahead of dp, has been slower since; 64 × 64 at 3
         # stages spills more under triton 3.6 and runs slower.
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(128, 64, 8, 3))
-    # Wider than 128: dK and dV together take up to 128 registers a thread at 64 kv rows and 8 warps; apart, each
-    # at 128 kv rows, whose products are then twice as wide. At 192 (latent attention: q·k 128 + 64, V 128) the
-    # training step ran faster apart; at 256 so did the kernels alone (Gemma 2's shape, causal and capped), but
-    # Gemma 2's step ran slower (bench/NOTES.md), so D256 stays together. dK/dV's 32 q rows a step ran faster than 16
+    # Wider than 128: at 32 × 128 the q·k products are twice as wide as at 32 × 64. Latent attention (q·k 128 + 64, V
+    # 128: dK and dV together 160 registers a thread at 8 warps) ran its training step faster so; at D256 dK and dV
+    # together take 256 there and spill, and apart (each launch one accumulator) ran the kernels faster than together
+    # at 32 × 64 at Gemma 2's shape, causal and capped (bench/NOTES.md). dK/dV's 32 q rows a step ran faster than 16
     # despite a few spilled bytes, dQ's 128 × 32 faster than 64 × 64; 4 warps spilled hundreds of bytes in either.
-    if width <= 192:
-        return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=2), FlashConfig(128, 32, 8, 2),
-                               apart=True)
-    return BackwardConfigs(FlashConfig(32, 64, num_warps=8, num_stages=2), FlashConfig(128, 32, 8, 2))
-
+    apart = width > 192
+    return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=2), FlashConfig(128, 32, 8, 2), apart=apart)
 
 def forward_warps(config: FlashConfig, reads_tables: bool) -> int:
     """The warps the forward at `config` runs: twice its 4 where the score functions read a value per score from a

@@ -3,10 +3,11 @@ column blocks and the width the tiles are chosen by."""
 from __future__ import annotations
 
 import pytest
+import torch
 from triton.runtime.errors import OutOfResources
 
-from fusepass.flash.config import (INTERPRETER_CONFIG, FlashConfig, forward_warps, head_blocks, launch_fitting,
-                                    tile_width)
+from fusepass.flash.config import (INTERPRETER_CONFIG, FlashConfig, _backward_tiles, backward_configs, forward_warps,
+                                   head_blocks, launch_fitting, tile_width)
 
 
 class Kernel:
@@ -59,3 +60,17 @@ def test_tiles_are_chosen_by_the_wider_side():
     assert tile_width(192, 128) == 192
     assert tile_width(64, 96) == 128
     assert tile_width(128, 128) == 128
+
+
+@pytest.mark.parametrize("width", [64, 128, 192, 256])
+def test_the_devices_backward_configs_keep_the_tiles_choice(width):
+    """On a GPU the configs gain the device's descriptors and program groups; every other choice stays, dK and dV
+    apart among them (dropped once, the D256 tiles chosen for two launches ran as one and spilled)."""
+    chosen = _backward_tiles(width, torch.bfloat16, True)
+    device = backward_configs(width, torch.bfloat16, True, torch.device("cuda"))
+    assert device.apart == chosen.apart
+    for kernel in ("dkdv", "dq"):
+        got, expected = getattr(device, kernel), getattr(chosen, kernel)
+        assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == \
+            (expected.block_m, expected.block_n, expected.num_warps, expected.num_stages)
+    assert backward_configs(256, torch.bfloat16, True, torch.device("cuda")).apart
