@@ -414,14 +414,15 @@ def test_one_map_serves_the_forward_and_both_backward_kernels(monkeypatch):
 
 
 def test_the_tiles_past_head_dim_128(monkeypatch):
-    """The GPU's tiles past head dim 128 (Gemma 2's 256: forward 64 × 64, dK/dV 32 × 64, dQ 128 × 32), through the
-    interpreter: dK/dV's q chunks half the forward's q blocks, dQ's tiles of their own, a mask that reads tensors,
-    sizes no tile divides; the gradients are eager's."""
+    """The GPU's tiles past head dim 128 (Gemma 2's 256: forward 128 × 64, dK/dV 32 × 128 in two launches, dQ
+    128 × 32), through the interpreter: each kernel at tiles of its own, so each maps a mask that reads tensors at
+    its own, sizes no tile divides; the gradients are eager's."""
     from fusepass.flash import backward as flash_bwd, config as flash_config, forward as flash_fwd
 
     forward = flash_config._forward_tiles(256, torch.bfloat16, True)
     backward = flash_config._backward_tiles(256, torch.bfloat16, True)
-    assert (forward.block_m, forward.block_n, backward.dkdv.block_m, backward.dq.block_m) == (64, 64, 32, 128)
+    assert (forward.block_m, forward.block_n, backward.dkdv.block_m, backward.dkdv.block_n, backward.dq.block_m) == \
+        (128, 64, 32, 128, 128) and backward.apart
     for module in (flash_fwd, call):
         monkeypatch.setattr(module, "forward_config", lambda *args: forward)
     for module in (flash_config, flash_bwd):
@@ -430,7 +431,7 @@ def test_the_tiles_past_head_dim_128(monkeypatch):
     n = 150
     segments = torch.sort(torch.randint(0, 4, (1, n), device=DEVICE), dim=-1).values
     check(document_mask, *qkv(b=1, h=2, nq=n, nk=n), segments, backward=True)
-    assert set(built) == {(64, 64, 32), (128, 32, 128)}  # the forward's map serves dK/dV; dQ maps its own tiles
+    assert set(built) == {(128, 64, 128), (32, 128, 32), (128, 32, 128)}
 
 
 def scaled_by_a_tensor(q, k, v, temperature):
