@@ -67,6 +67,20 @@ def causal_additive_mask(q, k, v):
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
+def causal_subsequent_mask(q, k, v):
+    """nn.Transformer's: `generate_square_subsequent_mask`, a triangle of -inf above the diagonal, added."""
+    mask = nn.Transformer.generate_square_subsequent_mask(q.size(-2), device=q.device, dtype=q.dtype)
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + mask, dim=-1) @ v
+
+
+def causal_inverted_mask(q, k, v):
+    """Hugging Face's inverted mask: (1 - keep) times the dtype's minimum, from a bool tril, added."""
+    n = q.size(-2)
+    keep = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    mask = (1.0 - keep[None, None].to(q.dtype)) * torch.finfo(q.dtype).min
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)) + mask, dim=-1) @ v
+
+
 FEATURES = ("causal",)
 # A buffer's values are not known when the graph is compiled: the mask is read from it, as any mask tensor.
 BUFFER_FEATURES = ("causal",)  # the buffer read as the band it holds (known_contents)
@@ -79,11 +93,13 @@ def causal_with_8_wide_heads(q, k, v):
 
 DECLINED = causal_with_8_wide_heads
 DECLINED_REASON = "head dim 8 outside 16..256"
-SUMMARY = ("from arange or tril, Hugging Face's additive 0/min mask, or a module's tril buffer (GPT-2's, nanoGPT's: "
-           "computed from the positions, its contents checked on each call)")
+SUMMARY = ("from arange or tril, nn.Transformer's added triu of -inf, Hugging Face's additive 0/min mask (alone, or "
+           "added to a bias first as T5's decoder does), or a module's tril buffer (GPT-2's, nanoGPT's: computed "
+           "from the positions, its contents checked on each call)")
 
 
-@pytest.mark.parametrize("form", [causal_from_arange, causal_from_tril, causal_additive_mask])
+@pytest.mark.parametrize("form", [causal_from_arange, causal_from_tril, causal_additive_mask, causal_subsequent_mask,
+                                  causal_inverted_mask])
 def test_causal(form):
     check_fused(form, *qkv(23), expected=FEATURES)
 
