@@ -51,7 +51,8 @@
 #                forward and backward beside SDPA's, with registers and spills
 #   sweep-d256   the forward at D256 (Gemma 2's attention: B1 H8, 4 kv heads, N8192, causal) at 64 × 64 and     (not run yet)
 #                128 × 64 / 128 × 32 tiles, 8 warps (and 64 × 64 at 4); dK/dV together at 32 × 64, then
-#                apart at 32 × 128 (BackwardConfigs.apart), causal and as Gemma 2's local layers (capped, window 4096)
+#                apart at 32 × 128 (BackwardConfigs.apart), causal and as Gemma 2's local layers (capped, window 4096);
+#                dQ at 128 × 32 × 8 warps and 64 × 64 × 4 (64 × 64 products, no spill offline)
 #   order        the same kernels with their programs in groups of 1, 4 and 8       (not run yet)
 #                (batch, head) pairs (FlashConfig.head_group; bench/program_order.py), and the small
 #                shape's forward in groups of 1, 8 and 16
@@ -168,7 +169,8 @@ for part in $parts; do
             for mask in causal softcap-window; do
                 timeout 100 python flash_sweep.py $d256 --mask $mask --dkdv 32,64,8,2 2>&1 | grep "^| [sb]"
                 timeout 100 python flash_sweep.py $d256 --mask $mask --dkdv 32,128,8,2 --dkdv-apart 2>&1 | grep "^| b"
-            done) ;;
+            done
+            timeout 100 python flash_sweep.py $d256 --dq 128,32,8,2 64,64,4,2 2>&1 | grep "^| b") ;;
     order)
         (cd bench && for swept in "--forward 128,128,8,3,1 128,128,8,3,4 128,128,8,3,8 --forward-only" \
                 "--dq 128,64,8,3,1 128,64,8,3,4 128,64,8,3,8" "--dkdv 64,64,4,2,1 64,64,4,2,4 64,64,4,2,8" \
