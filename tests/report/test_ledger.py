@@ -157,6 +157,21 @@ def test_dk_and_dv_apart_read_k_and_the_q_rows_twice():
     assert apart["_flash_backward_dq_kernel"] == together["_flash_backward_dq_kernel"] and ideal_apart == ideal
 
 
+def test_a_d256_backward_is_recorded_as_dk_and_dv_apart(planned_only):
+    """At head dim 256 the GPU's dK/dV kernel runs as two launches at 32 × 128 (`BackwardConfigs.apart`): the record
+    says so, and its bytes are both launches' (dV's reads K and the q rows but delta once more)."""
+    d = 256
+    q, k, v = (torch.randn(1, N, d, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    _, backward = rewrites(compiled_report(standard_attention, q, k, v), kind="attention")
+    tiles = backward.detail["tiles"]["dk_dv"]
+    assert tiles["apart"] and (tiles["block_m"], tiles["block_n"]) == (32, 128)
+    row = d * 4 + 12
+    waves = 1 + 31 / 132  # the q rows read once per wave of the 32 kv blocks' programs
+    together = 4 * N * d * 2 + N * row * waves
+    assert backward.detail["bytes_fused_by_kernel"]["_flash_backward_dkdv_kernel"] == \
+        round(together + N * d * 2 + N * (row - 4) * waves)
+
+
 def gelu_chain(x, b):
     return F.gelu(x * 0.5 + b) * torch.sigmoid(x)
 
