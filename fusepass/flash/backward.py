@@ -529,9 +529,9 @@ def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         ((q, config.block_m, qk_blocks), (k, config.block_n, qk_blocks), (v, config.block_n, block_dv),
          (do, config.block_m, block_dv)), config.descriptors)
     flat_heads = q_heads > kv_heads and (not mod.has_mask or block_map.batch_head_strides[1] == 0)
-    # Apart, dV's launch first: it reads no V and takes no aux gradient.
+    qk_operands, (v_operand, do_operand) = operands[:4], operands[4:]
+    # Apart: dV's launch (without V, and the aux gradients), then dK's.
     for computes_dk, computes_dv in ((False, True), (True, False)) if configs.apart else ((True, True),):
-        qk_operands, (v_operand, do_operand) = operands[:4], operands[4:]
         yield (_flash_backward_dkdv_kernel, (cdiv(kv_len, config.block_n), kv_heads, batch),
                (*qk_operands, v_operand if computes_dk else None, do_operand, lse, log_sum, delta, dk, dv,
                 q.stride(), k.stride(), v.stride(), do.stride(), dk.stride(), dv.stride(),
