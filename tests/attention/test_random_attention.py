@@ -4,7 +4,7 @@ on the scores or divided out, applied in place or not; GQA through repeat_interl
 position masks (causal, sliding window; built in the graph or sliced from a module's buffer), tensor masks
 (padding lengths, document ids), biases (ALiBi with fixed or learnable slopes, a learnable bias tensor), softcap,
 the masks' fills, fp32 or fp16 (and bf16 on the GPU), and the softmax taken in fp32 or in the inputs' dtype;
-lengths from 1, head dims from 8 to 256. Each program computes what eager computes, forward and backward, at its
+lengths from 1, head dims from 8 to 256; the backward's dK and dV in one launch or in two. Each program computes what eager computes, forward and backward, at its
 length and again at a second one (a recompile with symbolic sizes), and its softmax is either rewritten or
 reported as a hotspot with a reason: nothing is left out silently, and no kernel fails. Sizes are drawn off the
 kernels' tile sizes.
@@ -13,6 +13,7 @@ kernels' tile sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from unittest import mock
 
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from support import DEVICE, SUMMED_GRADIENT_FP32, check, random_tensor
 
 import fusepass
+from fusepass.flash import backward as flash_backward
 
 
 # bf16 on the GPU only: Triton's interpreter (3.9) casts fp32 to bf16 by truncation, not to nearest, which
@@ -54,6 +56,7 @@ class Program:
     dtype: torch.dtype
     softmax_in_fp32: bool  # softmax(s.float()).to(dtype), as mixed-precision code writes it
     seed: int  # of the inputs' values
+    dk_dv_apart: bool = False  # the backward's dK and dV in launches of their own (`BackwardConfigs.apart`)
 
 
 @st.composite
@@ -76,7 +79,8 @@ def programs(draw) -> Program:
                    bias=draw(st.sampled_from(biases)), bias_permuted=draw(st.booleans()),
                    softcap=draw(st.booleans()),
                    dtype=draw(st.sampled_from(DTYPES)),
-                   softmax_in_fp32=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+                   softmax_in_fp32=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+                   dk_dv_apart=draw(st.booleans()))
 
 
 def _scores(p: Program, q, k):
@@ -229,6 +233,13 @@ def run_program(p: Program) -> fusepass.Report:
     symbolic sizes): raises where it differs, where it is neither rewritten nor reported, or where a kernel
     failed. Returns the first compile's report."""
     torch._dynamo.reset()  # each program compiled at its sizes, then with symbolic ones
+    device_configs = flash_backward.backward_configs
+    with mock.patch.object(flash_backward, "backward_configs",
+                           lambda *args: replace(device_configs(*args), apart=p.dk_dv_apart)):
+        return _run_program(p)
+
+
+def _run_program(p: Program) -> fusepass.Report:
     reports = []
     for grow in (0, 3):
         at = replace(p, q_len=p.q_len + grow, kv_len=p.kv_len + grow)
