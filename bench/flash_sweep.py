@@ -1,9 +1,10 @@
 """Tile configs of the flash kernels, timed on causal attention (or unmasked, or documents packed for causal
 language modelling, by --mask): what ``flash_config`` should choose.
 
-    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--seq 8192] [--batch 2] [--heads 16] [--kv-heads 4]
-        [--forward-only] [--chosen] [--mask causal|plain|packed|packed-bound]
+    PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--head-dim-v 128] [--seq 8192] [--batch 2] [--heads 16]
+        [--kv-heads 4] [--forward-only] [--chosen] [--mask causal|plain|packed|packed-bound|softcap|softcap-window]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
+        [--dkdv-apart]                     (each --dkdv config with dK and dV in launches of their own)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
         [--forward 128,64,4,3 ...]         (these forward tiles, through descriptors, instead of the list below)
     A fifth number in a config groups its kernel's programs by (batch, head) pairs (FlashConfig.head_group;
@@ -26,7 +27,7 @@ import triton.language as tl
 from harness import keep, median_ms, relative_error
 
 from fusepass.flash.score_mod import ScoreMod, SeparableKeep
-from fusepass.flash import backward as flash_bwd, forward as flash_fwd
+from fusepass.flash import backward as flash_bwd, config as flash_config, forward as flash_fwd
 from fusepass.flash.config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
 
 
@@ -101,7 +102,8 @@ SOFTCAP = replace(CAUSAL, name="sweep_softcap", score=softcapped, score_grad=sof
 # Its local layers: the same in a causal window of 4096 keys.
 SOFTCAP_WINDOW = replace(SOFTCAP, name="sweep_softcap_window", keep=window_keep)
 MASKS = {"causal": (CAUSAL, CAUSAL_LINEAR), "softcap": (SOFTCAP, SOFTCAP),
-         "softcap-window": (SOFTCAP_WINDOW, SOFTCAP_WINDOW), "plain": (PLAIN, PLAIN_LINEAR), "packed": (PACKED, PACKED_LINEAR),
+         "softcap-window": (SOFTCAP_WINDOW, SOFTCAP_WINDOW), "plain": (PLAIN, PLAIN_LINEAR),
+         "packed": (PACKED, PACKED_LINEAR),
          "packed-bound": (PACKED_BOUND, replace(PACKED_BOUND, name="sweep_packed_bound_linear", linear_scale=SCALE))}
 
 # Per-tile operands through TMA descriptors; the first config of each list also with pointer loads.
@@ -132,6 +134,8 @@ def registers(kernel) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim-v", type=int, default=None,
+                        help="V's head dim (latent attention: 128 at --head-dim 192); --head-dim's where not given")
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
@@ -148,27 +152,30 @@ def main() -> None:
     parser.add_argument("--mask", choices=MASKS, default="causal")
     args = parser.parse_args()
     chosen_forward = flash_fwd.forward_config  # flash_config's, before the sweep replaces it
+    head_dim_v = args.head_dim_v or args.head_dim
+    width = flash_config.tile_width(args.head_dim, head_dim_v)  # what the configs are chosen by
     masked = args.mask != "plain"
     mod, linear_mod = MASKS[args.mask]
     forward, backward = FORWARD, BACKWARD
     if args.chosen:  # flash_config's choices at this head dim (masks' tiles, unmasked ones for plain)
         cuda = torch.device("cuda")
-        forward = [flash_fwd.forward_config(args.head_dim, torch.bfloat16, masked, cuda)]
-        backward = [flash_bwd.backward_configs(args.head_dim, torch.bfloat16, masked, cuda)]
+        forward = [flash_fwd.forward_config(width, torch.bfloat16, masked, cuda)]
+        backward = [flash_bwd.backward_configs(width, torch.bfloat16, masked, cuda)]
     if args.forward is not None:
         forward = [_config(c) for c in args.forward]
     swept_kernel = "" if args.forward is None else "-forward"
     for kernel in ("dkdv", "dq"):
         if getattr(args, kernel) is not None:
             swept_kernel = f"-{kernel}" + ("-apart" if kernel == "dkdv" and args.dkdv_apart else "")
-            chosen = flash_bwd.backward_configs(args.head_dim, torch.bfloat16, masked, torch.device("cuda"))
+            chosen = flash_bwd.backward_configs(width, torch.bfloat16, masked, torch.device("cuda"))
             apart = {"apart": args.dkdv_apart} if kernel == "dkdv" else {}
             forward, backward = [], [replace(chosen, **{kernel: _config(c)}, **apart) for c in getattr(args, kernel)]
     b, h, n, d = args.batch, args.heads, args.seq, args.head_dim
     kv_heads = args.kv_heads or h
     q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, kv_heads, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    do = torch.randn_like(q)
+    k = torch.randn(b, kv_heads, n, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, kv_heads, n, head_dim_v, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(b, h, n, head_dim_v, device="cuda", dtype=torch.bfloat16)
     aux, sdpa_mask = (), {"is_causal": masked, "enable_gqa": kv_heads != h}
     if args.mask.startswith("packed"):
         ids = torch.sort(torch.randint(0, 8, (b, n), device="cuda"), dim=-1).values
@@ -183,8 +190,9 @@ def main() -> None:
     # SDPA's forward and backward under the packed mask (a dense one) are no peer: a reference only
     reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask)
     density = {"causal": (n + 1) / (2 * n), "softcap": (n + 1) / (2 * n),
-               "softcap-window": (4096 * (n - 4096) + 4096 * 4097 / 2) / n ** 2, "plain": 1, "packed": (n / 8 + 1) / (2 * n)}[args.mask.removesuffix("-bound")]
-    flops = 4 * b * h * n * n * d * density
+               "softcap-window": (4096 * (n - 4096) + 4096 * 4097 / 2) / n ** 2, "plain": 1,
+               "packed": (n / 8 + 1) / (2 * n)}[args.mask.removesuffix("-bound")]
+    flops = 2 * b * h * n * n * (d + head_dim_v) * density
     rows = []
     sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE, **sdpa_mask))
     rows.append({"kernel": "sdpa forward", "config": "-", "ms": sdpa_ms, "TFLOP/s": flops / sdpa_ms / 1e9})
@@ -209,7 +217,7 @@ def main() -> None:
     # The backward follows a training forward at the tiles flash_config chooses: in half precision it keeps the exact
     # weights' statistics and its output's residual, which the backward kernels read (`forward.keeps_residual`).
     flash_fwd.forward_config = chosen_forward
-    outputs = flash_fwd.forward_outputs(q, mod, None, q.device, backward=True)
+    outputs = flash_fwd.forward_outputs(q, mod, None, q.device, backward=True, head_dim_v=head_dim_v)
     out, lse, extra = flash_fwd.flash_attention_forward(q, k, v, mod, aux, outputs=outputs)
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
     sdpa_out = torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, scale=SCALE, **sdpa_mask)
@@ -229,7 +237,8 @@ def main() -> None:
         except Exception as e:
             rows.append({"kernel": "backward", "config": str(config), "ms": math.nan, "error": repr(e)[:60]})
         print(rows[-1], flush=True)
-    name = (f"flash-sweep-d{d}-n{n}" + ("" if kv_heads == h else f"-kv{kv_heads}") +
+    name = (f"flash-sweep-d{d}" + ("" if head_dim_v == d else f"-dv{head_dim_v}") + f"-n{n}" +
+            ("" if kv_heads == h else f"-kv{kv_heads}") +
             ("" if args.mask == "causal" else f"-{args.mask}") + swept_kernel)
     print(keep(name, ["kernel", "config", "ms", "TFLOP/s", "error", "registers / spills"], rows))
 

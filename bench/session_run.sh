@@ -53,6 +53,8 @@
 #                128 × 64 / 128 × 32 tiles, 8 warps (and 64 × 64 at 4); dK/dV together at 32 × 64, then
 #                apart at 32 × 128 (BackwardConfigs.apart), causal and as Gemma 2's local layers (capped, window 4096);
 #                dQ at 128 × 32 × 8 warps and 64 × 64 × 4 (64 × 64 products, no spill offline)
+#   sweep-latent dK/dV at latent attention's widths (q·k 192, V 128; B2 H16 N4096, causal): together at 32 × 128   (not run yet)
+#                (the choice) and 32 × 64, then apart at 32 × 128
 #   order        the same kernels with their programs in groups of 1, 4 and 8       (not run yet)
 #                (batch, head) pairs (FlashConfig.head_group; bench/program_order.py), and the small
 #                shape's forward in groups of 1, 8 and 16
@@ -171,6 +173,10 @@ for part in $parts; do
                 timeout 100 python flash_sweep.py $d256 --mask $mask --dkdv 32,128,8,2 --dkdv-apart 2>&1 | grep "^| b"
             done
             timeout 100 python flash_sweep.py $d256 --dq 128,32,8,2 64,64,4,2 2>&1 | grep "^| b") ;;
+    sweep-latent)
+        (cd bench && latent="--head-dim 192 --head-dim-v 128 --seq 4096 --batch 2 --heads 16"
+            timeout 100 python flash_sweep.py $latent --dkdv 32,128,8,2 32,64,8,2 2>&1 | grep "^| [sb]"
+            timeout 100 python flash_sweep.py $latent --dkdv 32,128,8,2 --dkdv-apart 2>&1 | grep "^| b") ;;
     order)
         (cd bench && for swept in "--forward 128,128,8,3,1 128,128,8,3,4 128,128,8,3,8 --forward-only" \
                 "--dq 128,64,8,3,1 128,64,8,3,4 128,64,8,3,8" "--dkdv 64,64,4,2,1 64,64,4,2,4 64,64,4,2,8" \
