@@ -180,9 +180,10 @@ def attention_backward_bytes(shape: AttentionShape, dkdv_tiles: Tiles, dq_tiles:
                   for a in with_grad)
     buffers = sum(a.bytes // a.itemsize * (4 + 4 + a.itemsize) for a in with_grad)
     q_reads = dkdv_tiles.waves(dkdv_tiles.kv_blocks(shape))
-    dkdv = 2 * kv_rows * (d + dv) * es + q_rows * row * q_reads + _aux_tiles(shape, dkdv_tiles, aux) + atomics
+    dkdv_aux = _aux_tiles(shape, dkdv_tiles, aux)
+    dkdv = 2 * kv_rows * (d + dv) * es + q_rows * row * q_reads + dkdv_aux + atomics
     if apart:
-        dkdv += kv_rows * d * es + q_rows * (row - STAT_BYTES) * q_reads + _aux_tiles(shape, dkdv_tiles, aux)
+        dkdv += kv_rows * d * es + q_rows * (row - STAT_BYTES) * q_reads + dkdv_aux
     parts = {
         DKDV_KERNEL: dkdv,
         # dQ also reads O, for delta = rowsum(dO · O), which it writes for dK/dV (in `row`, read there).

@@ -182,6 +182,7 @@ def _backward_tiles(width: int, dtype: torch.dtype, has_mask: bool) -> BackwardC
     apart = width > 192
     return BackwardConfigs(FlashConfig(32, 128, num_warps=8, num_stages=2), FlashConfig(128, 32, 8, 2), apart=apart)
 
+
 def forward_warps(config: FlashConfig, reads_tables: bool) -> int:
     """The warps the forward at `config` runs: twice its 4 where the score functions read a value per score from a
     table (`ScoreMod.tables`, T5's relative bias), at the same tiles, each thread then holding half the accumulators:
