@@ -174,8 +174,8 @@ def _backward_tiles(width: int, dtype: torch.dtype, has_mask: bool) -> BackwardC
         # stages, the best before dV's product took the weights ahead of dp, has been slower since; 64 × 64 at 3
         # stages spills more under triton 3.6 and runs slower.
         return BackwardConfigs(FlashConfig(64, 64, num_warps=4, num_stages=2), FlashConfig(128, 64, 8, 3))
-    # Wider than 128: at 32 × 128 the q·k products are twice as wide as at 32 × 64. Latent attention (q·k 128 + 64, V
-    # 128: dK and dV together 160 registers a thread at 8 warps) ran its training step faster so; at D256 dK and dV
+    # Wider than 128: at 32 × 128 the q·k products are twice as wide as at 32 × 64. Latent attention (q·k 128 + 64,
+    # V 128: dK and dV together 160 registers a thread at 8 warps) ran its training step faster so; at D256 dK and dV
     # together take 256 there and spill, and apart (each launch one accumulator) ran the kernels faster than together
     # at 32 × 64 at Gemma 2's shape, causal and capped (bench/NOTES.md). dK/dV's 32 q rows a step ran faster than 16
     # despite a few spilled bytes, dQ's 128 × 32 faster than 64 × 64; 4 warps spilled hundreds of bytes in either.

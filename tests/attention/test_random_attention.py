@@ -4,10 +4,10 @@ on the scores or divided out, applied in place or not; GQA through repeat_interl
 position masks (causal, sliding window; built in the graph or sliced from a module's buffer), tensor masks
 (padding lengths, document ids), biases (ALiBi with fixed or learnable slopes, a learnable bias tensor), softcap,
 the masks' fills, fp32 or fp16 (and bf16 on the GPU), and the softmax taken in fp32 or in the inputs' dtype;
-lengths from 1, head dims from 8 to 256; the backward's dK and dV in one launch or in two. Each program computes what eager computes, forward and backward, at its
-length and again at a second one (a recompile with symbolic sizes), and its softmax is either rewritten or
-reported as a hotspot with a reason: nothing is left out silently, and no kernel fails. Sizes are drawn off the
-kernels' tile sizes.
+lengths from 1, head dims from 8 to 256; the backward's dK and dV in one launch or in two. Each program computes
+what eager computes, forward and backward, at its length and again at a second one (a recompile with symbolic
+sizes), and its softmax is either rewritten or reported as a hotspot with a reason: nothing is left out silently,
+and no kernel fails. Sizes are drawn off the kernels' tile sizes.
 
 `scripts/fuzz.py` draws from the same generator at a larger budget."""
 from __future__ import annotations
