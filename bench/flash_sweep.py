@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from harness import keep, median_ms, relative_error
 
+from fusepass.codegen import elementary
 from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 from fusepass.flash import backward as flash_bwd, config as flash_config, forward as flash_fwd
 from fusepass.flash.config import GPU_HEAD_GROUP, BackwardConfigs, FlashConfig
@@ -69,14 +70,15 @@ def packed_keep(b, h, q_idx, kv_idx, aux):
 
 @triton.jit
 def softcapped(s, b, h, q_idx, kv_idx, aux):
-    # Gemma 2's cap of 50 on the scaled scores: 50 · tanh(s · scale / 50), tanh(x) = 2 · sigmoid(2x) - 1
-    return 50.0 * (2.0 * tl.sigmoid(s * (2.0 * 0.08838834764831845 / 50.0)) - 1.0)
+    # Gemma 2's cap of 50 on the scaled scores, 50 · tanh(s · scale / 50), as the attention pass lifts it (its
+    # tanh `codegen/elementary.py`'s)
+    return elementary.tanh(s * 0.08838834764831845 * 0.019999999552965164) * 50.0
 
 
 @triton.jit
 def softcapped_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
-    capped = 2.0 * tl.sigmoid(s * (2.0 * 0.08838834764831845 / 50.0)) - 1.0
-    return ds * (1.0 - capped * capped) * 0.08838834764831845
+    capped = elementary.tanh(s * 0.08838834764831845 * 0.019999999552965164)
+    return ds * 50.0 * (1.0 - capped * capped) * 0.019999999552965164 * 0.08838834764831845
 
 
 # A constant fill has no gradient function (fill_grad None), as the attention pass lifts one.

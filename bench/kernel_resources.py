@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and pipelining of the flash kernels for the H200, on any machine.
 
-    PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|packed|alibi|none] [--head-dim 128]
-        [--head-dim-v 128] [--group 4] [--no-descriptors] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1]
+    PYTHONPATH=. python bench/kernel_resources.py [--mask causal|window|document|packed|alibi|none|softcap|softcap-window]
+        [--head-dim 128] [--head-dim-v 128] [--group 4] [--no-descriptors] [--forward 128,64,8,3,1] [--dkdv 32,128,8,3,1]
         [--dkdv-apart] [--dq 128,64,8,3,1] [--forward-only]
 
 Compiles the forward, dK/dV and dQ kernels (with the score functions of ``bench/flash_sweep.py``) for sm_90
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.runtime.jit as jit
-from flash_sweep import CAUSAL, PACKED, PLAIN, minus_inf, scaled, scaled_grad
+from flash_sweep import CAUSAL, PACKED, PLAIN, SOFTCAP, SOFTCAP_WINDOW, minus_inf, scaled, scaled_grad
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 
@@ -123,7 +123,8 @@ DOCUMENT = ScoreMod(name="resources_document", score=scaled, score_grad=scaled_g
                     fill=minus_inf, keep_uses_batch=True, keep_reads_aux=True)
 ALIBI = ScoreMod(name="resources_alibi", score=alibi_score, score_grad=scaled_grad, keep=CAUSAL.keep,
                  fill=minus_inf)
-MASKS = {"causal": CAUSAL, "window": WINDOW, "document": DOCUMENT, "packed": PACKED, "alibi": ALIBI, "none": PLAIN}
+MASKS = {"causal": CAUSAL, "window": WINDOW, "document": DOCUMENT, "packed": PACKED, "alibi": ALIBI, "none": PLAIN,
+         "softcap": SOFTCAP, "softcap-window": SOFTCAP_WINDOW}
 # The aux tensors each stand-in reads, by sequence length.
 AUX = {"document": lambda seq, heads: (torch.zeros(1, seq, dtype=torch.int64), seq),
        "packed": lambda seq, heads: (torch.zeros(1, seq, dtype=torch.int64), seq),
