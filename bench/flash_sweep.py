@@ -70,14 +70,14 @@ def packed_keep(b, h, q_idx, kv_idx, aux):
 
 @triton.jit
 def softcapped(s, b, h, q_idx, kv_idx, aux):
-    # Gemma 2's cap of 50 on the scaled scores, 50 · tanh(s · scale / 50), as the attention pass lifts it (its
-    # tanh `codegen/elementary.py`'s)
-    return elementary.tanh(s * 0.08838834764831845 * 0.019999999552965164) * 50.0
+    # Gemma 2's cap of 50 on the scaled scores, 50 · tanh(s · scale / 50), as the attention pass lifts it from a
+    # bfloat16 chain (`codegen/elementary.py`'s tanh_within_bfloat16)
+    return elementary.tanh_within_bfloat16(s * 0.08838834764831845 * 0.019999999552965164) * 50.0
 
 
 @triton.jit
 def softcapped_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
-    capped = elementary.tanh(s * 0.08838834764831845 * 0.019999999552965164)
+    capped = elementary.tanh_within_bfloat16(s * 0.08838834764831845 * 0.019999999552965164)
     return ds * 50.0 * (1.0 - capped * capped) * 0.019999999552965164 * 0.08838834764831845
 
 

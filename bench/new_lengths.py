@@ -3,7 +3,7 @@ attention, its `tril` buffer) or a BERT layer (a padding mask the kernels load, 
 values under symbolic sizes) trained at lengths one after another, fusepass beside Inductor, in one process.
 
     PYTHONPATH=. python bench/new_lengths.py [--model gpt2|bert] [--lengths 1024,1536,2048,3000,4096,1536]
-        [--batch 4] [--layers 1] [--profile-planning]
+        [--batch 4] [--layers 1] [--profile-planning] [--kernels 12]
 
 Per backend and length: the first step's seconds, the step's median after it (ms), the first step's seconds
 beyond that median (what the new length cost), the Triton kernels compiled or loaded during that first step
@@ -11,7 +11,8 @@ beyond that median (what the new length cost), the Triton kernels compiled or lo
 attention spent planning the length. The second length recompiles with symbolic sizes (Dynamo's default);
 the lengths after it are what a user training at varying lengths pays. `--profile-planning` runs the planning under
 cProfile and adds where it spent its time: the functions of most time of their own (planning's seconds then
-include the profiler's).
+include the profiler's). `--kernels N` prints, per backend and length, the N ops of most device time in one step
+after the timed ones (torch.profiler).
 """
 from __future__ import annotations
 
@@ -109,6 +110,15 @@ def _step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         torch.cuda.synchronize()
 
 
+def _print_kernels(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], title: str, count: int) -> None:
+    activities = [torch.profiler.ProfilerActivity.CPU] + \
+        ([torch.profiler.ProfilerActivity.CUDA] if inputs[0].is_cuda else [])
+    with torch.profiler.profile(activities=activities) as profile:
+        _step(model, inputs)
+    by = "self_cuda_time_total" if inputs[0].is_cuda else "self_cpu_time_total"
+    print(f"== {title}\n{profile.key_averages().table(sort_by=by, row_limit=count, max_name_column_width=90)}")
+
+
 def _model(name: str, width: int, lengths: list[int], layers: int, device: str) -> torch.nn.Module:
     if name == "gpt2":
         # A context longer than every length: slicing the mask buffer to its full length would recompile (both
@@ -137,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=768, help="12 heads of width/12 (a smaller one to try it on the CPU)")
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--profile-planning", action="store_true")
+    parser.add_argument("--kernels", type=int, default=0, help="the ops of most device time in a step, this many")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -160,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
                 _step(compiled, inputs)
                 times.append(time.perf_counter() - start)
             step = sorted(times)[len(times) // 2]
+            if args.kernels:
+                _print_kernels(compiled, inputs, f"{backend} at {n}", args.kernels)
             rows.append({"backend": backend, "length": n, "first s": round(first, 3), "step ms": round(step * 1e3, 2),
                          "new length s": round(first - step, 3),
                          "planning s": round(planned, 3) if backend == "fusepass" else None,

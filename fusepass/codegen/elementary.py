@@ -61,6 +61,17 @@ def tanh(x):
 
 
 @triton.jit
+def tanh_within_bfloat16(x):
+    """tanh within 2^-10.9 of it on the GPU (PTX's tanh.approx.f32, one special-function op where `tanh` takes
+    two and some twenty others), for values eager rounds to bfloat16 (2^-9); `tanh` itself in the interpreter."""
+    if INTERPRETED:
+        return tanh(x)
+    else:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x.to(tl.float32)], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
 def trunc(x):
     return tl.where(x < 0, tl.ceil(x), tl.floor(x))
 

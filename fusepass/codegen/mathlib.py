@@ -15,7 +15,7 @@ from triton.language.extra import libdevice
 # The kernels call the elementary functions through this module too (``fm.trunc``).
 from fusepass.codegen.elementary import (div_rn, expm1, flip, float_floor_div, fmod, int_floor_div,  # noqa: F401
                                          int_pow, int_remainder, log1p, pow, remainder, round_half_even, sign, sign_bit,
-                                         tanh, to_bfloat16, trunc)
+                                         tanh, tanh_within_bfloat16, to_bfloat16, trunc)
 from fusepass.codegen.float64_forms import (PI, acos_in_float64, acosh_in_float64, asin_in_float64, asinh_in_float64,
                                             atan2_in_float64, atan_in_float64, atanh_in_float64, cosh_in_float64,
                                             digamma_in_float64, erfc_in_float64, erfinv_in_float64, hypot_in_float64,

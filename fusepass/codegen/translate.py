@@ -136,7 +136,7 @@ def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
     for name, value in bound.items():
         if isinstance(value, Operand):  # non-promoted tensor arguments (conditions, masks)
             bound[name] = value.expr
-    expr = rule_.emit(Ctx(compute, result_dtype, raw), **bound)
+    expr = rule_.emit(Ctx(compute, result_dtype, raw, kept_float32=not round_halves), **bound)
     if result_dtype != torch.bool and held_dtype(result_dtype) != held_dtype(compute):
         expr = f"{expr}.to({TRITON_DTYPE[held_dtype(result_dtype)]})"
     if round_halves:  # each op's half result as eager materializes it: a later comparison sees eager's values

@@ -7,6 +7,11 @@ import torch
 import torch.nn.functional as F
 from attention.forms.common import check_declined, check_fused, qkv
 
+from fusepass.codegen.operands import Operand
+from fusepass.codegen.translate import translate
+
+aten = torch.ops.aten
+
 N = 23
 
 
@@ -44,9 +49,25 @@ DECLINED_REASON = "the score chain has aten.amax, which has no per-tile form"
 SUMMARY = "cap · tanh(s / cap) on the scores (Gemma 2, Grok-1)"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("form", [gemma2_softcap, grok_softcap])
-def test_softcap(form):
-    check_fused(form, *qkv(N), expected=FEATURES)
+def test_softcap(form, dtype):
+    # bfloat16: the kernels' tanh is the GPU's one-instruction form there (the next test); scores of up to ~36
+    # against caps of 20 and 30 put many of them where tanh saturates, where its derivative is small
+    check_fused(form, *[x.to(dtype) for x in qkv(N)], expected=FEATURES)
+
+
+def test_the_hardware_tanh_serves_only_values_eager_rounds_to_bfloat16():
+    """A bfloat16 chain's tanh, rounded by eager to 8 bits (2^-9 of it), kept unrounded in float32 by the kernel
+    (the scores: round_halves=False) takes PTX's tanh.approx (2^-10.9); where the kernel rounds as eager does, or
+    the chain is float32, the accurate form."""
+    def emitted(dtype, round_halves):
+        return translate(aten.tanh.default, (Operand("x", dtype),), {}, dtype, round_halves=round_halves).expr
+
+    assert "tanh_within_bfloat16" in emitted(torch.bfloat16, False)
+    assert "tanh_within_bfloat16" not in emitted(torch.bfloat16, True)
+    assert "tanh_within_bfloat16" not in emitted(torch.float32, False)
+    assert "tanh_within_bfloat16" not in emitted(torch.float16, False)
 
 
 def test_declined_twin():
