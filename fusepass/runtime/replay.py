@@ -84,6 +84,7 @@ class LaunchReplays:
         self._streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         self._launch_pools: dict[tuple[int, int], Any] = {}  # torch.cuda.MemPools of launched sequences
         self.replayed = 0  # calls replayed
+        self.captured = 0  # sequences captured (each capture costs the call far more host time than a launch)
         self.dropped = 0  # graphs dropped for newer ones
 
     @staticmethod
@@ -124,6 +125,7 @@ class LaunchReplays:
             _remember(self._refused, key, 4 * self.capacity)
             self._launch(launches)
             return
+        self.captured += 1
         self._replays[key] = replay
         if len(self._replays) > self.capacity:
             self._replays.popitem(last=False)
