@@ -168,7 +168,8 @@ for _packet, _fn in (
 def _tanh(c, self):
     # Where eager rounds tanh to bfloat16 (2^-9 of it) and the kernel keeps it unrounded, the GPU's one-instruction
     # form is nearer the exact value than eager's: a softcapped attention evaluates it on every score.
-    return f"fm.tanh_within_bfloat16({self})" if c.kept_float32 and c.result == torch.bfloat16 else f"fm.tanh({self})"
+    within = c.within_rounding and c.result == torch.bfloat16
+    return f"fm.tanh_within_bfloat16({self})" if within else f"fm.tanh({self})"
 
 
 # Translations whose code holds many values per element (digamma's unrolled shift and its float64 reflection):

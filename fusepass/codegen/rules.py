@@ -42,13 +42,13 @@ def rule(*packets: Any, operands: tuple[str, ...] = ("self",), kind: Any = Kind.
 class Ctx:
     """What a rule may ask about the op it translates."""
 
-    def __init__(self, compute: torch.dtype, result: torch.dtype, raw: dict[str, Any], kept_float32: bool = False):
+    def __init__(self, compute: torch.dtype, result: torch.dtype, raw: dict[str, Any], within_rounding: bool = False):
         self.compute = compute
         self.result = result
         self.raw = raw  # operands as given: Operands, or Python numbers before they became literals
-        # The result stays in float32 where eager rounds it to `result` (translate's round_halves=False: the
-        # attention's scores)
-        self.kept_float32 = kept_float32
+        # The result may be computed within the rounding eager gives it in `result`: it stays in float32 and reaches
+        # its uses through continuous arithmetic alone (translate's round_halves=False and continuous_uses)
+        self.within_rounding = within_rounding
 
     @property
     def is_float(self) -> bool:

@@ -96,14 +96,15 @@ def bind(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str
 
 
 def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result_dtype: torch.dtype,
-              round_halves: bool = True) -> Operand:
+              round_halves: bool = True, continuous_uses: bool = False) -> Operand:
     """One op as an operand. Tensor arguments are ``Operand``s, the rest Python values.
 
     ``result_dtype`` is what eager produces (the node's fake value), the authority on the output dtype.
     ``round_halves=False`` keeps half values in float32 where only the result's precision depends on their
     rounding: across casts between float dtypes and into arithmetic with float32 values (the attention
     kernel's scores, closer to the exact function than eager's; eager's own fused attention does not round
-    them either). Comparisons and other discontinuous uses still see eager's rounded values.
+    them either). Comparisons and other discontinuous uses still see eager's rounded values. ``continuous_uses``
+    says that none does see this result, which may then be computed within the rounding eager gives it.
     """
     packet = packet_of(target)
     if packet in CASTS:
@@ -136,7 +137,7 @@ def translate(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result
     for name, value in bound.items():
         if isinstance(value, Operand):  # non-promoted tensor arguments (conditions, masks)
             bound[name] = value.expr
-    expr = rule_.emit(Ctx(compute, result_dtype, raw, kept_float32=not round_halves), **bound)
+    expr = rule_.emit(Ctx(compute, result_dtype, raw, within_rounding=not round_halves and continuous_uses), **bound)
     if result_dtype != torch.bool and held_dtype(result_dtype) != held_dtype(compute):
         expr = f"{expr}.to({TRITON_DTYPE[held_dtype(result_dtype)]})"
     if round_halves:  # each op's half result as eager materializes it: a later comparison sees eager's values

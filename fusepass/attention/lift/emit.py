@@ -199,10 +199,29 @@ def vjp_graph(module: torch.fx.GraphModule, differentiable: list[int]) -> torch.
     return make_fx(vjp, tracing_mode="real")(*inputs, ds)
 
 
+# Ops through which a value reaches a graph's output continuously, as the value of a sum, product, quotient or smooth
+# function (or a selected branch): a value within its dtype's rounding moves the output as little. A comparison,
+# a rounding or an integer cast would not.
+_CONTINUOUS = {aten.add, aten.sub, aten.rsub, aten.mul, aten.div, aten.neg, aten.exp, aten.exp2, aten.tanh,
+               aten.tanh_backward, aten.sigmoid, aten.where, aten.masked_fill}
+
+
+def _continuous_uses(module: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose every use reaches the output through `_CONTINUOUS` ops and casts between float dtypes."""
+    continuous: set[torch.fx.Node] = set()
+    for node in reversed(module.graph.nodes):
+        if all(user.op == "output" or user in continuous and not user.kwargs.get("rounding_mode") and (
+                packet(user) in _CONTINUOUS or packet(user) in VALUE_CASTS and val(user).dtype.is_floating_point)
+               for user in node.users):
+            continuous.add(node)
+    return continuous
+
+
 def emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: list[str], prefix: str
                 ) -> list[Operand | None]:
     """Translate a graph of pointwise ops; returns its outputs as operands."""
     values: dict[torch.fx.Node, Any] = {}
+    continuous = _continuous_uses(module)
     count = 0
     for node in module.graph.nodes:
         if node.op == "placeholder":
@@ -226,7 +245,7 @@ def emit_graph(module: torch.fx.GraphModule, env: dict[str, Operand], lines: lis
                 values[node] = Operand(literal(value, held_dtype(node.meta["val"].dtype)), node.meta["val"].dtype)
                 continue
             result = translate(target, resolve(node.args), {k: resolve(v) for k, v in node.kwargs.items()},
-                               node.meta["val"].dtype, round_halves=False)
+                               node.meta["val"].dtype, round_halves=False, continuous_uses=node in continuous)
             name = f"{prefix}{count}"
             count += 1
             lines.append(f"{name} = {result.expr}")

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from attention.forms.common import check_declined, check_fused, qkv
+from torch.fx.experimental.proxy_tensor import make_fx
 
+from fusepass.attention.lift import emit
 from fusepass.codegen.operands import Operand
 from fusepass.codegen.translate import translate
 
@@ -59,15 +61,34 @@ def test_softcap(form, dtype):
 
 def test_the_hardware_tanh_serves_only_values_eager_rounds_to_bfloat16():
     """A bfloat16 chain's tanh, rounded by eager to 8 bits (2^-9 of it), kept unrounded in float32 by the kernel
-    (the scores: round_halves=False) takes PTX's tanh.approx (2^-10.9); where the kernel rounds as eager does, or
-    the chain is float32, the accurate form."""
-    def emitted(dtype, round_halves):
-        return translate(aten.tanh.default, (Operand("x", dtype),), {}, dtype, round_halves=round_halves).expr
+    (the scores: round_halves=False) and used by continuous arithmetic alone takes PTX's tanh.approx (2^-10.9); where
+    the kernel rounds as eager does, a comparison sees it, or the chain is float32 or float16, the accurate form."""
+    def emitted(dtype, round_halves, continuous_uses):
+        return translate(aten.tanh.default, (Operand("x", dtype),), {}, dtype, round_halves=round_halves,
+                         continuous_uses=continuous_uses).expr
 
-    assert "tanh_within_bfloat16" in emitted(torch.bfloat16, False)
-    assert "tanh_within_bfloat16" not in emitted(torch.bfloat16, True)
-    assert "tanh_within_bfloat16" not in emitted(torch.float32, False)
-    assert "tanh_within_bfloat16" not in emitted(torch.float16, False)
+    assert "tanh_within_bfloat16" in emitted(torch.bfloat16, False, True)
+    assert "tanh_within_bfloat16" not in emitted(torch.bfloat16, True, True)
+    assert "tanh_within_bfloat16" not in emitted(torch.bfloat16, False, False)
+    assert "tanh_within_bfloat16" not in emitted(torch.float32, False, True)
+    assert "tanh_within_bfloat16" not in emitted(torch.float16, False, True)
+
+
+def test_a_tanh_a_comparison_sees_keeps_the_accurate_form():
+    """Rounded to bf16 for a comparison, the hardware tanh could fall on the other side of a rounding boundary than
+    eager's and flip the comparison: a score chain's tanh that reaches one (here through a product) is not a value
+    the output depends on continuously."""
+    def scores(s):
+        t = torch.tanh(s / 20.0) * 20.0
+        return torch.where(t * 2.0 > 10.0, t, -t)
+
+    def capped(s):
+        return torch.tanh(s / 20.0) * 20.0
+
+    for fn, continuous in ((scores, False), (capped, True)):
+        graph = make_fx(fn)(torch.randn(4, dtype=torch.bfloat16))
+        tanh = next(n for n in graph.graph.nodes if n.target == aten.tanh.default)
+        assert (tanh in emit._continuous_uses(graph)) == continuous, fn.__name__
 
 
 def test_declined_twin():
