@@ -28,9 +28,9 @@
 #   bert         BERT-base's attention (B8 H12 N512 D64, padding and plain) beside SDPA and Inductor, then    ~130 s (2026-12-06)
 #                the forward's and the step's kernels under Inductor and fusepass (bench/profile_models.py),
 #                kept as bench/results/profile-models-bert-{forward,step}-<date>.txt
-#   gemma2       Gemma 2's step (T8192) kernels under Inductor and fusepass, kept as          (not run yet)
+#   gemma2       Gemma 2's step (T8192) kernels under Inductor and fusepass, kept as          (~70 s, 12-06)
 #                bench/results/profile-models-gemma2-step-<date>.txt
-#   planning     bench/new_lengths.py --profile-planning: where a new length's planning spends its time   (not run yet)
+#   planning     bench/new_lengths.py --profile-planning: where a new length's planning spends its time   (with lengths ~65 s)
 #   gradients    bench/gradient_by_parameter.py for $GRAD_MODELS (default bert,gpt2,t5): each   (not run yet)
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   latent       bench/latent_attention.py: DeepSeek's latent attention (q·k 192, V 128, causal) beside SDPA   (not run yet)
@@ -39,6 +39,9 @@
 #   lengths      bench/new_lengths.py: a GPT-2 block trained at new lengths beside Inductor      ~66 s (2026-12-04)
 #   lengths-bert the same for a padded BERT layer (a mask the kernels load)       (not run yet)
 #   lengths-stack the GPT-2 blocks 12 deep (the layers share each length's plan)   (not run yet)
+#   lengths-kernels the GPT-2 block at 1024, 1536, 2048, 3000 with each length's ops of most device time and its   (not run yet)
+#                per-op replays and captures, kept as bench/results/new-lengths-kernels-<date>.txt (the step at 3000
+#                took 19.1 ms against Inductor's 8.09 at 12-06-2040)
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
 #   compile-documents  the same for packed causal documents (a map built per call)  ~150 s (2026-12-01)
@@ -148,6 +151,11 @@ for part in $parts; do
     lengths-stack)
         timeout 300 python bench/new_lengths.py --layers 12 --lengths 1024,1536,2048,3000,4096 2>&1 \
             | grep "^|" | cut -c1-300 ;;
+    lengths-kernels)
+        kept=bench/results/new-lengths-kernels-$(date -u +%Y-%m-%d-%H%M).txt
+        timeout 200 python bench/new_lengths.py --lengths 1024,1536,2048,3000 --kernels 14 > "$kept" 2>&1
+        grep "^|" "$kept" | cut -c1-60,200-400
+        for n in 2048 3000; do grep -A19 "== fusepass at $n" "$kept" | grep -v "^---" | cut -c1-70,150-215; done ;;
     overhead)
         (cd bench && timeout 80 python overhead.py 2>&1 | tail -10) ;;
     compile)
