@@ -4,7 +4,7 @@ the elements a program holds (`row_kernel.PROGRAM_TILE`) and the row walk's pipe
 (`row_kernel.COLUMN_STAGES`) beside eager and Inductor, bf16, device ms per forward+backward.
 
     PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096] [--stages 1,2,3]
-        [--cases bias+gelu,rmsnorm]
+        [--cases bias+gelu,rmsnorm,rmsnorm-gemma]
 
 Beside the product's setting ("as is"), "ATen's lone sums": a column sum with no pointwise op beside it (the bias
 alone's gradient) left to ATen's sum (`partition.LONE_COLUMN_SUMS` off). Kernels only: fusepass without whole-graph
@@ -41,10 +41,18 @@ def rmsnorm(x, w):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
 
 
+def gemma_rmsnorm(x, w):
+    # Gemma's: normed in float32, times (1 + weight), cast back
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())).to(x.dtype)
+
+
 CASES = [("bias 8x512x768", add_bias, (8, 512, 768), 1),  # its gradient a sum alone (BERT's q, k, v biases)
          ("layernorm 8x1024x768", layer_norm, (8, 1024, 768), 2),
          ("bias+gelu 8x1024x3072", bias_gelu, (8, 1024, 3072), 1),
          ("rmsnorm 16384x4096", rmsnorm, (16384, 4096), 1),
+         # a width no power of two (Gemma 2's 2304: held in a 4096-wide tile) and its rows (T8192)
+         ("rmsnorm-gemma 8192x2304", gemma_rmsnorm, (8192, 2304), 1),
          # rows too long to hold whole: the sums are ATen's (a block of columns a program was slower: NOTES)
          ("bias+gelu 8x1024x5120", bias_gelu, (8, 1024, 5120), 1),
          ("rmsnorm 8192x5120", rmsnorm, (8192, 5120), 1)]
