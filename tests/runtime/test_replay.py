@@ -70,7 +70,7 @@ def test_a_failed_capture_launches_and_is_not_tried_again():
     replays, (calls, launches) = _Replays(fails=(1,)), _counting()
     for _ in range(5):
         replays.run((), "a", launches)
-    assert (len(calls), replays.captures) == (5, 1)
+    assert (len(calls), replays.captures, replays.captured) == (5, 1, 0)  # tried once, none counted as captured
 
 
 def test_the_most_recently_replayed_keys_are_kept():
@@ -108,7 +108,7 @@ def test_when_repeating_keys_outnumber_the_capacity_the_kept_graphs_replay_and_o
             replays.run((), key, launches)
     # round 2 captures a, b and c (c's capture drops a), round 4 captures a again (dropping b): two graphs
     # dropped, as many as are kept, so b launches from then on while a and c replay
-    assert (replays.captures, replays.dropped) == (4, 2)
+    assert (replays.captures, replays.captured, replays.dropped) == (4, 4, 2)
     assert [key for key, _ in replays._replays] == ["a", "c"]
     assert len(calls) == 3 + 1 + 3  # round 1; a in round 3; b in rounds 4 to 6
 
