@@ -19,6 +19,11 @@ block map, which its cache may drop) are held alive by the graph, as are the com
 not (their memory must come back to the next call for its key to be the same). A sequence that cannot be captured
 (it waits on the device) is launched as it is, and not tried again.
 
+A key captured on its second sighting, `period` calls of its site (its `values`) after the first, should come back
+within about as many; where the caller's allocations wander (a tensor it keeps a call or two longer, another
+allocator's timing) keys may recur once and never again, and every capture is lost. A site that has lost
+`MISSES_TO_STOP` captures, more than it has replayed, captures no more: it launches, and its graphs replay.
+
 A key repeats only if the caller's allocations land where the last call's did, and a launched sequence's
 temporaries (a block map's scratch, the backward's flags) would otherwise come from the caller's pool and move
 them: a document mask's calls, launched, captured and replayed by turns, seldom met their keys again. Launched
@@ -30,7 +35,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,9 +68,32 @@ def held_by_replay(launches: list[tuple[Any, tuple]], named: Sequence[torch.Tens
 
 
 @dataclass
+class _Fate:
+    """How a captured graph fares, judged by its site (apart from the graph, which its site must not hold)."""
+    due: int  # the site's call count by which its key should have come back
+    replays: int = 0
+
+
+@dataclass
 class _Replay:
     graph: Any  # torch.cuda.CUDAGraph
     held: list  # its launches' compiled kernels, and the tensors they read that its key does not name
+    fate: _Fate | None = None  # set once captured
+
+
+# Captures a site may lose (keys not back within twice the period they were captured at) before it stops capturing,
+# where it has replayed fewer graphs than that.
+MISSES_TO_STOP = 4
+
+
+@dataclass
+class _Site:
+    """One caller's sequence (the `values` of its keys): its calls, and how its captures have fared."""
+    calls: int = 0
+    hits: int = 0  # graphs replayed at least once
+    misses: int = 0  # graphs whose key did not come back in time
+    pending: list[_Fate] = field(default_factory=list)  # of graphs not yet replayed or judged
+    stopped: bool = False  # captures no more
 
 
 class LaunchReplays:
@@ -77,7 +105,8 @@ class LaunchReplays:
     def __init__(self, capacity: int = 256) -> None:
         self.capacity = capacity
         self._replays: OrderedDict[Hashable, _Replay] = OrderedDict()
-        self._seen: OrderedDict[Hashable, None] = OrderedDict()  # keys run once, not captured yet
+        self._seen: OrderedDict[Hashable, int] = OrderedDict()  # keys run once, not captured yet: their site's call
+        self._sites: OrderedDict[Hashable, _Site] = OrderedDict()  # by the values of their keys
         self._refused: OrderedDict[Hashable, None] = OrderedDict()  # keys whose capture failed
         # Per (device, thread): a pool allocated to by two threads at once refuses the second, and two threads'
         # captures on one side stream would be one capture.
@@ -86,6 +115,7 @@ class LaunchReplays:
         self.replayed = 0  # calls replayed
         self.captured = 0  # sequences captured (each capture costs the call far more host time than a launch)
         self.dropped = 0  # graphs dropped for newer ones
+        self.missed = 0  # graphs whose key did not come back in time
 
     @staticmethod
     def can_replay(t: torch.Tensor) -> bool:
@@ -106,31 +136,58 @@ class LaunchReplays:
             launches()  # a caller capturing a graph of its own captures these launches into it
             return
         key = self.key(tensors, values, allocated)
+        site = self._sites.get(values)
+        if site is None:
+            site = _Site()
+            _remember(self._sites, values, 4 * self.capacity, site)
+        site.calls += 1
         replay = self._replays.get(key)
         if replay is not None:
             self._replays.move_to_end(key)
             replay.graph.replay()
             self.replayed += 1
+            if not replay.fate.replays:
+                site.hits += 1
+            replay.fate.replays += 1
             return
-        if key in self._refused or self.dropped >= self.capacity:
+        if key in self._refused or self.dropped >= self.capacity or self._stopped(site):
             self._launch(launches)
             return
         if key not in self._seen:
-            _remember(self._seen, key, 4 * self.capacity)
+            _remember(self._seen, key, 4 * self.capacity, site.calls)
             self._launch(launches)
             return
-        del self._seen[key]
+        period = site.calls - self._seen.pop(key)
         replay = self._capture(launches, (*tensors, *allocated))
         if replay is None:
             _remember(self._refused, key, 4 * self.capacity)
             self._launch(launches)
             return
+        replay.fate = _Fate(due=site.calls + 2 * period)
+        site.pending.append(replay.fate)
         self.captured += 1
         self._replays[key] = replay
         if len(self._replays) > self.capacity:
             self._replays.popitem(last=False)
             self.dropped += 1
         replay.graph.replay()
+
+    def _stopped(self, site: _Site) -> bool:
+        """Whether `site` captures no more: its graphs judged so far (`_Site.pending` whose keys are overdue are
+        misses) lost `MISSES_TO_STOP` captures, more than replayed."""
+        if not site.stopped:
+            waiting = []
+            for fate in site.pending:
+                if fate.replays:
+                    continue
+                if site.calls > fate.due:
+                    site.misses += 1
+                    self.missed += 1
+                else:
+                    waiting.append(fate)
+            site.pending = waiting
+            site.stopped = site.misses >= MISSES_TO_STOP and site.misses > site.hits
+        return site.stopped
 
     def _launch(self, launches: Callable[[], None]) -> None:
         """`launches` launched, their temporaries allocated from the launch pool of the current device."""
@@ -172,6 +229,7 @@ class LaunchReplays:
         self._replays.clear()
         self._seen.clear()
         self._refused.clear()
+        self._sites.clear()
         self._launch_pools.clear()
         self.dropped = 0
 
@@ -188,8 +246,8 @@ def _end_refused_capture(pool: tuple[int, int]) -> None:
     torch._C._cuda_releasePool(device, pool)  # what the capture allocated, freed (the graph never owned it)
 
 
-def _remember(keys: OrderedDict, key: Hashable, capacity: int) -> None:
-    keys[key] = None
+def _remember(keys: OrderedDict, key: Hashable, capacity: int, value: Any = None) -> None:
+    keys[key] = value
     if len(keys) > capacity:
         keys.popitem(last=False)
 

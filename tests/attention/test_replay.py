@@ -47,6 +47,13 @@ def _step(fn, q, k, v, grad, *extra):
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
+def _copy_into(results, step):
+    """A call's results copied out, none of its tensors left alive (a loop variable holding one would move the
+    next call's allocations, and with them its replay keys)."""
+    for result, t in zip(results, step):
+        result.copy_(t)
+
+
 @pytest.mark.parametrize("case", ["window", "documents"])
 def test_replayed_calls_compute_what_launched_calls_compute(case):
     fn, extra = (window, ()) if case == "window" else (documents, (torch.arange(333, device="cuda") // 50,))
@@ -77,8 +84,7 @@ def test_replayed_calls_compute_what_launched_calls_compute(case):
                 replayed_by_call
             blockmap._cache.clear()
         replayed_before = attention_replays.replayed
-        for result, t in zip(results[call], _step(replayed, q, k, v, grad, *extra)):
-            result.copy_(t)
+        _copy_into(results[call], _step(replayed, q, k, v, grad, *extra))
         replayed_by_call.append(attention_replays.replayed - replayed_before)
     for call in range(calls):
         set_values(call)

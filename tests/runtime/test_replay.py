@@ -168,3 +168,57 @@ def test_clear_drops_every_graph_and_starts_over():
     assert (len(replays._replays), replays.dropped) == (0, 0)
     replays.run((), "a", launches)  # seen anew: launched, not replayed
     assert (len(calls), replays.captures) == (3, 2)
+
+
+class _At:
+    """An allocated tensor as a key sees it: its pointer."""
+
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+    def data_ptr(self):
+        return self.ptr
+
+
+def _keys_each_back_once(count):
+    """Pointers each seen twice, two calls apart, then never again: 0 1 0 2 1 3 2 4 ..."""
+    return [0, 1] + [p for i in range(2, count) for p in (i - 2, i)]
+
+
+def test_a_site_whose_keys_do_not_come_back_stops_capturing():
+    """Each capture is judged lost twice its period (three calls) after it: once four are lost, none replayed, the
+    site launches (having captured a few more meanwhile)."""
+    replays, (calls, launches) = _Replays(), _counting()
+    pointers = _keys_each_back_once(40)
+    for ptr in pointers:
+        replays.run((), "site", launches, [_At(ptr)])
+    assert replays._sites["site"].stopped and replays.missed == replay_module.MISSES_TO_STOP
+    assert replays.captures < 2 * replay_module.MISSES_TO_STOP
+    assert (replays.replayed, len(calls)) == (0, len(pointers) - replays.captures)
+
+
+def test_keys_that_do_not_come_back_are_judged_by_site():
+    """The same calls under sites of their own (other values): none is judged, each captures."""
+    replays, (_, launches) = _Replays(), _counting()
+    for ptr in _keys_each_back_once(40):
+        replays.run((), ("site", ptr), launches)
+    assert (replays.captures, replays.missed) == (38, 0)
+
+
+def test_a_site_of_many_keys_captured_in_one_round_replays_them_all():
+    """Twelve layers sharing a site: twelve captures in the second round, replayed from the third on."""
+    replays, (calls, launches) = _Replays(), _counting()
+    for _ in range(6):
+        for layer in range(12):
+            replays.run((), "site", launches, [_At(layer)])
+    assert (replays.captures, replays.missed, replays.replayed, len(calls)) == (12, 0, 48, 12)
+
+
+def test_a_site_keeps_replaying_after_it_stops_capturing():
+    replays, (calls, launches) = _Replays(), _counting()
+    for _ in range(3):  # a key that settles: captured, then replayed
+        replays.run((), "site", launches, [_At(-1)])
+    for ptr in _keys_each_back_once(30):
+        replays.run((), "site", launches, [_At(ptr)])
+    replays.run((), "site", launches, [_At(-1)])
+    assert replays._sites["site"].stopped and replays._replays[("site", 0, -1)].fate.replays == 2
