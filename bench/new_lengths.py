@@ -8,11 +8,11 @@ values under symbolic sizes) trained at lengths one after another, fusepass besi
 Per backend and length: the first step's seconds, the step's median after it (ms), the first step's seconds
 beyond that median (what the new length cost), the Triton kernels compiled or loaded during that first step
 (their names: a kernel that comes back at each length is specialised on it), and for fusepass the seconds its
-attention spent planning the length and its per-op launch sequences replayed and captured in the timed steps (a
-capture costs a call far more than it saves). The second length recompiles with symbolic sizes (Dynamo's default);
-the lengths after it are what a user training at varying lengths pays. `--profile-planning` runs the planning under
-cProfile and adds where it spent its time: the functions of most time of their own (planning's seconds then
-include the profiler's). `--kernels N` prints, per backend and length, the N ops of most device time in one step
+attention spent planning the length and its per-op launch sequences replayed, captured and lost (captured, their
+keys not back in time) in the timed steps (a capture costs a call far more than a replay saves). The second length
+recompiles with symbolic sizes (Dynamo's default); the lengths after it are what a user training at varying lengths
+pays. `--profile-planning` runs the planning under cProfile and adds where it spent its time: the functions of most
+time of their own (planning's seconds then include the profiler's). `--kernels N` prints, per backend and length, the N ops of most device time in one step
 after the timed ones (torch.profiler).
 """
 from __future__ import annotations
@@ -112,10 +112,11 @@ def _step(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
         torch.cuda.synchronize()
 
 
-def _replay_counts() -> tuple[int, int]:
-    """fusepass's per-op launch sequences replayed and captured so far (the attention's and the fused groups')."""
-    return (attention_replays.replayed + pointwise_replays.replayed,
-            attention_replays.captured + pointwise_replays.captured)
+def _replay_counts() -> tuple[int, int, int]:
+    """fusepass's per-op launch sequences replayed and captured so far (the attention's and the fused groups'), and
+    the captures judged lost (their keys not back in time)."""
+    return tuple(getattr(attention_replays, count) + getattr(pointwise_replays, count)
+                 for count in ("replayed", "captured", "missed"))
 
 
 def _print_kernels(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], title: str, count: int) -> None:
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
                 _step(compiled, inputs)
                 times.append(time.perf_counter() - start)
             step = sorted(times)[len(times) // 2]
-            replayed, captured = (after - before for after, before in zip(_replay_counts(), replays_before))
+            replayed, captured, missed = (after - before for after, before in zip(_replay_counts(), replays_before))
             if args.kernels:
                 _print_kernels(compiled, inputs, f"{backend} at {n}", args.kernels)
             rows.append({"backend": backend, "length": n, "first s": round(first, 3), "step ms": round(step * 1e3, 2),
@@ -188,8 +189,8 @@ def main(argv: list[str] | None = None) -> None:
                          "planning s": round(planned, 3) if backend == "fusepass" else None,
                          "plans": plans if backend == "fusepass" else None,
                          "kernels compiled or loaded": compiled_now,
-                         "per-op replays, captures (timed steps)":
-                             f"{replayed}, {captured}" if backend == "fusepass" else None,
+                         "per-op replays, captures, lost (timed steps)":
+                             f"{replayed}, {captured}, {missed}" if backend == "fusepass" else None,
                          **({"planning's own time, most first": most} if args.profile_planning else {})})
     print(keep("new-lengths", list(rows[0]), rows,
                notes=f"{'GPT-2 block' if args.model == 'gpt2' else 'BERT layer, padded'} (d {args.width}, 12 heads, "
