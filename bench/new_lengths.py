@@ -39,16 +39,17 @@ from fusepass.runtime.replay import attention_replays, pointwise_replays  # noqa
 
 
 class _Kernels:
-    """The Triton kernels compiled (or loaded from Triton's cache) meanwhile, by name."""
+    """The Triton kernels compiled (or loaded from Triton's cache) meanwhile, by name. Through Triton's compilation
+    listener: its JIT hooks serialize a kernel's constexpr arguments, which fails on the attention kernels' score
+    functions (a hook set here made the Triton forward fail at its first compile and run unfused: bench/NOTES.md)."""
 
     def __init__(self) -> None:
         self.names: collections.Counter[str] = collections.Counter()
         import triton
-        triton.knobs.runtime.jit_post_compile_hook = self._compiled
+        triton.knobs.compilation.listener = self._compiled
 
-    def _compiled(self, *, fn, **_: object) -> bool:
-        self.names[fn.name] += 1
-        return False
+    def _compiled(self, *, src, **_: object) -> None:
+        self.names[src.name] += 1
 
     def take(self) -> str:
         names, self.names = self.names, collections.Counter()

@@ -37,12 +37,27 @@ class PassContext:
         mode, else warn and record it. The `withdrawn` rewrites no longer run: they leave the report's rewrites."""
         if self.options.strict or isinstance(error, CONTROL_FLOW):
             raise error
-        warnings.warn(f"fusepass: {reason} at {location}: {type(error).__name__}: {error}; "
-                      "running it unfused", RuntimeWarning, stacklevel=3)
+        said = f"{type(error).__name__}: {error}{_triton_hooks_note()}"
+        warnings.warn(f"fusepass: {reason} at {location}: {said}; running it unfused", RuntimeWarning, stacklevel=3)
         report = self.failures or self.report
         report.hotspots.append(Hotspot(kind=kind, phase=phase or self.phase, location=location,
-                                       reason=f"{reason}: {type(error).__name__}: {error}", ops=ops, bytes=bytes))
+                                       reason=f"{reason}: {said}", ops=ops, bytes=bytes))
         self.report.rewrites[:] = [r for r in self.report.rewrites if not any(r is w for w in withdrawn)]
+
+
+def _triton_hooks_note() -> str:
+    """Where a Triton JIT hook is set, why it may be what failed: Triton hands a hook each new kernel's constexpr
+    arguments serialized as JSON, and the attention kernels take their score functions (jit functions, which JSON
+    cannot hold) as constexprs, so that a compile fails after its kernel was built. Triton's compilation listener
+    serializes nothing."""
+    import triton
+
+    hooks = [name for name in ("jit_cache_hook", "jit_post_compile_hook") if getattr(triton.knobs.runtime, name, None)]
+    if not hooks:
+        return ""
+    return (f" (triton.knobs.runtime.{' and '.join(hooks)} is set: Triton serializes a kernel's constexpr arguments "
+            "for it, which fusepass's score functions are not; triton.knobs.compilation.listener sees every compile "
+            "without)")
 
 
 def graph_device(graph: torch.fx.Graph) -> torch.device:
