@@ -39,9 +39,8 @@
 #   lengths      bench/new_lengths.py: a GPT-2 block trained at new lengths beside Inductor      ~66 s (2026-12-04)
 #   lengths-bert the same for a padded BERT layer (a mask the kernels load)       (not run yet)
 #   lengths-stack the GPT-2 blocks 12 deep (the layers share each length's plan)   (not run yet)
-#   lengths-kernels the GPT-2 block at 1024, 1536, 2048, 3000 with each length's ops of most device time and its   (not run yet)
-#                per-op replays and captures, kept as bench/results/new-lengths-kernels-<date>.txt (the step at 3000
-#                took 19.1 ms against Inductor's 8.09 at 12-06-2040)
+#   lengths-kernels the GPT-2 block at 1024, 1536, 2048, 3000 with each length's ops of most device time and its   (~50 s, 12-06)
+#                per-op replays, captures and lost captures, kept as bench/results/new-lengths-kernels-<date>.txt
 #   overhead     host µs per call and first-call compile time beside Inductor      ~60 s
 #   compile      a fresh process's first call of the causal example (compile_time) ~100 s, past 110 on a fresh machine
 #   compile-documents  the same for packed causal documents (a map built per call)  ~150 s (2026-12-01)
