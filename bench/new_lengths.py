@@ -12,8 +12,8 @@ attention spent planning the length and its per-op launch sequences replayed, ca
 keys not back in time) in the timed steps (a capture costs a call far more than a replay saves). The second length
 recompiles with symbolic sizes (Dynamo's default); the lengths after it are what a user training at varying lengths
 pays. `--profile-planning` runs the planning under cProfile and adds where it spent its time: the functions of most
-time of their own (planning's seconds then include the profiler's). `--kernels N` prints, per backend and length, the N ops of most device time in one step
-after the timed ones (torch.profiler).
+time of their own (planning's seconds then include the profiler's). `--kernels N` prints, per backend and length,
+the N ops of most device time in one step after the timed ones (torch.profiler).
 """
 from __future__ import annotations
 
