@@ -48,8 +48,8 @@ class PassContext:
 def _triton_hooks_note() -> str:
     """Where a Triton JIT hook is set, why it may be what failed: Triton hands a hook each new kernel's constexpr
     arguments serialized as JSON, and the attention kernels take their score functions (jit functions, which JSON
-    cannot hold) as constexprs, so that a compile fails after its kernel was built. Triton's compilation listener
-    serializes nothing."""
+    cannot hold) as constexprs. A post-compile hook fails after the kernel was cached, and the launch is made again
+    (`runtime.launch`); a cache hook fails before each compile. Triton's compilation listener serializes nothing."""
     import triton
 
     hooks = [name for name in ("jit_cache_hook", "jit_post_compile_hook") if getattr(triton.knobs.runtime, name, None)]

@@ -73,7 +73,15 @@ class BoundLaunch:
         if entry is None:
             compiled = self._compiled_ahead(key)
             if compiled is None:  # Triton compiles and launches it
-                compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
+                try:
+                    compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
+                except TypeError as error:
+                    if not raised_by_triton_hook(error):
+                        raise
+                    # Triton serializes a kernel's constexprs for its post-compile hook, which the attention's score
+                    # functions fail, after it has cached the kernel and before it launches it: launched again, the
+                    # kernel is found in Triton's cache and the hook not called.
+                    compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
                 if compiled is not None:  # None: not compiled on this thread yet (Triton's asynchronous mode)
                     self._compiled[key] = compiled, self.signature_of.held(args)
                 if _held is not None:
@@ -121,6 +129,18 @@ class BoundLaunch:
             return ahead.result()
         except Exception:
             return None
+
+
+def raised_by_triton_hook(error: BaseException) -> bool:
+    """Whether `error` was raised calling one of Triton's JIT hooks (`knobs.runtime.jit_cache_hook`, before a
+    compile, or `jit_post_compile_hook`, after it)."""
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "_call_hook" and code.co_filename.endswith(os.path.join("runtime", "jit.py")):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 _thread = threading.local()

@@ -2,6 +2,7 @@
 straight to the compiled kernel it returned, with every parameter's value in order. Triton's own launch is
 replaced by a recorder, so this runs on any machine; the GPU suite runs the real launcher."""
 import functools
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -347,3 +348,39 @@ def test_a_tma_launch_runs_on_a_thread_that_has_done_no_cuda_work():
     thread.join()
     assert not errors, errors
     torch.testing.assert_close(y, x, rtol=0, atol=0)
+
+
+def _triton_hook_failing():
+    """Raises as Triton's call of a JIT hook raises on a jit function among a kernel's constexprs (from a function of
+    that name in Triton's runtime/jit.py, whose signature changes between Triton's versions)."""
+    namespace = {}
+    exec(compile("def _call_hook():\n    raise TypeError('Object of type JITFunction is not JSON serializable')\n",
+                 os.path.join("site-packages", "triton", "runtime", "jit.py"), "exec"), namespace)
+    namespace["_call_hook"]()
+
+
+def test_a_launch_that_triton_s_post_compile_hook_fails_is_made_again(recorder, kernel, monkeypatch):
+    """Triton serializes a kernel's constexprs for its post-compile hook, after it has cached the kernel: a score
+    function among them (a jit function) fails that. The launch is made again, which finds the cached kernel."""
+    run = recorder.run
+
+    def compile_then_hook(self, *args, grid, warmup, **keywords):
+        compiled = run(self, *args, grid=grid, warmup=warmup, **keywords)
+        if len(recorder.bound) == 1:
+            _triton_hook_failing()
+        return compiled
+
+    monkeypatch.setattr(JITFunction, "run", compile_then_hook)
+    x = torch.randn(40)
+    _call(kernel, x)
+    _call(kernel, x)
+    assert len(recorder.bound) == 2 and len(recorder.direct) == 1  # made again once, then straight to the kernel
+
+
+def test_other_type_errors_of_a_launch_are_raised(recorder, kernel, monkeypatch):
+    def failing(self, *args, **keywords):
+        raise TypeError("planted")
+
+    monkeypatch.setattr(JITFunction, "run", failing)
+    with pytest.raises(TypeError, match="planted"):
+        _call(kernel, torch.randn(40))
