@@ -46,18 +46,16 @@ class PassContext:
 
 
 def _triton_hooks_note() -> str:
-    """Where a Triton JIT hook is set, why it may be what failed: Triton hands a hook each new kernel's constexpr
-    arguments serialized as JSON, and the attention kernels take their score functions (jit functions, which JSON
-    cannot hold) as constexprs. A post-compile hook fails after the kernel was cached, and the launch is made again
-    (`runtime.launch`); a cache hook fails before each compile. Triton's compilation listener serializes nothing."""
+    """Where Triton's JIT cache hook is set, why it may be what failed: Triton hands it each new kernel's constexpr
+    arguments serialized as JSON before the compile, and the attention kernels take their score functions (jit
+    functions, which JSON cannot hold) as constexprs. (The post-compile hook fails the same way after the kernel was
+    cached, and `runtime.launch` launches again.) Triton's compilation listener serializes nothing."""
     import triton
 
-    hooks = [name for name in ("jit_cache_hook", "jit_post_compile_hook") if getattr(triton.knobs.runtime, name, None)]
-    if not hooks:
+    if not getattr(triton.knobs.runtime, "jit_cache_hook", None):
         return ""
-    return (f" (triton.knobs.runtime.{' and '.join(hooks)} is set: Triton serializes a kernel's constexpr arguments "
-            "for it, which fusepass's score functions are not; triton.knobs.compilation.listener sees every compile "
-            "without)")
+    return (" (triton.knobs.runtime.jit_cache_hook is set: Triton serializes a kernel's constexpr arguments for it, "
+            "which fusepass's score functions are not; triton.knobs.compilation.listener sees every compile without)")
 
 
 def graph_device(graph: torch.fx.Graph) -> torch.device:

@@ -79,17 +79,17 @@ def test_a_kernel_failing_on_a_later_call_falls_back(monkeypatch):
     assert hotspot.kind == "elementwise" and "failed" in hotspot.reason
 
 
-def test_a_failure_under_a_triton_jit_hook_names_the_hook(monkeypatch):
-    """Triton serializes a kernel's constexpr arguments for its JIT hooks, which the attention kernels' score
-    functions fail: a failure while a hook is set says so, in the warning and the hotspot."""
+def test_a_failure_under_triton_s_jit_cache_hook_names_the_hook(monkeypatch):
+    """Triton serializes a kernel's constexpr arguments for its JIT cache hook before each compile, which the attention
+    kernels' score functions fail: a failure while the hook is set says so, in the warning and the hotspot."""
     import triton
 
-    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kwargs: False)
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", lambda **kwargs: False)
     monkeypatch.setattr(pointwise, "kernel_source", lambda *args: "@triton.jit\ndef broken(:\n")
     monkeypatch.setattr(pointwise, "_kernels", {})
     fusepass.reset()
     x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
-    with pytest.warns(RuntimeWarning, match=r"jit_post_compile_hook is set.*compilation.listener"):
+    with pytest.warns(RuntimeWarning, match=r"jit_cache_hook is set.*compilation.listener"):
         assert_close(torch.compile(chain, backend="fusepass")(x, b), chain(x, b))
     (hotspot,) = missed(fusepass.last_report())
-    assert "jit_post_compile_hook is set" in hotspot.reason
+    assert "jit_cache_hook is set" in hotspot.reason

@@ -76,7 +76,7 @@ class BoundLaunch:
                 try:
                     compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
                 except TypeError as error:
-                    if not raised_by_triton_hook(error):
+                    if not _raised_by_triton_hook(error):
                         raise
                     # Triton serializes a kernel's constexprs for its post-compile hook, which the attention's score
                     # functions fail, after it has cached the kernel and before it launches it: launched again, the
@@ -131,7 +131,7 @@ class BoundLaunch:
             return None
 
 
-def raised_by_triton_hook(error: BaseException) -> bool:
+def _raised_by_triton_hook(error: BaseException) -> bool:
     """Whether `error` was raised calling one of Triton's JIT hooks (`knobs.runtime.jit_cache_hook`, before a
     compile, or `jit_post_compile_hook`, after it)."""
     tb = error.__traceback__
