@@ -384,3 +384,27 @@ def test_other_type_errors_of_a_launch_are_raised(recorder, kernel, monkeypatch)
     monkeypatch.setattr(JITFunction, "run", failing)
     with pytest.raises(TypeError, match="planted"):
         _call(kernel, torch.randn(40))
+
+
+@triton.jit
+def _doubled(x):
+    return x * 2
+
+
+@triton.jit
+def _apply_to_tile(X, Y, FN: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(Y + offsets, FN(tl.load(X + offsets)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton calls its JIT hooks when it compiles for a GPU")
+def test_a_kernel_taking_a_jit_function_runs_under_a_real_post_compile_hook(monkeypatch):
+    """Triton's own post-compile hook call, which fails to serialize a jit function among the constexprs (as the
+    attention kernels' score functions are): the launch still runs the kernel, at its first call and after."""
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kwargs: None)
+    monkeypatch.setattr(launch_module, "_bound", launch_module.OrderedDict())
+    x = torch.randn(16, device="cuda")
+    for _ in range(2):
+        y = torch.zeros_like(x)
+        launch(_apply_to_tile, (1,), x, y, FN=_doubled, BLOCK=16)
+        torch.testing.assert_close(y, x * 2, rtol=0, atol=0)
