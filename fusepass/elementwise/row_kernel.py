@@ -130,6 +130,22 @@ def _depends(program: Program, roots: list[Ref]) -> set[Ref]:
     return seen
 
 
+def column_invariant(program: Program, load_dims: tuple[tuple[bool, ...], ...]) -> set[Ref]:
+    """Values of a column sum's row walk that no row changes: loads moving along the row alone (a norm's weight), the
+    scalars passed by value, the column, and what is computed from these alone. The walk loads and computes them once,
+    before its first row, so its pipeline stages hold only the rows' tiles."""
+    found: set[Ref] = set()
+    for k, load in enumerate(program.loads):
+        dims = load_dims[k]
+        if load.by_value or (dims[-1] and not any(dims[:-1])):
+            found.add(Ref("load", k))
+    for j, step in enumerate(program.steps):
+        if step.target == COLUMN or (step.target not in ROW_REDUCTIONS and
+                                     all(a in found for a in _step_refs(step))):
+            found.add(Ref("step", j))
+    return found
+
+
 def _online_sums(program: Program, level: dict[Ref, int]) -> dict[Ref, Ref]:
     """Each sum of ``exp(v − m)`` whose ``m`` is the maximum of the same ``v`` (sum → maximum), where the
     subtraction and the exponential round to nothing narrower than they are held in."""
@@ -194,8 +210,9 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             return tuple(resolve(x) for x in a)
         return a
 
-    def emit(ref: Ref, suffix: str, lines: list[str]) -> None:
-        """The statement computing `ref` under the name it gets in this walk (`suffix`)."""
+    def emit(ref: Ref, suffix: str, lines: list[str], hoisted: bool = False) -> None:
+        """The statement computing `ref` under the name it gets in this walk (`suffix`); `hoisted`: ahead of a
+        column sum's row walk, where only the columns are known."""
         var = f"{'l' if ref.kind == 'load' else 't'}{ref.index}{suffix}"
         if ref.kind == "load":
             k, load = ref.index, program.loads[ref.index]
@@ -205,7 +222,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                 if passes is not None:
                     passes[k] = passes.get(k, 0) + 1
                 dims = variant.load_dims[k]
-                mask = "mask" if not in_row[ref] else ("row_mask" if any(dims) else "")
+                mask = "col_mask" if hoisted else "mask" if not in_row[ref] else ("row_mask" if any(dims) else "")
                 value = f"tl.load(l{k}_ptr + {offset(f'l{k}', dims, variant.load_base[k])}" \
                         f"{f', mask={mask}' if mask else ''})"
                 if held_dtype(load.dtype) != load.dtype:
@@ -269,9 +286,20 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                     emit(ref, "", body)
                     done.add(ref)
 
-    if not variant.looped:
-        body += [f"{col} = tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}", "mask = row_mask & col_mask"]
+    columns_head = [f"{col} = tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}"]
+    ahead: list[str] = []  # a column sum's values no row changes, computed before its row walk
+    if columns:
+        invariant = column_invariant(program, variant.load_dims)
+        ahead += columns_head
         for ref in order:
+            if ref in invariant:
+                emit(ref, "", ahead, hoisted=True)
+                done.add(ref)
+    if not variant.looped:
+        body += columns_head + ["mask = row_mask & col_mask"]
+        for ref in order:
+            if ref in done:
+                continue
             if ref in reductions:
                 body.append(f"t{ref.index} = {reduce(ref, reduced_input(ref))}")
                 names[ref] = f"t{ref.index}"
@@ -365,7 +393,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
         stages = variant.stages
         walk = "range(0, row_steps)" if stages == 1 else f"tl.range(0, row_steps, num_stages={stages})"
         body = [f"col{i} = tl.zeros([XBLOCK, RBLOCK], {TRITON_DTYPE[_column_dtype(program, i)]})" for i in columns] + \
-            [f"for rs in {walk}:"] + [f"    {line}" for line in body] + \
+            ahead + [f"for rs in {walk}:"] + [f"    {line}" for line in body] + \
             [f"{col} = tl.arange(0, RBLOCK)[None, :]"] + \
             [f"tl.store(o{i}_ptr + tl.program_id(0) * o{i}_s0 + {col} * o{i}_s{last}, "
              f"tl.sum(col{i}, axis=0, keep_dims=True), mask={col} < n{last})" for i in columns]
@@ -408,11 +436,14 @@ def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tu
     return xblock, row_steps, cdiv(row_blocks, row_steps)
 
 
-def column_stages(program: Program) -> int:
-    """The stages of a column sum's row walk (`COLUMN_STAGES`), fewer where its loads' tiles (of at most
-    `reduction.PERSISTENT_MAX` elements: a held row, or PROGRAM_TILE of shorter ones) would pass
-    COLUMN_STAGE_BYTES."""
-    tile_bytes = max(PROGRAM_TILE, reduction.PERSISTENT_MAX) * sum(load.dtype.itemsize for load in program.loads)
+def column_stages(program: Program, load_dims: tuple[tuple[bool, ...], ...]) -> int:
+    """The stages of a column sum's row walk (`COLUMN_STAGES`), fewer where the tiles it loads a row step (of at
+    most `reduction.PERSISTENT_MAX` elements: a held row, or PROGRAM_TILE of shorter ones) would pass
+    COLUMN_STAGE_BYTES. A row's own values (a norm's statistics) are a few elements; what no row changes is loaded
+    before the walk (`column_invariant`)."""
+    invariant = column_invariant(program, load_dims)
+    walked = [load for k, load in enumerate(program.loads) if Ref("load", k) not in invariant and load_dims[k][-1]]
+    tile_bytes = max(PROGRAM_TILE, reduction.PERSISTENT_MAX) * sum(load.dtype.itemsize for load in walked)
     return max(1, min(COLUMN_STAGES, COLUMN_STAGE_BYTES // max(tile_bytes, 1)))
 
 
@@ -496,7 +527,7 @@ class RowLauncher(PointwiseLauncher):
             int_args.append(row_steps)
         num_warps = row_warps(xblock, rblock)
         variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims),
-                             max(extents) > INT32_MAX, looped, column_stages(lowered.program) if columns else 1)
+                             max(extents) > INT32_MAX, looped, column_stages(lowered.program, tuple(load_dims)) if columns else 1)
         kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),
                                  lambda: row_kernel_source(self.__name__, lowered.program, spaces, variant))
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,

@@ -10,6 +10,7 @@ import torch.nn as nn
 from support import DEVICE, check, random_tensor, rewrites
 
 import fusepass
+from fusepass.elementwise import kernel as pointwise
 from fusepass.elementwise import reduction, row_kernel
 
 STRICT = fusepass.backend(strict=True)  # a kernel that fails raises: these tests see the kernels' values
@@ -78,11 +79,18 @@ def test_rmsnorm_is_one_kernel_each_way(row_form, dtype):
     assert not [n for n in report.graphs["forward"].graph.nodes if n.target == aten.mean.dim]
 
 
-def test_whole_rows_are_read_and_written_once(monkeypatch):
-    """Held whole, a row's kernel loads each input once and stores each output once: no walk over the row."""
-    sources = []
+@pytest.fixture
+def sources(monkeypatch):
+    """The row kernels' sources as they are written (none cached from another test: each is written here)."""
+    written = []
     source = row_kernel.row_kernel_source
-    monkeypatch.setattr(row_kernel, "row_kernel_source", lambda *args: sources.append(source(*args)) or sources[-1])
+    monkeypatch.setattr(row_kernel, "row_kernel_source", lambda *args: written.append(source(*args)) or written[-1])
+    monkeypatch.setattr(pointwise, "_kernels", {})
+    return written
+
+
+def test_whole_rows_are_read_and_written_once(sources):
+    """Held whole, a row's kernel loads each input once and stores each output once: no walk over the row."""
     check(RMSNorm(40, torch.bfloat16), random_tensor((6, 40), torch.bfloat16), backward=True, backend=STRICT)
     assert len(sources) == 2
     for text in sources:
@@ -91,13 +99,10 @@ def test_whole_rows_are_read_and_written_once(monkeypatch):
         assert stores == len(set(re.findall(r"tl\.store\((o\d+)_ptr", text))) > 0
 
 
-def test_a_row_kernel_is_not_specialised_on_its_row_counts(monkeypatch):
+def test_a_row_kernel_is_not_specialised_on_its_row_counts(sources):
     """Its leading sizes (a sequence's length among them) and row steps count rows; no access along a row
     depends on them, and Triton would compile the kernel again at a length of another divisibility. The row's
     own length stays specialised: its masks' alignment does."""
-    sources = []
-    source = row_kernel.row_kernel_source
-    monkeypatch.setattr(row_kernel, "row_kernel_source", lambda *args: sources.append(source(*args)) or sources[-1])
     x = random_tensor((2, 3, 40), torch.float32)
     check(torch.nn.LayerNorm(40).to(DEVICE), x, backward=True, backend=STRICT)  # its backward sums columns
     assert any("row_steps" in text for text in sources)
@@ -459,14 +464,11 @@ def test_a_column_sum_of_no_rows_is_zero():
     torch.testing.assert_close(total, torch.zeros(13, device=x.device))
 
 
-def test_a_column_sums_row_walk_in_stages(monkeypatch):
+def test_a_column_sums_row_walk_in_stages(sources, monkeypatch):
     """Walked in pipeline stages (`COLUMN_STAGES`: Triton keeps later tiles' loads in flight) the sums are those of
     the walk as written, over row counts no program's share divides."""
     monkeypatch.setattr(row_kernel, "COLUMN_STAGES", 3)
     monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", 1 << 20)  # three stages whatever the loads
-    sources = []
-    source = row_kernel.row_kernel_source
-    monkeypatch.setattr(row_kernel, "row_kernel_source", lambda *args: sources.append(source(*args)) or sources[-1])
     check(torch.nn.LayerNorm(40).to(DEVICE), random_tensor((3, 37, 40), torch.float32), backward=True, backend=STRICT)
     bias = random_tensor((24,), torch.float32).requires_grad_()
     check(lambda x: torch.nn.functional.gelu(x + bias, approximate="tanh"), random_tensor((5, 19, 24), torch.float32),
@@ -477,17 +479,39 @@ def test_a_column_sums_row_walk_in_stages(monkeypatch):
 
 
 def test_a_column_walks_stages_fit_its_shared_memory(monkeypatch):
-    """A program holds its loads' tiles (up to PERSISTENT_MAX elements each) once a stage in shared memory: fewer
-    stages where they would pass COLUMN_STAGE_BYTES, down to the walk as written."""
+    """A program holds the tiles it loads a row step (up to PERSISTENT_MAX elements each) once a stage in shared
+    memory: fewer stages where they would pass COLUMN_STAGE_BYTES, down to the walk as written. A row's own values
+    and the ones no row changes (loaded before the walk) take no stage's room."""
     from types import SimpleNamespace
 
     monkeypatch.setattr(row_kernel, "COLUMN_STAGES", 3)
-    program = SimpleNamespace(loads=[SimpleNamespace(dtype=torch.float32)] * 3)  # 48 KiB a stage
-    assert row_kernel.column_stages(program) == 2
+    tile, row, weight = (True, True), (True, False), (False, True)
+    program = SimpleNamespace(loads=[SimpleNamespace(dtype=torch.float32, by_value=False)] * 5, steps=[])
+    dims = (tile, tile, tile, row, weight)  # 48 KiB a stage
+    assert row_kernel.column_stages(program, dims) == 2
+    assert row_kernel.column_stages(program, (tile, tile, row, row, weight)) == 3
     monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", 1 << 20)
-    assert row_kernel.column_stages(program) == 3
+    assert row_kernel.column_stages(program, dims) == 3
     monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", 1)
-    assert row_kernel.column_stages(program) == 1
+    assert row_kernel.column_stages(program, dims) == 1
+
+
+def test_a_column_walk_loads_what_no_row_changes_before_its_first_row(sources):
+    """Gemma's RMSNorm backward: its weight (and 1 + weight) are loaded and computed once, ahead of the walk over
+    the rows whose products with it the column sum adds up; the sums are the walk's as written."""
+    weight = random_tensor((48,), torch.float32).requires_grad_()
+
+    def gemma_rmsnorm(x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.float())).to(x.dtype)
+
+    check(gemma_rmsnorm, random_tensor((5, 13, 48), torch.float32), backward=True, backend=STRICT)
+    assert weight.grad is not None
+    (walk,) = [text for text in sources if "row_steps" in text]
+    head, rows = walk.split("for rs in ", 1)
+    weight_load = re.compile(r"tl\.load\(l\d+_ptr \+ c2 \* l\d+_s2, mask=col_mask\)")
+    assert weight_load.search(head) and " + 1.0)" in head
+    assert not weight_load.search(rows) and " + 1.0)" not in rows
 
 
 def test_class_weights_keep_cross_entropy_backward_aten():
