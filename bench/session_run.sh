@@ -15,6 +15,8 @@
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
+#   inductor-configs  bench/inductor_configs.py: Inductor's short-row LayerNorm and softmax kernels with the   (not run yet)
+#                configs its autotuner kept, beside fusepass's tile, kept as bench/results/inductor-configs-<date>.txt
 #   columns      bench/column_sums.py: a bias alone, LayerNorm, bias+GELU and RMSNorm at 1, 2, 3 stages    ~30 s at one stage (12-06)
 #   peaks        bench/peaks.py: a step's memory per phase and pool, $PEAK_MODELS (default bert,vit),   >300 s (bert,vit)
 #                Inductor default and reduce-overhead, fusepass with whole-graph replays, its gradients copied
@@ -98,6 +100,10 @@ for part in $parts; do
         tail -1 "$OUT_DIR/gpu-tests.log" ;;
     reductions)
         (cd bench && timeout 280 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
+    inductor-configs)
+        kept=bench/results/inductor-configs-$(date -u +%Y-%m-%d-%H%M).txt
+        (cd bench && timeout 120 python inductor_configs.py) > "$kept" 2>&1
+        grep -E "^==|^--" "$kept" ;;
     latent)
         timeout 300 python bench/latent_attention.py 2>&1 | grep -E "^\||Error" ;;
     peaks)
