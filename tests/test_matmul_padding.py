@@ -61,3 +61,47 @@ def test_a_slow_unaligned_matmul_is_padded_forward_and_backward(monkeypatch):
     forward, backward = rewrites(report, "matmul", "forward"), rewrites(report, "matmul", "backward")
     assert forward and backward
     assert forward[0].detail["padded"] and forward[0].measured_fused_ms == 0.5
+
+
+def lm_head_loss(x, w, targets):
+    return torch.nn.functional.cross_entropy((x @ w.t()).flatten(0, 1), targets.flatten())
+
+
+def test_a_gradient_two_backward_matmuls_pad_alike_is_padded_once(monkeypatch):
+    """An LM head's backward reads the logits' gradient as dX = dY · W (its columns, K, padded) and dW = dYᵀ · X (the
+    same columns as M): one padded copy serves both, the second product reading it transposed; the gradients are
+    eager's. The weight's pad (K of dX, its rows) is a pad of its own."""
+    monkeypatch.setattr(pad, "_padding", lambda node, a, b: tuple(pad._aligned(d, torch.float16) - d for d in
+                                                                   (a.shape[-2], a.shape[-1], b.shape[-1])) or None)
+    monkeypatch.setattr(pad, "_measured", lambda *args: (1.0, 0.5))
+    x = random_tensor((2, 8, 16), torch.float32).requires_grad_()
+    w = random_tensor((37, 16), torch.float32).requires_grad_()
+    targets = torch.randint(0, 37, (2, 8), device=x.device)
+    fusepass.reset()
+    loss = torch.compile(lm_head_loss, backend="fusepass")(x, w, targets)
+    expected = lm_head_loss(x, w, targets)
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(torch.autograd.grad(loss, (x, w)), torch.autograd.grad(expected, (x, w))):
+        torch.testing.assert_close(got, want)
+    report = fusepass.last_report()
+    backward = report.graphs["backward"].graph
+    pads = [n for n in backward.nodes if n.target is pad._padded]
+    (shared,) = [n for n in pads if len(n.users) == 2]
+    assert tuple(shared.meta["val"].shape) == (16, 40)  # the logits' gradient, its 37 columns padded to 40
+    products = [n for n in backward.nodes if n.target is pad.product_of_padded]
+    assert len(products) == 2 and all(p.args[1] is shared or p.args[1].args[0] is shared for p in products)
+    assert sorted(r.detail.get("shared pads", 0) for r in rewrites(report, "matmul", "backward")) == [1, 1]
+
+
+def test_a_value_and_its_transpose_padded_along_the_same_dim_are_two_copies(monkeypatch):
+    """x · w and x · wᵀ pad K: x's pad is shared, but w's rows and wᵀ's rows (w's columns) are two pads, each
+    feeding its own product."""
+    monkeypatch.setattr(pad, "_measured", lambda *args: (1.0, 0.5))
+    monkeypatch.setattr(pad, "_padding", lambda node, a, b: (0, 3, 0))
+    x, w = random_tensor((8, 13), torch.float32), random_tensor((13, 13), torch.float32)
+    fusepass.reset()
+    out = torch.compile(lambda x, w: x @ w + x @ w.t(), backend="fusepass")(x, w)
+    torch.testing.assert_close(out, x @ w + x @ w.t())
+    (graph,) = fusepass.last_report().graphs.values()
+    pads = [n for n in graph.graph.nodes if n.target is pad._padded]
+    assert sorted(len(n.users) for n in pads) == [1, 1, 2]

@@ -7,6 +7,10 @@ backward graphs: an ``mm``, ``addmm`` or ``bmm`` whose M, N or K is unaligned is
 and with its operands zero-padded to aligned sizes (the pads included), once per shape and dtype, and padded where
 that is faster. Zeros added along K add nothing to the products; rows and columns added along M and N are cut off
 the result (a view: no copy). Each padded matmul is a rewrite of the report, with both times.
+
+Two padded matmuls that pad one value alike share its padded copy: a linear layer's backward reads its output's
+gradient as dX = dY · W (dY's columns, K, padded) and dW = dYᵀ · X (the same columns, now M), and an LM head's dY is
+the step's largest tensor (8192 × 50257 bf16: 0.8 GB a copy).
 """
 from __future__ import annotations
 
@@ -75,8 +79,15 @@ def padded_matmul(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, p
                   ) -> torch.Tensor:
     """``addmm(bias, a, b)`` (``bmm``, ``mm`` without a bias) from zero-padded operands, cut back to its size."""
     pad_m, pad_k, pad_n = pads
-    m, n = a.shape[-2], b.shape[-1]
-    a, b = _padded(a, pad_m, pad_k), _padded(b, pad_k, pad_n)
+    return product_of_padded(bias, _padded(a, pad_m, pad_k), _padded(b, pad_k, pad_n), pads)
+
+
+def product_of_padded(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, pads: tuple[int, int, int]
+                      ) -> torch.Tensor:
+    """``addmm(bias, a, b)`` (``bmm``, ``mm`` without a bias) of operands already padded by `pads` (M, K, N), cut
+    back to the unpadded size."""
+    pad_m, _, pad_n = pads
+    m, n = a.shape[-2] - pad_m, b.shape[-1] - pad_n
     if bias is not None:  # broadcast to the output: padded along the dims it spans
         spans_n = pad_n if bias.dim() and bias.shape[-1] == n and n > 1 else 0
         spans_m = pad_m if bias.dim() == 2 and bias.shape[0] == m and m > 1 else 0
@@ -105,12 +116,34 @@ def _measured(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, pads:
     return _decisions[key]
 
 
+def _transpose_of(x: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose 2-d value `x` transposes (a weight's or a gradient's ``t``), or None."""
+    if x.op != "call_function" or val(x).dim() != 2:
+        return None
+    if x.target is aten.t.default or (x.target is aten.permute.default and list(x.args[1]) == [1, 0]):
+        return x.args[0]
+    if x.target is aten.transpose.int and {d % 2 for d in x.args[1:3]} == {0, 1}:
+        return x.args[0]
+    return None
+
+
+_PadKey = tuple[torch.fx.Node, int, int]  # a value and the rows and columns its padded copy adds
+
+
+def _pad_key(x: torch.fx.Node, rows: int, columns: int) -> tuple[_PadKey, bool]:
+    """What padding `x` by `rows` and `columns` copies, as one key for a value and its transpose (whose padded copy
+    `_padded` makes transposed, in the same memory order), and whether `x` is that transpose."""
+    source = _transpose_of(x)
+    return ((x, rows, columns), False) if source is None else ((source, columns, rows), True)
+
+
 def pad_matmuls(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
-    """Pad each unaligned matmul whose padded form the running GPU runs faster."""
+    """Pad each unaligned matmul whose padded form the running GPU runs faster; a value two of them pad alike is
+    padded once."""
     if not ctx.run_kernels:
         return gm
     graph = gm.graph
-    changed = False
+    chosen = []
     for node in list(graph.nodes):
         found = _operands(node) if node.op == "call_function" else None
         if found is None:
@@ -123,10 +156,54 @@ def pad_matmuls(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
         if bias is not None and bias_val is None:
             continue
         as_is, padded = _measured(bias_val, val(a), val(b), pads)
-        if padded > FASTER * as_is:
-            continue
+        if padded <= FASTER * as_is:
+            chosen.append((node, bias, a, b, pads, as_is, padded))
+    if not chosen:
+        return gm
+
+    users: dict[_PadKey, list[torch.fx.Node]] = {}  # the matmuls that pad a value alike
+    for node, _, a, b, (m, k, n), _, _ in chosen:
+        for x, rows, columns in ((a, m, k), (b, k, n)):
+            if rows or columns:
+                users.setdefault(_pad_key(x, rows, columns)[0], []).append(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    made: set[torch.fx.Node] = set()  # the pads (and transposes of shared ones) this pass adds
+
+    def added(node: torch.fx.Node, value: torch.Tensor, like: torch.fx.Node) -> torch.fx.Node:
+        node.meta["val"] = value
+        keep_location(node, like)
+        made.add(node)
+        return node
+
+    shared: dict[_PadKey, torch.fx.Node] = {}
+    for key, matmuls in users.items():
+        if len(matmuls) > 1:  # padded once, ahead of the first matmul that reads it
+            source, rows, columns = key
+            with graph.inserting_before(min(matmuls, key=order.__getitem__)):
+                shared[key] = added(graph.call_function(_padded, key), _padded(val(source), rows, columns),
+                                    matmuls[0])
+
+    def operand(x: torch.fx.Node, rows: int, columns: int, like: torch.fx.Node) -> torch.fx.Node:
+        """`x` padded: its shared copy (transposed where `x` is the transpose), or a pad of its own."""
+        if not rows and not columns:
+            return x
+        key, transposed = _pad_key(x, rows, columns)
+        if key not in shared:
+            return added(graph.call_function(_padded, (x, rows, columns)), _padded(val(x), rows, columns), like)
+        if not transposed:
+            return shared[key]
+        return added(graph.call_function(aten.t.default, (shared[key],)), val(shared[key]).t(), like)
+
+    for node, bias, a, b, pads, as_is, padded in chosen:
+        m, k, n = pads
+        shares = [_pad_key(x, rows, columns)[0] in shared for x, rows, columns in ((a, m, k), (b, k, n))
+                  if rows or columns]
         with graph.inserting_before(node):
-            new = graph.call_function(padded_matmul, (bias, a, b, pads))
+            if any(shares):
+                new = graph.call_function(product_of_padded, (bias, operand(a, m, k, node), operand(b, k, n, node),
+                                                              pads))
+            else:
+                new = graph.call_function(padded_matmul, (bias, a, b, pads))
             keep_location(new, node)
         new.meta["val"] = node.meta["val"]
         new.meta["requires_grad"] = node.meta.get("requires_grad", False)
@@ -134,12 +211,15 @@ def pad_matmuls(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
             kind="matmul", phase=ctx.phase, location=location(node), ops=(f"aten.{packet(node).__name__}",),
             bytes_unfused=op_bytes(node), bytes_fused=op_bytes(node), flops=op_flops(node), flops_fused=op_flops(node),
             measured_unfused_ms=as_is, measured_fused_ms=padded,
-            detail={"padded": dict(zip("mkn", pads)), "shape": [list(val(a).shape), list(val(b).shape)]})
+            detail={"padded": dict(zip("mkn", pads)), "shape": [list(val(a).shape), list(val(b).shape)],
+                    **({"shared pads": sum(shares)} if any(shares) else {})})
         ctx.report.rewrites.append(record)
         attribution.tag(new, record)
+        for piece in new.args[1:3]:  # the operands' pads (a shared one goes to its first matmul's record)
+            while piece in made and attribution.RECORD not in piece.meta:
+                attribution.tag(piece, record)
+                piece = piece.args[0]
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-        changed = True
-    if changed:
-        gm.recompile()
+    gm.recompile()
     return gm
