@@ -1,9 +1,10 @@
 """Groups with column sums (a bias's gradient alone, a norm's weight and bias gradients, a bias's beside the GELU's
 backward), forward and backward, swept over the programs a multiprocessor runs (`row_kernel.COLUMN_PROGRAMS_PER_SM`),
-the elements a program holds (`row_kernel.PROGRAM_TILE`) and the row walk's pipeline stages
-(`row_kernel.COLUMN_STAGES`) beside eager and Inductor, bf16, device ms per forward+backward.
+the elements a program holds (`row_kernel.PROGRAM_TILE`), the row walk's pipeline stages
+(`row_kernel.COLUMN_STAGES`) and the warps of a program holding one row of 4096 or more
+(`row_kernel.COLUMN_WIDE_ROW_WARPS`) beside eager and Inductor, bf16, device ms per forward+backward.
 
-    PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096] [--stages 1,2,3]
+    PYTHONPATH=. python bench/column_sums.py [--programs 2,4,8] [--tiles 2048,4096] [--stages 1,2,3] [--warps 8,16]
         [--cases bias+gelu,rmsnorm,rmsnorm-gemma]
 
 Beside the product's setting ("as is"), "ATen's lone sums": a column sum with no pointwise op beside it (the bias
@@ -63,12 +64,15 @@ def main() -> None:
     parser.add_argument("--programs", default="2,4,8")
     parser.add_argument("--tiles", default="2048,4096")
     parser.add_argument("--stages", default="1", help="the row walk's pipeline stages (row_kernel.COLUMN_STAGES)")
+    parser.add_argument("--warps", default=str(row_kernel.COLUMN_WIDE_ROW_WARPS),
+                        help="warps of a walk holding one row of 4096 or more (row_kernel.COLUMN_WIDE_ROW_WARPS)")
     parser.add_argument("--cases", help="the cases whose names start so (all by default)")
     args = parser.parse_args()
-    settings = [(p, t, s) for s in map(int, args.stages.split(",")) for t in map(int, args.tiles.split(","))
-                for p in map(int, args.programs.split(","))]
+    settings = [(p, t, s, w) for w in map(int, args.warps.split(",")) for s in map(int, args.stages.split(","))
+                for t in map(int, args.tiles.split(",")) for p in map(int, args.programs.split(","))]
     kernels = fusepass.backend(strict=True, graphs=False)
-    rule = row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES
+    rule = (row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES,
+            row_kernel.COLUMN_WIDE_ROW_WARPS)
     rows = []
     for name, fn, shape, weights in CASES:
         if args.cases and not name.startswith(tuple(args.cases.split(","))):
@@ -81,8 +85,9 @@ def main() -> None:
         row = {"case": name}
         for label, backend, setting in [("eager", None, rule), ("inductor", "inductor", rule),
                                         ("as is", kernels, rule), ("ATen's lone sums", kernels, rule)] + \
-                [(f"{p}/SM {t} x{s}", kernels, (p, t, s)) for p, t, s in settings]:
-            row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES = setting
+                [(f"{p}/SM {t} x{s} w{w}", kernels, (p, t, s, w)) for p, t, s, w in settings]:
+            (row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES,
+             row_kernel.COLUMN_WIDE_ROW_WARPS) = setting
             partition.LONE_COLUMN_SUMS = label != "ATen's lone sums"
             torch._dynamo.reset()
             compiled = fn if backend is None else torch.compile(fn, backend=backend)
@@ -92,13 +97,15 @@ def main() -> None:
 
             step()
             row[f"{label} ms"] = device_ms(step)
-        row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES = rule
+        (row_kernel.COLUMN_PROGRAMS_PER_SM, row_kernel.PROGRAM_TILE, row_kernel.COLUMN_STAGES,
+         row_kernel.COLUMN_WIDE_ROW_WARPS) = rule
         partition.LONE_COLUMN_SUMS = True
         rows.append(row)
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else str(v) for k, v in row.items()), flush=True)
     print(keep("column-sums", list(rows[0]), rows, "bf16 forward+backward, device ms per call (torch.profiler); "
                                                    "fusepass columns: column programs a multiprocessor, elements a "
-                                                   "program holds, x the row walk's pipeline stages"))
+                                                   "program holds, x the row walk's pipeline stages, w the warps of "
+                                                   "a walk holding one row of 4096 or more"))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   inductor-configs  bench/inductor_configs.py: Inductor's short-row LayerNorm and softmax kernels with the   (not run yet)
 #                configs its autotuner kept, beside fusepass's tile, kept as bench/results/inductor-configs-<date>.txt
-#   columns      bench/column_sums.py: a bias alone, LayerNorm, bias+GELU and RMSNorm at 1, 2, 3 stages    ~30 s at one stage (12-06)
+#   columns      bench/column_sums.py: a bias alone, LayerNorm, bias+GELU and RMSNorm (Gemma's 2304 wide among   ~30 s at one stage (12-06)
+#                them) at 2 and 4 programs a multiprocessor, a wide row's walk at 8 and 16 warps
 #   peaks        bench/peaks.py: a step's memory per phase and pool, $PEAK_MODELS (default bert,vit),   >300 s (bert,vit)
 #                Inductor default and reduce-overhead, fusepass with whole-graph replays, its gradients copied
 #                and lent out of the pool
@@ -110,7 +111,8 @@ for part in $parts; do
         timeout 540 python bench/peaks.py --models "${PEAK_MODELS:-bert,vit}" \
             --backends inductor,inductor-reduce-overhead,fusepass-graphs,fusepass-graphs-lent 2>&1 | grep -E "^\||failed" | cut -c1-300 ;;
     columns)
-        timeout 240 python bench/column_sums.py --programs 2 --tiles 2048 --stages 1,2,3 --cases bias,rmsnorm,layernorm 2>&1 | grep "^|" ;;
+        timeout 240 python bench/column_sums.py --programs 2,4 --tiles 2048 --stages 3 --warps 8,16 \
+            --cases bias,rmsnorm,layernorm 2>&1 | grep "^|" ;;
     models)
         timeout ${MODELS_TIMEOUT_S:-560} python bench/models.py --models "${MODELS:-gpt2,llama,bert,t5,vit,gemma2}" \
             --budget-s "${MODELS_BUDGET_S:-400}" --options "${MODELS_OPTIONS:-{\}}" 2>&1 | grep -E "^\||Error|error:" | cut -c1-400 ;;

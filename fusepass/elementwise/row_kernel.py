@@ -61,6 +61,10 @@ COLUMN_PROGRAMS_PER_SM = 2
 # Fewer where a stage's tiles would pass COLUMN_STAGE_BYTES: a program holds stages × its loads' tiles there.
 COLUMN_STAGES = 3  # timed fastest of 1 to 3 (bench/column_sums.py; bench/NOTES.md)
 COLUMN_STAGE_BYTES = 96 * 1024
+# Warps of a column walk's program that holds one row 4096 or more wide. At 8 its registers reach ~128 a thread
+# (Gemma's 2304-wide RMSNorm backward: 127, offline), two programs a multiprocessor; at 16 they halve (64), and a
+# multiprocessor keeps twice the warps in flight: to be timed (bench/column_sums.py --warps 8,16).
+COLUMN_WIDE_ROW_WARPS = 8
 
 
 def _neutral(kind: str, dtype: torch.dtype) -> str:
@@ -525,7 +529,7 @@ class RowLauncher(PointwiseLauncher):
             extents.append(sum((n - 1) * abs(s) for n, s in zip(root, at_root)))
         if columns:
             int_args.append(row_steps)
-        num_warps = row_warps(xblock, rblock)
+        num_warps = COLUMN_WIDE_ROW_WARPS if columns and xblock == 1 and rblock >= 4096 else row_warps(xblock, rblock)
         variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims),
                              max(extents) > INT32_MAX, looped, column_stages(lowered.program, tuple(load_dims)) if columns else 1)
         kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),

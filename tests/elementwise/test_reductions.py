@@ -465,15 +465,14 @@ def test_a_column_sum_of_no_rows_is_zero():
 
 
 def test_a_column_sums_row_walk_in_stages(sources, monkeypatch):
-    """Walked in pipeline stages (`COLUMN_STAGES`: Triton keeps later tiles' loads in flight) the sums are those of
-    the walk as written, over row counts no program's share divides."""
+    """Walked in pipeline stages (`COLUMN_STAGES`: Triton keeps later tiles' loads in flight) the sums (the weights'
+    and biases' gradients, compared) are those of the walk as written, over row counts no program's share divides."""
     monkeypatch.setattr(row_kernel, "COLUMN_STAGES", 3)
     monkeypatch.setattr(row_kernel, "COLUMN_STAGE_BYTES", 1 << 20)  # three stages whatever the loads
-    check(torch.nn.LayerNorm(40).to(DEVICE), random_tensor((3, 37, 40), torch.float32), backward=True, backend=STRICT)
-    bias = random_tensor((24,), torch.float32).requires_grad_()
-    check(lambda x: torch.nn.functional.gelu(x + bias, approximate="tanh"), random_tensor((5, 19, 24), torch.float32),
-          backward=True, backend=STRICT)
-    assert bias.grad is not None
+    check(lambda x, w, b: torch.nn.functional.layer_norm(x, (40,), w, b), random_tensor((3, 37, 40), torch.float32),
+          random_tensor((40,), torch.float32), random_tensor((40,), torch.float32), backward=True, backend=STRICT)
+    check(lambda x, bias: torch.nn.functional.gelu(x + bias, approximate="tanh"),
+          random_tensor((5, 19, 24), torch.float32), random_tensor((24,), torch.float32), backward=True, backend=STRICT)
     walks = [text for text in sources if "row_steps" in text]
     assert len(walks) == 2 and all("for rs in tl.range(0, row_steps, num_stages=3):" in text for text in walks)
 
@@ -496,17 +495,36 @@ def test_a_column_walks_stages_fit_its_shared_memory(monkeypatch):
     assert row_kernel.column_stages(program, dims) == 1
 
 
+def test_a_walk_holding_one_wide_row_takes_its_own_warps(sources, monkeypatch):
+    """A column walk holding one row of 4096 or more (Gemma's 2304 in a 4096-wide tile) launches at
+    COLUMN_WIDE_ROW_WARPS, its sums the same; a row kernel without column sums keeps `row_warps`."""
+    from fusepass.runtime import launch
+
+    monkeypatch.setattr(row_kernel, "COLUMN_WIDE_ROW_WARPS", 16)
+    warps = {}
+    made = launch.BoundLaunch.__init__
+
+    def recording(self, kernel, n_args, **keywords):
+        made(self, kernel, n_args, **keywords)
+        warps[kernel.fn.__name__] = keywords["num_warps"]
+
+    monkeypatch.setattr(launch.BoundLaunch, "__init__", recording)
+    check(lambda x, weight: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight,
+          random_tensor((3, 2304), torch.float32), random_tensor((2304,), torch.float32), backward=True,
+          backend=STRICT)
+    (walk,) = [re.findall(r"def (\w+)\(", text)[-1] for text in sources if "row_steps" in text]
+    assert warps.pop(walk) == 16 and set(warps.values()) == {8}
+
+
 def test_a_column_walk_loads_what_no_row_changes_before_its_first_row(sources):
     """Gemma's RMSNorm backward: its weight (and 1 + weight) are loaded and computed once, ahead of the walk over
     the rows whose products with it the column sum adds up; the sums are the walk's as written."""
-    weight = random_tensor((48,), torch.float32).requires_grad_()
-
-    def gemma_rmsnorm(x):
+    def gemma_rmsnorm(x, weight):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + weight.float())).to(x.dtype)
 
-    check(gemma_rmsnorm, random_tensor((5, 13, 48), torch.float32), backward=True, backend=STRICT)
-    assert weight.grad is not None
+    check(gemma_rmsnorm, random_tensor((5, 13, 48), torch.float32), random_tensor((48,), torch.float32),
+          backward=True, backend=STRICT)
     (walk,) = [text for text in sources if "row_steps" in text]
     head, rows = walk.split("for rs in ", 1)
     weight_load = re.compile(r"tl\.load\(l\d+_ptr \+ c2 \* l\d+_s2, mask=col_mask\)")
