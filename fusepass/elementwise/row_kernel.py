@@ -530,8 +530,9 @@ class RowLauncher(PointwiseLauncher):
         if columns:
             int_args.append(row_steps)
         num_warps = COLUMN_WIDE_ROW_WARPS if columns and xblock == 1 and rblock >= 4096 else row_warps(xblock, rblock)
-        variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims),
-                             max(extents) > INT32_MAX, looped, column_stages(lowered.program, tuple(load_dims)) if columns else 1)
+        stages = column_stages(lowered.program, tuple(load_dims)) if columns else 1
+        variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims), max(extents) > INT32_MAX,
+                             looped, stages)
         kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),
                                  lambda: row_kernel_source(self.__name__, lowered.program, spaces, variant))
         launch = BoundLaunch(kernel, len(accesses) + len(out_strides), bound_args=tuple(int_args), XBLOCK=xblock,
