@@ -105,3 +105,22 @@ def test_a_value_and_its_transpose_padded_along_the_same_dim_are_two_copies(monk
     (graph,) = fusepass.last_report().graphs.values()
     pads = [n for n in graph.graph.nodes if n.target is pad._padded]
     assert sorted(len(n.users) for n in pads) == [1, 1, 2]
+
+
+@pytest.mark.parametrize("bias", ["row", "full"])
+def test_a_shared_pad_feeds_a_product_with_a_bias(monkeypatch, bias):
+    """addmm and mm pad x's columns (K) and N alike: x padded once; the bias, spanning N (and M), padded as the
+    product's own pads say."""
+    monkeypatch.setattr(pad, "_measured", lambda *args: (1.0, 0.5))
+    monkeypatch.setattr(pad, "_padding", lambda node, a, b: (3, 3, 5))
+    x, w, v = random_tensor((8, 13), torch.float32), random_tensor((11, 13), torch.float32), \
+        random_tensor((13, 11), torch.float32)
+    c = random_tensor((11,) if bias == "row" else (8, 11), torch.float32)
+
+    def fn(x, w, c, v):
+        return torch.addmm(c, x, w.t()) * (x @ v)
+
+    fusepass.reset()
+    torch.testing.assert_close(torch.compile(fn, backend="fusepass")(x, w, c, v), fn(x, w, c, v))
+    (graph,) = fusepass.last_report().graphs.values()
+    assert [len(n.users) for n in graph.graph.nodes if n.target is pad._padded].count(2) == 1
