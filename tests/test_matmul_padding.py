@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support import random_tensor, rewrites
 
 import fusepass
@@ -124,3 +126,42 @@ def test_a_shared_pad_feeds_a_product_with_a_bias(monkeypatch, bias):
     torch.testing.assert_close(torch.compile(fn, backend="fusepass")(x, w, c, v), fn(x, w, c, v))
     (graph,) = fusepass.last_report().graphs.values()
     assert [len(n.users) for n in graph.graph.nodes if n.target is pad._padded].count(2) == 1
+
+
+products = st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99), st.booleans(), st.booleans(), st.booleans()),
+                    min_size=2, max_size=6)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(program=products, n=st.sampled_from([5, 13]), seed=st.integers(0, 2**16))
+def test_random_products_of_shared_and_transposed_values_padded_match_eager(monkeypatch, program, n, seed):
+    """Chains of mm and addmm over values read again, transposed or not, every matmul padded (its shared pads
+    among them): eager's results and every input's gradient."""
+    monkeypatch.setattr(pad, "_padding", lambda node, a, b: tuple(pad._aligned(d, torch.float16) - d for d in
+                                                                   (a.shape[-2], a.shape[-1], b.shape[-1])))
+    monkeypatch.setattr(pad, "_measured", lambda *args: (1.0, 0.5))
+    torch.manual_seed(seed)
+
+    def fn(x, y, c):
+        values = [x, y]
+        for i, j, left_t, right_t, biased in program:
+            a, b = values[i % len(values)], values[j % len(values)]
+            a, b = a.t() if left_t else a, b.t() if right_t else b
+            values.append(0.3 * (torch.addmm(c, a, b) if biased else a @ b))
+        return values[-1]
+
+    inputs = [random_tensor((n, n), torch.float32).requires_grad_() for _ in range(2)]
+    inputs.append(random_tensor((n,), torch.float32).requires_grad_())
+    fusepass.reset()
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="fusepass")(*inputs)
+    expected = fn(*inputs)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+    want = torch.autograd.grad(expected, inputs, grad, allow_unused=True)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w)
