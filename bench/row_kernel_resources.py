@@ -2,7 +2,7 @@
 backwards with column sums), compiled for sm_90 on any machine.
 
     PYTHONPATH=.:bench python bench/row_kernel_resources.py [--cases rmsnorm-gemma,layernorm] [--rows 24]
-        [--triton DIR]
+        [--wide-row-warps 16] [--triton DIR]
 
 Runs each of bench/column_sums.py's cases forward and backward in Triton's interpreter at the case's row width and a
 few rows (a row count changes no kernel: none is specialised on it), recording each row kernel's launch. Each kernel
@@ -36,8 +36,9 @@ POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp3
            torch.int64: "*i64", torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1"}
 
 
-def record_launches(cases: list[str], rows: int) -> list[dict]:
-    """Each distinct row kernel the cases launch: its GPU source, its arguments' kinds and values, its warps."""
+def record_launches(cases: list[str], rows: int, wide_row_warps: int | None) -> list[dict]:
+    """Each distinct row kernel the cases launch: its GPU source, its arguments' kinds and values, its warps (a
+    column walk holding one wide row at `wide_row_warps`, where given: `row_kernel.COLUMN_WIDE_ROW_WARPS`)."""
     from column_sums import CASES
 
     import fusepass
@@ -45,6 +46,9 @@ def record_launches(cases: list[str], rows: int) -> list[dict]:
     from fusepass.elementwise import kernel as pointwise
     from fusepass.elementwise import row_kernel
     from fusepass.runtime import launch
+
+    if wide_row_warps is not None:
+        row_kernel.COLUMN_WIDE_ROW_WARPS = wide_row_warps
 
     gpu_source: dict[str, str] = {}
     written = row_kernel.row_kernel_source
@@ -139,6 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="", help="column_sums.py's cases whose names start so (all by default)")
     parser.add_argument("--rows", type=int, default=24)
+    parser.add_argument("--wide-row-warps", type=int, help="row_kernel.COLUMN_WIDE_ROW_WARPS")
     parser.add_argument("--triton", help="a directory holding the Triton to compile with")
     parser.add_argument("--compile", help=argparse.SUPPRESS)  # a recorded launch's JSON: compile it (subprocess)
     args = parser.parse_args()
@@ -146,7 +151,7 @@ def main() -> None:
         with open(args.compile) as f:
             print(compile_one(json.load(f)))
         return
-    entries = record_launches([c for c in args.cases.split(",") if c], args.rows)
+    entries = record_launches([c for c in args.cases.split(",") if c], args.rows, args.wide_row_warps)
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET")
     if args.triton:
