@@ -45,6 +45,7 @@ class ProfiledRow:
     estimated_ms: float | None  # per step, at the roofline
     bytes: int  # per step
     flops: int
+    layout: str = ""  # a row kernel's layout (`row_kernel.row_layout`): shown where the row is flagged
 
     @property
     def of_roofline(self) -> float | None:
@@ -106,6 +107,8 @@ class Profile:
                 fraction += " ⚠"
             estimate = "" if r.estimated_ms is None else format_time(r.estimated_ms)
             bound = r.limit(self.ceilings) if self.on_device and r.record != "op" else ""
+            if id(r) in flagged and r.layout:
+                bound += f"; {r.layout}"
             what = f"{r.what}: in no record" if r.record == "op" else f"{r.kind} {r.record}: {r.what}"
             lines.append(f"| {what} | {r.phase} | {r.location} | {r.calls} | {estimate} | "
                          f"{format_time(r.measured_ms)} | {fraction} | {format_bytes(r.bytes)} | {bound} |")
@@ -185,8 +188,9 @@ def attribute(events: Sequence[Any], steps: int, on_device: bool) -> list[Profil
         key = (kind, record, target.phase, target.location, what, moved, flops)
         row = rows.get(key)
         if row is None:
+            layout = target.record.detail.get("row kernel", "") if isinstance(target.record, Rewrite) else ""
             row = rows[key] = ProfiledRow(kind, record, target.phase, target.location, what, 0, 0.0,
-                                          None if estimated is None else 0.0, 0, 0)
+                                          None if estimated is None else 0.0, 0, 0, layout)
         row.calls += 1
         row.measured_ms += measured
         row.bytes += moved

@@ -20,7 +20,7 @@ from fusepass.elementwise.lower import Lowered, NotLowerable, lower
 from fusepass.elementwise.pieces import is_piecewise
 from fusepass.elementwise.reduction import is_reduction
 from fusepass.elementwise.partition import Group, is_constant, partition, root_shape
-from fusepass.elementwise.row_kernel import RowLauncher, walked_bytes
+from fusepass.elementwise.row_kernel import RowLauncher, row_layout, walked_bytes
 from fusepass.elementwise.views import move_views
 from fusepass.fx_util import op_name
 from fusepass.report import attribution, profile, roofline
@@ -96,11 +96,14 @@ def fuse_elementwise(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.Gra
             # Recorded before the graph changes: the ledger reads the group's nodes as they are.
             root = root_shape(group.nodes)
             extra = 0 if root is None else walked_bytes(lowered, [value_bytes(n) for n in group.inputs], ctx.device)
-            record = elementwise_rewrite(
-                ctx.phase, where, ops, group.compute_nodes, group.inputs, group.outputs,
-                detail={"kernel": kernel_name(group),
-                        "shape": list(map(str, root if root is not None else group.outputs[0].meta["val"].shape))},
-                kind="elementwise" if root is None else "reduction", extra_bytes=extra)
+            detail = {"kernel": kernel_name(group),
+                      "shape": list(map(str, root if root is not None else group.outputs[0].meta["val"].shape))}
+            layout = None if root is None else row_layout(lowered, ctx.device)
+            if layout is not None:
+                detail["row kernel"] = layout
+            record = elementwise_rewrite(ctx.phase, where, ops, group.compute_nodes, group.inputs, group.outputs,
+                                         detail=detail, kind="elementwise" if root is None else "reduction",
+                                         extra_bytes=extra)
             if ctx.run_kernels:
                 _replace(gm, group, lowered, ctx, where, ops, record)
                 changed = True

@@ -430,6 +430,30 @@ def walked_bytes(lowered: Lowered, input_bytes: list[int], device: torch.device)
     return extra
 
 
+def row_layout(lowered: Lowered, device: torch.device) -> str | None:
+    """How the kernel of `lowered` lays its rows out, in words (a reduction's record keeps it; a profiled kernel
+    far from its roofline shows it): the tile a program holds and the share of its lanes past the row's end, or
+    the chunks a long row is walked in; a column walk's rows a program, one after another. None where the root's
+    sizes are not known when it compiles."""
+    root = lowered.root_shape
+    if not all(isinstance(n, int) for n in root):
+        return None
+    rows, length = math.prod(root[:-1]), root[-1]
+    columns = any(out.space in COLUMN_SPACES for out in lowered.outputs)
+    xblock, row_steps, programs = _row_grid(rows, length, columns, device)
+    if length > reduction.PERSISTENT_MAX:
+        return f"rows of {length} walked in chunks of {LOOP_BLOCK}, {_warps(xblock, LOOP_BLOCK, columns)} warps"
+    rblock = next_power_of_2(max(length, 1))
+    layout = f"rows of {length} held {xblock} x {rblock} a program, {_warps(xblock, rblock, columns)} warps"
+    if rblock > length:
+        layout += f" ({1 - length / rblock:.0%} of the lanes past the row)"
+    if columns:
+        layout += (f"; column sums by {programs} program{'s' * (programs != 1)}, "
+                   f"{row_steps} tile{'s' * (row_steps != 1)} of {xblock} row{'s' * (xblock != 1)} each, "
+                   "one after another")
+    return layout
+
+
 def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tuple[int, int, int]:
     """Rows a program takes at once (XBLOCK), the times it does (a group with column sums: each program adds up
     several blocks of rows), and the programs."""
@@ -455,6 +479,11 @@ def row_warps(xblock: int, rblock: int) -> int:
     """Warps of a program holding an XBLOCK × RBLOCK tile: 8 for one long row, 4 for several short ones (their
     reductions' barriers span fewer warps; bench/row_tiles.py)."""
     return 8 if xblock == 1 and rblock >= 2048 else 4
+
+
+def _warps(xblock: int, rblock: int, columns: bool) -> int:
+    """A program's warps: `row_warps`, or COLUMN_WIDE_ROW_WARPS for a column walk holding one wide row."""
+    return COLUMN_WIDE_ROW_WARPS if columns and xblock == 1 and rblock >= 4096 else row_warps(xblock, rblock)
 
 
 def _column_dtype(program: Program, i: int) -> torch.dtype:
@@ -529,7 +558,7 @@ class RowLauncher(PointwiseLauncher):
             extents.append(sum((n - 1) * abs(s) for n, s in zip(root, at_root)))
         if columns:
             int_args.append(row_steps)
-        num_warps = COLUMN_WIDE_ROW_WARPS if columns and xblock == 1 and rblock >= 4096 else row_warps(xblock, rblock)
+        num_warps = _warps(xblock, rblock, bool(columns))
         stages = column_stages(lowered.program, tuple(load_dims)) if columns else 1
         variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims), max(extents) > INT32_MAX,
                              looped, stages)

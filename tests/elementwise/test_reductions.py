@@ -75,7 +75,15 @@ def test_rmsnorm_is_one_kernel_each_way(row_form, dtype):
     (forward,) = rewrites(report, kind="reduction", phase="forward")
     assert "aten.mean" in forward.ops and "aten.rsqrt" in forward.ops
     assert forward.detail["shape"] == ["3", "5", "37"]
-    assert rewrites(report, kind="reduction", phase="backward")  # the row sum of dy · x beside its pointwise ops
+    (backward,) = rewrites(report, kind="reduction", phase="backward")  # the row sum of dy · x beside its ops
+    if row_form == "whole rows":  # held 64 wide, 16 rows a program (PROGRAM_TILE); the weight's sums in the kernel
+        assert forward.detail["row kernel"] == \
+            "rows of 37 held 16 x 64 a program, 4 warps (42% of the lanes past the row)"
+        assert backward.detail["row kernel"] == forward.detail["row kernel"] + \
+            "; column sums by 1 program, 1 tile of 16 rows each, one after another"
+    else:  # the weight's sums ATen's
+        assert forward.detail["row kernel"] == backward.detail["row kernel"] == \
+            "rows of 37 walked in chunks of 16, 4 warps"
     assert not [n for n in report.graphs["forward"].graph.nodes if n.target == aten.mean.dim]
 
 

@@ -109,6 +109,20 @@ fusepass profile: 3 steps, device time 8.000 ms per step, 7.850 ms (98%) in the 
 outside the compiled graphs' ops (eager code around the model, the loss if not compiled, the optimizer): 0.150 ms per step
 ⚠ 1 row under 30% of the roofline: far from what their bytes and flops allow, not at a hardware limit""")
 
+    def test_a_flagged_row_kernel_shows_its_layout(self):
+        """A reduction far from its roofline says how its kernel lays the rows out (`row_kernel.row_layout`): there
+        the cause is often found (lanes past a row's end, a column walk's rows one after another)."""
+        layout = ("rows of 2304 held 1 x 4096 a program, 8 warps (44% of the lanes past the row); column sums by "
+                  "264 programs, 32 tiles of 1 row each, one after another")
+        rows = [ProfiledRow("reduction", "rewrite", "backward", "gemma2.py:40", "21 ops", 7, 1.2, 0.2, 7 * 10 ** 8, 0,
+                            layout),
+                ProfiledRow("reduction", "rewrite", "forward", "gemma2.py:40", "10 ops", 7, 0.3, 0.2, 4 * 10 ** 8, 0,
+                            "rows of 2304 held 1 x 4096 a program, 8 warps (44% of the lanes past the row)")]
+        lines = str(Profile(rows, 3, True, 2.0, [], H200)).splitlines()
+        self.assertExpectedInline("\n".join(lines[3:5]), """\
+| reduction rewrite: 21 ops | backward | gemma2.py:40 | 7 | 200 us | 1.2 ms | 17% ⚠ | 667.6 MiB | memory-bound: 0.583 of 3.67 TB/s; rows of 2304 held 1 x 4096 a program, 8 warps (44% of the lanes past the row); column sums by 264 programs, 32 tiles of 1 row each, one after another |
+| reduction rewrite: 10 ops | forward | gemma2.py:40 | 7 | 200 us | 300 us | 67% | 381.5 MiB | memory-bound: 1.33 of 3.67 TB/s |""")
+
     def test_a_step_waiting_on_the_host_is_called_host_bound(self):
         rows = [ProfiledRow("attention", "rewrite", "forward", "model.py:12", "9 ops", 12, 2.0, 1.5, 10 ** 9, 10 ** 12)]
         assert not Profile(rows, 3, True, 8.0, [], H200, wall_ms=10.0).host_bound
