@@ -68,6 +68,19 @@ class Case:
     residual: bool = False
     classes: bool = False  # takes a target class per row (a loss)
 
+    def inputs(self) -> list[torch.Tensor]:
+        """Its arguments on the GPU: x (and the residual) and the row's weights in bf16, needing gradients; the
+        target classes."""
+        m, n = self.shape
+        made = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16)]
+        if self.residual:
+            made.append(torch.randn(m, n, device="cuda", dtype=torch.bfloat16))
+        made += [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(self.extra)]
+        made = [x.requires_grad_() for x in made]
+        if self.classes:
+            made.append(torch.randint(0, n, (m,), device="cuda"))
+        return made
+
 
 CASES = [
     Case("rmsnorm 16384x4096", rmsnorm, (16384, 4096), 1),
@@ -91,14 +104,7 @@ def main() -> None:
     for case in CASES:
         if case.name.split()[0] not in chosen:
             continue
-        m, n = case.shape
-        inputs = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16)]
-        if case.residual:
-            inputs.append(torch.randn(m, n, device="cuda", dtype=torch.bfloat16))
-        inputs += [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(case.extra)]
-        inputs = [x.requires_grad_() for x in inputs]
-        if case.classes:
-            inputs.append(torch.randint(0, n, (m,), device="cuda"))
+        inputs = case.inputs()
         expected = case.fn(*[x.double() if x.is_floating_point() else x for x in inputs])
         expected = expected if isinstance(expected, tuple) else (expected,)
         row = {"case": case.name}
