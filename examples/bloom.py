@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from common import DEVICE, run_model
+from common import DEVICE, next_token_loss, run_model
 
 import torch
 import torch.nn as nn
@@ -258,12 +258,6 @@ def inputs(model: BloomForCausalLM, batch: int, seq: int) -> tuple[torch.Tensor,
     attention_mask = torch.ones(batch, seq, dtype=torch.long, device=DEVICE)
     attention_mask[1::2, :seq // 4] = 0
     return input_ids, attention_mask
-
-
-def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against a fixed shift of random targets: the training step's loss, its values aside."""
-    targets = torch.arange(logits.shape[0] * logits.shape[1], device=logits.device).view(logits.shape[:2])
-    return F.cross_entropy(logits.float().flatten(0, 1), (targets % logits.shape[-1]).flatten())
 
 
 def main(argv: list[str] | None = None):

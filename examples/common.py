@@ -1,5 +1,5 @@
 """What every example shares: pick the device (Triton's interpreter on a machine without CUDA), time eager
-against fusepass on the GPU, print the report."""
+against fusepass on the GPU, print the report; the language models' training loss."""
 from __future__ import annotations
 
 import os
@@ -65,6 +65,13 @@ def size(gpu: int, cpu: int) -> int:
 
 # ---------------------------------------------------------------------------------------------------
 # The example models (gpt2.py, bert.py, ...): one runner
+
+
+def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
+    """A language model's cross-entropy against a fixed shift of random targets: the training step's loss, its values
+    aside."""
+    targets = torch.arange(logits.shape[0] * logits.shape[1], device=logits.device).view(logits.shape[:2])
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), (targets % logits.shape[-1]).flatten())
 
 
 def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: dict, default_seq: dict,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common import DEVICE, run_model
+from common import DEVICE, next_token_loss, run_model
 # Gemma 2's rotary embedding, repeat_kv and eager masks are Llama's (Hugging Face's modeling file copies them).
 from llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, causal_mask, repeat_kv
 
@@ -182,12 +182,6 @@ class Gemma2ForCausalLM(nn.Module):
 
 def inputs(model: Gemma2ForCausalLM, batch: int, seq: int) -> tuple[torch.Tensor]:
     return (torch.randint(0, model.config.vocab, (batch, seq), device=DEVICE),)
-
-
-def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against a fixed shift of random targets: the training step's loss, its values aside."""
-    targets = torch.arange(logits.shape[0] * logits.shape[1], device=logits.device).view(logits.shape[:2])
-    return F.cross_entropy(logits.float().flatten(0, 1), (targets % logits.shape[-1]).flatten())
 
 
 def main(argv: list[str] | None = None):

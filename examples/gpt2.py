@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from common import DEVICE, run_model
+from common import DEVICE, next_token_loss, run_model
 
 import torch
 import torch.nn as nn
@@ -102,12 +102,6 @@ class GPT(nn.Module):
 
 def inputs(model: GPT, batch: int, seq: int) -> tuple[torch.Tensor]:
     return (torch.randint(0, model.config.vocab, (batch, seq), device=DEVICE),)
-
-
-def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against a fixed shift of random targets: the training step's loss, its values aside."""
-    targets = torch.arange(logits.shape[0] * logits.shape[1], device=logits.device).view(logits.shape[:2])
-    return F.cross_entropy(logits.float().flatten(0, 1), (targets % logits.shape[-1]).flatten())
 
 
 def main(argv: list[str] | None = None):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from common import DEVICE, run_model
+from common import DEVICE, next_token_loss, run_model
 
 import torch
 import torch.nn as nn
@@ -323,13 +323,6 @@ def inputs(model: T5ForConditionalGeneration, batch: int, seq: int) -> tuple[tor
     decoder_seq = model.config.decoder_seq or seq
     return (torch.randint(0, model.config.vocab, (batch, seq), device=DEVICE),
             torch.randint(0, model.config.vocab, (batch, decoder_seq), device=DEVICE))
-
-
-def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the decoder's logits against a fixed shift of random targets: the training step's
-    loss, its values aside."""
-    targets = torch.arange(logits.shape[0] * logits.shape[1], device=logits.device).view(logits.shape[:2])
-    return F.cross_entropy(logits.float().flatten(0, 1), (targets % logits.shape[-1]).flatten())
 
 
 def main(argv: list[str] | None = None):
