@@ -80,7 +80,8 @@ def test_a_gradient_two_backward_matmuls_pad_alike_is_padded_once(monkeypatch):
     w = random_tensor((37, 16), torch.float32).requires_grad_()
     targets = torch.randint(0, 37, (2, 8), device=x.device)
     fusepass.reset()
-    loss = torch.compile(lm_head_loss, backend="fusepass")(x, w, targets)
+    compiled = torch.compile(lm_head_loss, backend="fusepass")
+    loss = compiled(x, w, targets)
     expected = lm_head_loss(x, w, targets)
     torch.testing.assert_close(loss, expected)
     for got, want in zip(torch.autograd.grad(loss, (x, w)), torch.autograd.grad(expected, (x, w))):
@@ -93,6 +94,13 @@ def test_a_gradient_two_backward_matmuls_pad_alike_is_padded_once(monkeypatch):
     products = [n for n in backward.nodes if n.target is pad.product_of_padded]
     assert len(products) == 2 and all(p.args[1] is shared or p.args[1].args[0] is shared for p in products)
     assert sorted(r.detail.get("shared pads", 0) for r in rewrites(report, "matmul", "backward")) == [1, 1]
+    # a second call at another batch (a recompile): eager's gradients still
+    x3 = random_tensor((3, 8, 16), torch.float32).requires_grad_()
+    targets = torch.randint(0, 37, (3, 8), device=x.device)
+    loss, expected = compiled(x3, w, targets), lm_head_loss(x3, w, targets)
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(torch.autograd.grad(loss, (x3, w)), torch.autograd.grad(expected, (x3, w))):
+        torch.testing.assert_close(got, want)
 
 
 def test_a_value_and_its_transpose_padded_along_the_same_dim_are_two_copies(monkeypatch):
