@@ -14,13 +14,12 @@ import torch
 import torch._inductor.codecache as codecache
 from reductions import CASES
 
-from fusepass.elementwise import reduction, row_kernel
-from fusepass.runtime.sizes import next_power_of_2
+from fusepass.elementwise import row_kernel
 
 
 def fusepass_tile(rows: int, length: int) -> str:
     """The row kernel's tile and warps for rows of `length` (`RowLauncher._plan`, without column sums)."""
-    rblock = row_kernel.LOOP_BLOCK if length > reduction.PERSISTENT_MAX else next_power_of_2(length)
+    rblock = row_kernel.row_block(length)
     xblock = row_kernel._row_grid(rows, length, False, torch.device("cuda"))[0]
     return f"XBLOCK {xblock}, RBLOCK {rblock}, {row_kernel.row_warps(xblock, rblock)} warps"
 

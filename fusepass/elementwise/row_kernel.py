@@ -441,9 +441,9 @@ def row_layout(lowered: Lowered, device: torch.device) -> str | None:
     rows, length = math.prod(root[:-1]), root[-1]
     columns = any(out.space in COLUMN_SPACES for out in lowered.outputs)
     xblock, row_steps, programs = _row_grid(rows, length, columns, device)
+    rblock = row_block(length)
     if length > reduction.PERSISTENT_MAX:
-        return f"rows of {length} walked in chunks of {LOOP_BLOCK}, {_warps(xblock, LOOP_BLOCK, columns)} warps"
-    rblock = next_power_of_2(max(length, 1))
+        return f"rows of {length} walked in chunks of {rblock}, {_warps(xblock, rblock, columns)} warps"
     layout = f"rows of {length} held {xblock} x {rblock} a program, {_warps(xblock, rblock, columns)} warps"
     if rblock > length:
         layout += f" ({1 - length / rblock:.0%} of the lanes past the row)"
@@ -452,6 +452,11 @@ def row_layout(lowered: Lowered, device: torch.device) -> str | None:
                    f"{row_steps} tile{'s' * (row_steps != 1)} of {xblock} row{'s' * (xblock != 1)} each, "
                    "one after another")
     return layout
+
+
+def row_block(length: int) -> int:
+    """RBLOCK for rows of `length`: the row held whole (the next power of two), or the chunk a long row is walked in."""
+    return LOOP_BLOCK if length > reduction.PERSISTENT_MAX else next_power_of_2(max(length, 1))
 
 
 def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tuple[int, int, int]:
@@ -523,7 +528,7 @@ class RowLauncher(PointwiseLauncher):
         shapes = tuple(_space_shape(root, out.space) for out in lowered.outputs)
         rows, length = math.prod(root[:-1]), root[-1]
         looped = length > reduction.PERSISTENT_MAX
-        rblock = LOOP_BLOCK if looped else next_power_of_2(max(length, 1))
+        rblock = row_block(length)
         xblock, row_steps, programs = _row_grid(rows, length, bool(columns), self.device)
         # A column sum's output is contiguous; the kernel writes its programs' partial sums (`ColumnSums`).
         out_strides = tuple(contiguous_strides(shape, range(len(shape)) if i in columns else out.stride_order)
