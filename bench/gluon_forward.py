@@ -4,6 +4,8 @@ its sm_90 build's counts offline:
     PYTHONPATH=. python bench/gluon_forward.py             (on the GPU machine: check against float64, then time)
     PYTHONPATH=DIR:. python bench/gluon_forward.py --sass  (any machine, DIR holding triton 3.6: the sm_90 build's
                                                             registers, barriers and wgmma waits)
+    --rings 128,2;64,3   the kernel also at other K/V tiles and ring depths (BLOCK_N,STAGES each; the first is
+                         `hopper_forward`'s own): timed beside it, or compiled with --sass
 
 The variants measured before the kernel became fusepass's (one partition of two warpgroups, K/V tiles of 64 rows)
 are in bench/results/gluon-forward-2026-12-05-1200.md; the kernel kept is the fastest of them.
@@ -31,8 +33,24 @@ def sdpa_form_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return out, lse
 
 
-def sass_counts(causal: bool, head_dim: int) -> dict:
-    """Registers, spills and the instructions that order the loop, from the sm_90 build (no GPU)."""
+def ring(block_n: int, stages: int):
+    """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages` (restored on leaving)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def setting():
+        kept = hopper_forward.BLOCK_N, hopper_forward.STAGES
+        hopper_forward.BLOCK_N, hopper_forward.STAGES = block_n, stages
+        try:
+            yield
+        finally:
+            hopper_forward.BLOCK_N, hopper_forward.STAGES = kept
+    return setting()
+
+
+def sass_counts(causal: bool, head_dim: int, exact: bool) -> dict:
+    """Registers, spills and the instructions that order the loop, from the sm_90 build (no GPU), at
+    `hopper_forward`'s present ring; `exact`: the training forward's weights (`forward.keeps_residual`)."""
     import triton
     from kernel_resources import CompileOnlyDriver, resources
     from triton.runtime import driver
@@ -40,12 +58,12 @@ def sass_counts(causal: bool, head_dim: int) -> dict:
     driver.set_active(CompileOnlyDriver())
     x = torch.empty(1, 1, 1024, head_dim, dtype=torch.bfloat16)
     hf = hopper_forward
-    described = [hf._Rows.of(x).described(x, rows) for rows in (hf.BLOCK_M // hf.PARTS, hf.BLOCK_N, hf.BLOCK_N,
-                                                                  hf.BLOCK_M // hf.PARTS)]
+    rows = (hf.BLOCK_M // hf.PARTS, hf.BLOCK_N, hf.BLOCK_N, hf.BLOCK_M // hf.PARTS, hf.BLOCK_M // hf.PARTS)
+    described = [hf._Rows.of(x).described(x, n) for n in rows]  # Q, K, V, the output and its residual
     lse = torch.empty(1, 1, 1024)
     kernel = hf._hopper_forward.warmup(*described, lse, lse, lse, *[x.stride()[:3]] * 4, 1, 1, 1024, 1024, 0.125,
                                        HEAD_DIM=head_dim, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, CAUSAL=causal,
-                                       STAGES=hf.STAGES, num_warps=4, grid=(1,))
+                                       STAGES=hf.STAGES, EXACT=exact, num_warps=4, grid=(1,))
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
@@ -64,12 +82,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
     parser.add_argument("--shapes", default="2,16,8192,128;8,16,2048,64")
+    parser.add_argument("--rings", default=f"{hopper_forward.BLOCK_N},{hopper_forward.STAGES}")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    rings = [tuple(map(int, r.split(","))) for r in args.rings.split(";")]
     if args.sass:
-        for causal in (True, False):
-            for head_dim in sorted({s[3] for s in shapes}):
-                print(f"causal={causal} D{head_dim}:", sass_counts(causal, head_dim))
+        for block_n, stages in rings:
+            for causal in (True, False):
+                for head_dim in sorted({s[3] for s in shapes}):
+                    for exact in (False, True):
+                        with ring(block_n, stages):
+                            print(f"K/V {block_n} x {stages} causal={causal} exact={exact} D{head_dim}:",
+                                  sass_counts(causal, head_dim, exact))
         return
     import triton.testing
     from attention import CASES
@@ -89,9 +113,15 @@ def main() -> None:
                 return ((got.double() - expected).norm() / expected.norm()).item()
 
             fused = torch.compile(case.fn, backend=fusepass.backend(strict=True, sdpa=False, graphs=False))
-            timed = {"sm_90 kernel": (lambda: sdpa_form_attention(q, k, v, causal),
-                                      distance(sdpa_form_attention(*head, causal)[0])),
-                     "SDPA": (lambda: case.sdpa(q, k, v), distance(case.sdpa(*head)))}
+            timed = {}
+            for block_n, stages in rings:
+                label = "sm_90 kernel" + ("" if (block_n, stages) == rings[0] else f" K/V {block_n} x {stages}")
+
+                def kernel(block_n=block_n, stages=stages, *tensors):
+                    with ring(block_n, stages):
+                        return sdpa_form_attention(*(tensors or (q, k, v)), causal)
+                timed[label] = (kernel, distance(kernel(block_n, stages, *head)[0]))
+            timed["SDPA"] = (lambda: case.sdpa(q, k, v), distance(case.sdpa(*head)))
             serves = hopper_forward.serves
             hopper_forward.serves = lambda *_: False  # fusepass's Triton forward
             try:
