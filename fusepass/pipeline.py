@@ -28,6 +28,7 @@ from fusepass.context import CONTROL_FLOW, PassContext, graph_device
 from fusepass.elementwise import softmax_loss
 from fusepass.elementwise.fuse import fuse_elementwise
 from fusepass.matmul.pad import pad_matmuls
+from fusepass.matmul.pads_in_producers import write_pads_in_producers
 from fusepass.options import Options
 from fusepass.report import hooks, profile, roofline
 from fusepass.report.aten_ops import aten_ops
@@ -208,6 +209,7 @@ class Backend:
                 module = self._step(pad_matmuls, module, context(phase), "matmul padding")
                 if self.options.elementwise:
                     module = self._step(fuse_elementwise, module, context(phase), "elementwise fusion")
+                    module = self._step(write_pads_in_producers, module, context(phase), "padded outputs")
                 report.graphs[phase] = module
                 if run_kernels:  # otherwise the graph still holds what the rewrites would remove
                     self._list_aten_ops(module, context(phase))

@@ -210,6 +210,11 @@ def fused_kernel_count(report: fusepass.Report, phase: str = "forward") -> int:
     return sum(1 for n in graph.nodes if n.op == "call_function" and type(n.target).__name__ == "PointwiseLauncher")
 
 
+def broken_source(*args, **kwargs) -> str:
+    """A kernel's source that does not compile (monkeypatched in for `kernel_source`): its launch fails."""
+    return "@triton.jit\ndef broken(:\n"
+
+
 def random_tensor(shape: Sequence[int], dtype: torch.dtype, device: str = DEVICE, low: float = -3,
                   high: float = 3) -> torch.Tensor:
     if dtype == torch.bool:

@@ -1,6 +1,8 @@
 """Unaligned matmuls padded where the GPU's kernel for them is slow: the same products, a rewrite in the report."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 from support import random_tensor, rewrites
 
 import fusepass
+from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.matmul import pad
 
 
@@ -69,10 +72,12 @@ def lm_head_loss(x, w, targets):
     return torch.nn.functional.cross_entropy((x @ w.t()).flatten(0, 1), targets.flatten())
 
 
-def test_a_gradient_two_backward_matmuls_pad_alike_is_padded_once(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_gradient_two_backward_matmuls_pad_alike_is_padded_once(monkeypatch, fused):
     """An LM head's backward reads the logits' gradient as dX = dY · W (its columns, K, padded) and dW = dYᵀ · X (the
     same columns as M): one padded copy serves both, the second product reading it transposed; the gradients are
-    eager's. The weight's pad (K of dX, its rows) is a pad of its own."""
+    eager's. The weight's pad (K of dX, its rows) is a pad of its own. With the loss's backward fused, its kernel
+    writes the gradient padded: no copy."""
     monkeypatch.setattr(pad, "_padding", lambda node, a, b: tuple(pad._aligned(d, torch.float16) - d for d in
                                                                    (a.shape[-2], a.shape[-1], b.shape[-1])) or None)
     monkeypatch.setattr(pad, "_measured", lambda *args: (1.0, 0.5))
@@ -80,7 +85,7 @@ def test_a_gradient_two_backward_matmuls_pad_alike_is_padded_once(monkeypatch):
     w = random_tensor((37, 16), torch.float32).requires_grad_()
     targets = torch.randint(0, 37, (2, 8), device=x.device)
     fusepass.reset()
-    compiled = torch.compile(lm_head_loss, backend="fusepass")
+    compiled = torch.compile(lm_head_loss, backend=fusepass.backend(elementwise=fused))
     loss = compiled(x, w, targets)
     expected = lm_head_loss(x, w, targets)
     torch.testing.assert_close(loss, expected)
@@ -88,12 +93,18 @@ def test_a_gradient_two_backward_matmuls_pad_alike_is_padded_once(monkeypatch):
         torch.testing.assert_close(got, want)
     report = fusepass.last_report()
     backward = report.graphs["backward"].graph
-    pads = [n for n in backward.nodes if n.target is pad._padded]
-    (shared,) = [n for n in pads if len(n.users) == 2]
-    assert tuple(shared.meta["val"].shape) == (16, 40)  # the logits' gradient, its 37 columns padded to 40
     products = [n for n in backward.nodes if n.target is pad.product_of_padded]
-    assert len(products) == 2 and all(p.args[1] is shared or p.args[1].args[0] is shared for p in products)
+    assert len(products) == 2
+    (shared,) = {p.args[1] if p.args[1].target is not torch.ops.aten.t.default else p.args[1].args[0]
+                 for p in products}
+    assert tuple(shared.meta["val"].shape) == (16, 40)  # the logits' gradient, its 37 columns padded to 40
     assert sorted(r.detail.get("shared pads", 0) for r in rewrites(report, "matmul", "backward")) == [1, 1]
+    if fused:  # the loss backward's kernel's result
+        assert shared.target is operator.getitem and isinstance(shared.args[0].target, PointwiseLauncher)
+        (loss_backward,) = [r for r in rewrites(report, "reduction", "backward") if "written padded" in r.detail]
+        assert loss_backward.detail["written padded"] == ["[16, 40] for a matmul (+0 rows, +3 columns)"]
+    else:
+        assert shared.target is pad._padded
     # a second call at another batch (a recompile): eager's gradients still
     x3 = random_tensor((3, 8, 16), torch.float32).requires_grad_()
     targets = torch.randint(0, 37, (3, 8), device=x.device)

@@ -10,7 +10,7 @@ import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
-from support import assert_close, check, missed, random_tensor, rewrites
+from support import assert_close, broken_source, check, missed, random_tensor, rewrites
 
 import fusepass
 from fusepass.elementwise import kernel as pointwise
@@ -73,12 +73,8 @@ def test_reports_in_compile_order_and_reset():
     assert fusepass.reports() == [] and fusepass.last_report() is None
 
 
-def _broken_source(*args, **kwargs):
-    return "@triton.jit\ndef broken(:\n"
-
-
 def test_a_kernel_that_fails_falls_back_with_a_warning(monkeypatch):
-    monkeypatch.setattr(pointwise, "kernel_source", _broken_source)
+    monkeypatch.setattr(pointwise, "kernel_source", broken_source)
     monkeypatch.setattr(pointwise, "_kernels", {})
     x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
     with pytest.warns(RuntimeWarning, match="running it unfused"):
@@ -88,7 +84,7 @@ def test_a_kernel_that_fails_falls_back_with_a_warning(monkeypatch):
 
 
 def test_strict_mode_raises(monkeypatch):
-    monkeypatch.setattr(pointwise, "kernel_source", _broken_source)
+    monkeypatch.setattr(pointwise, "kernel_source", broken_source)
     monkeypatch.setattr(pointwise, "_kernels", {})
     x, b = random_tensor((6, 5), torch.float32), random_tensor((5,), torch.float32)
     with pytest.raises(SyntaxError):

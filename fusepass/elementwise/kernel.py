@@ -298,6 +298,36 @@ def _coalesce(root: Sequence[int], order: Sequence[int], operands: list[tuple[in
     return sizes, strides, position
 
 
+@dataclass(frozen=True)
+class PaddedOutput:
+    """A group's output the kernel writes into the first rows and columns of a zero-padded buffer: a padded
+    matmul's operand (fusepass/matmul/pads_in_producers.py), written where it is read instead of copied there. The
+    group's call returns the buffer after its own outputs."""
+
+    output: int  # which of the group's outputs
+    output_shape: tuple[int, ...]  # its shape (the group's root), and strides within the buffer
+    strides: tuple[int, ...]
+    read_as: tuple[int, ...]  # the output viewed as the matmul reads it, [..., R, L]
+    rows: int  # what the buffer adds past R and L
+    columns: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *batch, r, length = self.read_as
+        return (*batch, r + self.rows, length + self.columns)
+
+    def zero_pads(self, buffer: torch.Tensor) -> None:
+        r, length = self.read_as[-2:]
+        if self.columns:
+            buffer[..., :r, length:].zero_()
+        if self.rows:
+            buffer[..., r:, :].zero_()
+
+    def of(self, output: torch.Tensor) -> torch.Tensor:
+        """The buffer from the output as the group's own ops make it (the unfused path): a padded copy."""
+        return torch.nn.functional.pad(output.reshape(self.read_as), (0, self.columns, 0, self.rows))
+
+
 class PointwiseLauncher:
     """Runs one fused group: allocates its outputs as eager lays them out and launches its kernel.
 
@@ -320,20 +350,39 @@ class PointwiseLauncher:
         self.replay = replay  # launches replayed as CUDA graphs where a call's tensors repeat (kernels/replay.py)
         self._plans: dict[tuple[Any, ...], LaunchPlan] = {}
         self.failed = False  # a launch failed: the group's own ops run from then on
+        self.padded: tuple[PaddedOutput, ...] = ()
+
+    def write_padded(self, padded: PaddedOutput) -> int:
+        """Write an output into a zero-padded buffer as well (`PaddedOutput`); the index of the buffer among the
+        call's results."""
+        self.padded += (padded,)
+        self._plans.clear()
+        return len(self.lowered.outputs) + len(self.padded) - 1
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.failed:
-            return self.fallback(*inputs)
+            return self._unfused(*inputs)
         try:
             outputs = self._launch(*inputs)
         except Exception as error:  # a kernel that fails to build or run, on any call, must not break the model
             self.on_failure(error)  # strict: raises, here and on every later call
             self.failed = True
-            return self.fallback(*inputs)
+            return self._unfused(*inputs)
         if self.on_first_run is not None:
             on_first_run, self.on_first_run = self.on_first_run, None
-            on_first_run(lambda: self._launch(*inputs), lambda: self.fallback(*inputs))
+            on_first_run(lambda: self._launch(*inputs), lambda: self._unfused(*inputs))
         return outputs
+
+    def _unfused(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = tuple(self.fallback(*inputs))
+        return (*outputs, *(p.of(outputs[p.output]) for p in self.padded))
+
+    def _written_strides(self, strides: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+        """The outputs' strides, those written into a padded buffer as they lie in it."""
+        written = list(strides)
+        for p in self.padded:
+            written[p.output] = p.strides
+        return tuple(written)
 
     def __repr__(self) -> str:
         return self.__name__
@@ -343,15 +392,27 @@ class PointwiseLauncher:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan(inputs)
-        outputs = tuple(torch.empty_strided(shape, strides, dtype=layout.dtype, device=self.device)
-                        for shape, strides, layout in zip(plan.out_shapes, plan.out_strides, self.lowered.outputs))
+        layouts = self.lowered.outputs
+        buffers = tuple(torch.empty(p.shape, dtype=layouts[p.output].dtype, device=self.device) for p in self.padded)
+        made = [torch.empty_strided(shape, strides, dtype=layout.dtype, device=self.device)
+                for shape, strides, layout in zip(plan.out_shapes, plan.out_strides, layouts)]
+        for p, buffer in zip(self.padded, buffers):
+            if tuple(plan.out_shapes[p.output]) != p.output_shape:
+                raise RuntimeError(f"output {p.output} of shape {plan.out_shapes[p.output]}, planned to be written "
+                                   f"padded at {p.output_shape}")
+            made[p.output] = buffer.as_strided(p.output_shape, p.strides)
+        outputs = tuple(made)
         if plan.grid[0] == 0:
+            for p, buffer in zip(self.padded, buffers):
+                p.zero_pads(buffer)
             if plan.scratch is not None:
                 plan.scratch.finish(plan.scratch.written(outputs), outputs)
-            return outputs
+            return (*outputs, *buffers)
         pointers = [inputs[a.input].item() if a.by_value else inputs[a.input] for a in self.lowered.accesses]
 
         def launches() -> None:
+            for p, buffer in zip(self.padded, buffers):
+                p.zero_pads(buffer)
             if plan.scratch is None:
                 plan.launch(plan.grid, *pointers, *outputs)
                 return
@@ -365,16 +426,17 @@ class PointwiseLauncher:
             values = (plan.serial, *(repr(p) for p in pointers if not isinstance(p, torch.Tensor)))
             # The plan (its serial among the values) is that of the inputs' shapes and strides and fixes the
             # outputs' layouts; the graph fixes every dtype: the tensors enter the key by pointer alone.
-            pointwise_replays.run((), values, launches, (*tensors, *outputs))
+            pointwise_replays.run((), values, launches, (*tensors, *outputs, *buffers))
         else:
             launches()
-        return outputs
+        return (*outputs, *buffers)
 
     def _plan(self, inputs: Sequence[torch.Tensor]) -> LaunchPlan:
         lowered = self.lowered
         accesses = lowered.accesses
         root = resolved_root(lowered, inputs)
-        out_strides = tuple(contiguous_strides(root, out.stride_order) for out in lowered.outputs)
+        out_strides = self._written_strides(tuple(contiguous_strides(root, out.stride_order)
+                                                  for out in lowered.outputs))
         if 0 in root:  # nothing to compute: empty outputs, no launch
             return LaunchPlan(None, (root,) * len(out_strides), out_strides, (0,))
         tensor_loads = [k for k, a in enumerate(accesses) if not a.by_value]

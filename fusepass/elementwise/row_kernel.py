@@ -531,8 +531,9 @@ class RowLauncher(PointwiseLauncher):
         rblock = row_block(length)
         xblock, row_steps, programs = _row_grid(rows, length, bool(columns), self.device)
         # A column sum's output is contiguous; the kernel writes its programs' partial sums (`ColumnSums`).
-        out_strides = tuple(contiguous_strides(shape, range(len(shape)) if i in columns else out.stride_order)
-                            for i, (shape, out) in enumerate(zip(shapes, lowered.outputs)))
+        out_strides = self._written_strides(tuple(
+            contiguous_strides(shape, range(len(shape)) if i in columns else out.stride_order)
+            for i, (shape, out) in enumerate(zip(shapes, lowered.outputs))))
         scratch = ColumnSums(tuple(columns), programs, length,
                              tuple(_column_dtype(lowered.program, i) for i in columns)) if columns else None
         if rows == 0:  # nothing to compute: empty outputs (column sums of no rows: zeros), no launch

@@ -198,12 +198,9 @@ def pad_matmuls(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
         m, k, n = pads
         shares = [_pad_key(x, rows, columns)[0] in shared for x, rows, columns in ((a, m, k), (b, k, n))
                   if rows or columns]
+        # Each pad a node of its own: a fused kernel making the operand may write it padded (pads_in_producers.py).
         with graph.inserting_before(node):
-            if any(shares):
-                new = graph.call_function(product_of_padded, (bias, operand(a, m, k, node), operand(b, k, n, node),
-                                                              pads))
-            else:
-                new = graph.call_function(padded_matmul, (bias, a, b, pads))
+            new = graph.call_function(product_of_padded, (bias, operand(a, m, k, node), operand(b, k, n, node), pads))
             keep_location(new, node)
         new.meta["val"] = node.meta["val"]
         new.meta["requires_grad"] = node.meta.get("requires_grad", False)
