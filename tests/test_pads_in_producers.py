@@ -12,7 +12,7 @@ from support import broken_source, check, random_tensor, rewrites
 import fusepass
 from fusepass.elementwise import kernel as pointwise
 from fusepass.elementwise.kernel import PointwiseLauncher
-from fusepass.matmul import pad, pads_in_producers
+from fusepass.matmul import pad
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ def written_padded(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 def copies_of_fused(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """The pads copying a fused kernel's output."""
     def source(x: torch.fx.Node) -> torch.fx.Node:
-        while x.target in pads_in_producers.VIEWS:
+        while x.target in pad.VIEWS:
             x = x.args[0]
         return x
 
@@ -91,6 +91,31 @@ def test_a_row_kernels_output_is_written_padded_at_a_second_shape(every_matmul_p
         report = check(layer_norm_product, random_tensor((rows, 19), torch.float32), w)
         (graph,) = report.graphs.values()
         assert written_padded(graph.graph) and not copies_of_fused(graph.graph)
+
+
+@pytest.mark.parametrize("case", ["gelu backward", "weight cast"])
+def test_a_lone_op_is_a_kernel_that_writes_padded(every_matmul_padded, case):
+    """An op alone (GELU's backward without a bias's sum; a weight cast to the activations' dtype, as autocast
+    casts it, read transposed, in inference: a training forward saves the cast for the backward) becomes a kernel of
+    its own where a padded matmul reads its value: it writes it padded."""
+    if case == "gelu backward":
+        def fn(x, w1, w2):
+            return torch.nn.functional.gelu(x @ w1) @ w2
+
+        inputs = [random_tensor(s, torch.float32) for s in ((16, 13), (13, 21), (21, 8))]
+        phase = "backward"
+    else:
+        def fn(x, w):
+            return x @ w.float().t()
+
+        inputs = [random_tensor((8, 16), torch.float32), random_tensor((13, 16), torch.float64)]
+        phase = "forward"
+    report = check(fn, *inputs, backward=phase == "backward")
+    graph = report.graphs[phase].graph
+    (operand,) = set(written_padded(graph)) | {a.args[0] for n in graph.nodes if n.target is pad.product_of_padded
+                                                for a in n.args[1:3] if a.target is torch.ops.aten.t.default
+                                                and a.args[0].target is operator.getitem}
+    assert len(operand.args[0].target.lowered.program.steps) == 1 and not copies_of_fused(graph)
 
 
 def test_an_output_read_elsewhere_too_is_copied(every_matmul_padded):

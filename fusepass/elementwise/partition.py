@@ -12,7 +12,8 @@ read once. Both while three rules hold:
 - views inside a group are affine in the group's coordinates (see ``coords``); views at its edges stay in
   the graph, where they cost nothing;
 - a cat or slice_backward (``pieces``) joins groups without row reductions or column sums.
-A group is a kernel where it computes two ops or more, or a column sum alone (`LONE_COLUMN_SUMS`).
+A group is a kernel where it computes two ops or more, a column sum alone (`LONE_COLUMN_SUMS`), or an op alone whose
+value a padded matmul reads (its kernel writes it padded: `matmul/pads_in_producers.py`).
 Nodes a pointwise chain would need but the translator cannot emit are reported, not merged.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ from fusepass.context import planned_attention
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
 from fusepass.elementwise.pieces import is_piecewise, piece_gap
 from fusepass.elementwise.reduction import column_sum_of, is_column_sum, is_reduction, reduced_input
+from fusepass.matmul.pad import read_padded_alone
 
 
 # A column sum with no pointwise op beside it (a bias's gradient alone) runs as a row kernel of its own rather than
@@ -263,7 +265,9 @@ def _finish(members: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> Gro
                 changed = True
     nodes = sorted(members, key=order.__getitem__)
     computed = [n for n in nodes if not is_mapped_view(n)]
-    if len(computed) < 2 and not (LONE_COLUMN_SUMS and computed and is_column_sum(computed[0])):
+    # A lone op is a kernel where a padded matmul reads its value alone: the kernel writes it padded, the copy goes.
+    if len(computed) < 2 and not (computed and ((LONE_COLUMN_SUMS and is_column_sum(computed[0]))
+                                                or read_padded_alone(computed[0]))):
         return None
     escaping = _escaping(members)
     kept_views = set()

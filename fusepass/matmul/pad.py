@@ -116,6 +116,22 @@ def _measured(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, pads:
     return _decisions[key]
 
 
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def read_padded_alone(node: torch.fx.Node) -> bool:
+    """Whether `node`'s value reaches nothing but one padded copy, through views nothing else reads: a fused kernel
+    making it can write it padded instead (`pads_in_producers.py`)."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target is _padded:
+            return user.args[0] is node
+        if user.target not in VIEWS:
+            return False
+        node = user
+    return False
+
+
 def _transpose_of(x: torch.fx.Node) -> torch.fx.Node | None:
     """The node whose 2-d value `x` transposes (a weight's or a gradient's ``t``), or None."""
     if x.op != "call_function" or val(x).dim() != 2:
@@ -184,15 +200,18 @@ def pad_matmuls(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
                                     matmuls[0])
 
     def operand(x: torch.fx.Node, rows: int, columns: int, like: torch.fx.Node) -> torch.fx.Node:
-        """`x` padded: its shared copy (transposed where `x` is the transpose), or a pad of its own."""
+        """`x` padded: its shared copy or a pad of its own, of the value `x` transposes where it does (transposed
+        back: the same tensor, and the pad reads the value that makes it: `pads_in_producers.py`)."""
         if not rows and not columns:
             return x
         key, transposed = _pad_key(x, rows, columns)
         if key not in shared:
-            return added(graph.call_function(_padded, (x, rows, columns)), _padded(val(x), rows, columns), like)
+            padded = added(graph.call_function(_padded, key), _padded(val(key[0]), *key[1:]), like)
+        else:
+            padded = shared[key]
         if not transposed:
-            return shared[key]
-        return added(graph.call_function(aten.t.default, (shared[key],)), val(shared[key]).t(), like)
+            return padded
+        return added(graph.call_function(aten.t.default, (padded,)), val(padded).t(), like)
 
     for node, bias, a, b, pads, as_is, padded in chosen:
         m, k, n = pads
@@ -218,5 +237,6 @@ def pad_matmuls(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphMod
                 piece = piece.args[0]
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+    graph.eliminate_dead_code()  # the transposes the pads read past: a value's users then say who reads it
     gm.recompile()
     return gm

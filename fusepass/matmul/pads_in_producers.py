@@ -20,14 +20,11 @@ from fusepass.matmul import pad
 from fusepass.report import attribution
 from fusepass.report.ledger import value_bytes
 
-aten = torch.ops.aten
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-
 
 def _sole_output(x: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
     """(the group's call, which output) where `x` is a fused group's output, through views that nothing else
     reads, and read by nothing else."""
-    while x.op == "call_function" and x.target in VIEWS and len(x.users) == 1:
+    while x.op == "call_function" and x.target in pad.VIEWS and len(x.users) == 1:
         x = x.args[0]
     if x.op == "call_function" and x.target is operator.getitem and len(x.users) == 1 and \
             isinstance(x.args[0].target, PointwiseLauncher):
