@@ -68,13 +68,15 @@
 # Without PARTs: attention elementwise tests (~480 s); the others make a second call.
 #
 # Each suite writes bench/results/ as it always does; what this run wrote comes back as one archive,
-# $OUT/results.tgz (written again after each part), beside $OUT/gpu-tests.log (the device tool returns at most 8 files).
+# $OUT/results-<time this run began>.tgz (written again after each part; two runs in one call keep two), beside
+# $OUT/gpu-tests.log (the device tool returns at most 8 files).
 set -u
 export PYTHONPATH=$PWD
 OUT_DIR=${OUT:-/tmp/session-run}
 mkdir -p "$OUT_DIR"
 unset OUT  # the suites write bench/results only; the archive carries them back
 mark=$(mktemp)
+archive="$OUT_DIR/results-$(date -u +%H%M%S).tgz"
 parts=${*:-attention elementwise tests}
 parts=${parts//attention/large small}
 for part in $parts; do
@@ -209,5 +211,5 @@ for part in $parts; do
         echo "unknown part: $part" ;;
     esac
     # After each part: a call cut by the device's limit still brings back what the parts before wrote.
-    find bench/results -newer "$mark" -type f -print0 | tar czf "$OUT_DIR/results.tgz" --null -T -
+    find bench/results -newer "$mark" -type f -print0 | tar czf "$archive" --null -T -
 done
