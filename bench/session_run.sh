@@ -15,6 +15,8 @@
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
+#   row-tiles    bench/row_tiles.py: short rows' tiles and warps (one warp for 256 to 1024 wide since 12-07)  (not run yet)
+#                beside Inductor, forward
 #   inductor-configs  bench/inductor_configs.py: Inductor's short-row LayerNorm and softmax kernels with the   (not run yet)
 #                configs its autotuner kept, beside fusepass's tile, kept as bench/results/inductor-configs-<date>.txt
 #   columns      bench/column_sums.py: a bias alone, LayerNorm, bias+GELU and RMSNorm (Gemma's 2304 wide among   ~30 s at one stage (12-06)
@@ -105,6 +107,8 @@ for part in $parts; do
         tail -1 "$OUT_DIR/gpu-tests.log" ;;
     reductions)
         (cd bench && timeout 280 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
+    row-tiles)
+        (cd bench && timeout 200 python row_tiles.py 2>&1 | grep "^|" | cut -c1-330) ;;
     inductor-configs)
         kept=bench/results/inductor-configs-$(date -u +%Y-%m-%d-%H%M).txt
         (cd bench && timeout 120 python inductor_configs.py) > "$kept" 2>&1

@@ -36,6 +36,12 @@ from fusepass.runtime.sizes import cdiv, next_power_of_2
 # longer ones are walked in chunks of LOOP_BLOCK.
 LOOP_BLOCK = 2048
 PROGRAM_TILE = 2048  # elements a program holds (16 a thread at 4 warps): short rows take several a program
+# Rows whose RBLOCK lies in ONE_WARP_ROWS, in a kernel without column sums, are held by one warp a program, up to
+# ONE_WARP_TILE elements of them (at most 8 rows): a row's reductions are then warp shuffles, with no shared memory
+# and no barrier. This is Inductor's rule for such rows; its LayerNorm and softmax at 1024 wide ran 8-18 % faster
+# than PROGRAM_TILE at 4 warps (bench/NOTES.md).
+ONE_WARP_ROWS = (256, 1024)
+ONE_WARP_TILE = 1024
 
 # Torch's maximum and minimum propagate NaN; Triton's reductions of tl.maximum need not.
 COMBINE = '''@triton.jit
@@ -444,7 +450,8 @@ def row_layout(lowered: Lowered, device: torch.device) -> str | None:
     rblock = row_block(length)
     if length > reduction.PERSISTENT_MAX:
         return f"rows of {length} walked in chunks of {rblock}, {_warps(xblock, rblock, columns)} warps"
-    layout = f"rows of {length} held {xblock} x {rblock} a program, {_warps(xblock, rblock, columns)} warps"
+    warps = _warps(xblock, rblock, columns)
+    layout = f"rows of {length} held {xblock} x {rblock} a program, {warps} warp{'s' * (warps != 1)}"
     if rblock > length:
         layout += f" ({1 - length / rblock:.0%} of the lanes past the row)"
     if columns:
@@ -459,11 +466,21 @@ def row_block(length: int) -> int:
     return LOOP_BLOCK if length > reduction.PERSISTENT_MAX else next_power_of_2(max(length, 1))
 
 
+def _one_warp(rblock: int, columns: bool) -> bool:
+    """Whether a program of rows of RBLOCK `rblock` is one warp (`ONE_WARP_ROWS`)."""
+    return not columns and ONE_WARP_ROWS[0] <= rblock <= ONE_WARP_ROWS[1]
+
+
 def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tuple[int, int, int]:
     """Rows a program takes at once (XBLOCK), the times it does (a group with column sums: each program adds up
     several blocks of rows), and the programs."""
-    xblock = 1 if length > reduction.PERSISTENT_MAX else \
-        min(next_power_of_2(max(rows, 1)), max(1, PROGRAM_TILE // next_power_of_2(max(length, 1))))
+    rblock, most = row_block(length), next_power_of_2(max(rows, 1))
+    if length > reduction.PERSISTENT_MAX:
+        xblock = 1
+    elif _one_warp(rblock, columns):
+        xblock = min(most, 8, ONE_WARP_TILE // rblock)
+    else:
+        xblock = min(most, max(1, PROGRAM_TILE // rblock))
     row_blocks = cdiv(rows, xblock)
     row_steps = max(1, cdiv(row_blocks, column_programs(device))) if columns else 1
     return xblock, row_steps, cdiv(row_blocks, row_steps)
@@ -487,7 +504,10 @@ def row_warps(xblock: int, rblock: int) -> int:
 
 
 def _warps(xblock: int, rblock: int, columns: bool) -> int:
-    """A program's warps: `row_warps`, or COLUMN_WIDE_ROW_WARPS for a column walk holding one wide row."""
+    """A program's warps: one for rows of ONE_WARP_ROWS, COLUMN_WIDE_ROW_WARPS for a column walk holding one wide
+    row, else `row_warps`."""
+    if _one_warp(rblock, columns):
+        return 1
     return COLUMN_WIDE_ROW_WARPS if columns and xblock == 1 and rblock >= 4096 else row_warps(xblock, rblock)
 
 
