@@ -14,6 +14,8 @@ from fusepass.elementwise import kernel as pointwise
 from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.matmul import pad
 
+STRICT = fusepass.backend(strict=True)  # a pass that fails raises
+
 
 @pytest.fixture
 def every_matmul_padded(monkeypatch):
@@ -56,7 +58,7 @@ def test_a_fused_output_is_written_padded(every_matmul_padded, m, k):
     """GELU's output padded along K (its columns), M (its rows) or both."""
     x, b, w = random_tensor((m, k), torch.float32), random_tensor((k,), torch.float32), \
         random_tensor((k, 8), torch.float32)
-    report = check(gelu_product, x, b, w)
+    report = check(gelu_product, x, b, w, backend=STRICT)
     (graph,) = report.graphs.values()
     (operand,) = written_padded(graph.graph)
     assert tuple(operand.meta["val"].shape) == (pad._aligned(m, torch.float16), pad._aligned(k, torch.float16))
@@ -74,7 +76,7 @@ def test_a_gradient_is_written_padded_for_both_its_products(every_matmul_padded)
         return torch.nn.functional.gelu(x @ w1 + b1) @ w2
 
     x, w1, b1, w2 = (random_tensor(s, torch.float32) for s in ((16, 13), (13, 21), (21,), (21, 8)))
-    report = check(mlp, x, w1, b1, w2, backward=True)
+    report = check(mlp, x, w1, b1, w2, backward=True, backend=STRICT)
     backward = report.graphs["backward"].graph
     assert not copies_of_fused(backward)
     products = [n for n in backward.nodes if n.target is pad.product_of_padded]
@@ -88,7 +90,7 @@ def test_a_row_kernels_output_is_written_padded_at_a_second_shape(every_matmul_p
     """A LayerNorm (a row kernel) feeding a matmul, its rows padded; again at another row count (a recompile)."""
     w = random_tensor((19, 8), torch.float32)
     for rows in (13, 21):
-        report = check(layer_norm_product, random_tensor((rows, 19), torch.float32), w)
+        report = check(layer_norm_product, random_tensor((rows, 19), torch.float32), w, backend=STRICT)
         (graph,) = report.graphs.values()
         assert written_padded(graph.graph) and not copies_of_fused(graph.graph)
 
@@ -110,7 +112,7 @@ def test_a_lone_op_is_a_kernel_that_writes_padded(every_matmul_padded, case):
 
         inputs = [random_tensor((8, 16), torch.float32), random_tensor((13, 16), torch.float64)]
         phase = "forward"
-    report = check(fn, *inputs, backward=phase == "backward")
+    report = check(fn, *inputs, backward=phase == "backward", backend=STRICT)
     graph = report.graphs[phase].graph
     (operand,) = set(written_padded(graph)) | {a.args[0] for n in graph.nodes if n.target is pad.product_of_padded
                                                 for a in n.args[1:3] if a.target is torch.ops.aten.t.default
@@ -125,7 +127,7 @@ def test_an_output_read_elsewhere_too_is_copied(every_matmul_padded):
         return y @ w, y
 
     report = check(both, random_tensor((13, 13), torch.float32), random_tensor((13,), torch.float32),
-                   random_tensor((13, 8), torch.float32))
+                   random_tensor((13, 8), torch.float32), backend=STRICT)
     graph = report.graphs["forward"].graph
     assert not written_padded(graph) and copies_of_fused(graph)
 
@@ -142,7 +144,7 @@ def test_a_batched_operand_whose_rows_do_not_lie_evenly_is_copied(every_matmul_p
 
     for fn, x, k, written in [(flat, (39, 16), 16, False), (batched, (3, 13, 16), 16, True),
                               (flat, (48, 13), 13, True)]:
-        report = check(fn, random_tensor(x, torch.float32), random_tensor((3, k, 8), torch.float32))
+        report = check(fn, random_tensor(x, torch.float32), random_tensor((3, k, 8), torch.float32), backend=STRICT)
         (graph,) = report.graphs.values()
         assert bool(written_padded(graph.graph)) == written and bool(copies_of_fused(graph.graph)) != written
 
@@ -160,6 +162,6 @@ def test_a_failed_kernel_pads_its_own_ops_output(every_matmul_padded, monkeypatc
 def test_without_fusion_the_copy_stays(every_matmul_padded):
     x, b, w = random_tensor((13, 13), torch.float32), random_tensor((13,), torch.float32), \
         random_tensor((13, 8), torch.float32)
-    report = check(gelu_product, x, b, w, backend=fusepass.backend(elementwise=False))
+    report = check(gelu_product, x, b, w, backend=fusepass.backend(strict=True, elementwise=False))
     (graph,) = report.graphs.values()
     assert [n for n in graph.graph.nodes if n.target is pad._padded and n.args[0].target is torch.ops.aten.gelu.default]

@@ -42,7 +42,7 @@ def _padded_output(x: torch.Tensor, output: torch.Tensor, index: int, rows: int,
     buffer = torch.empty((*shape[:-2], shape[-2] + rows, shape[-1] + columns), device="meta")
     try:
         written = buffer[..., :shape[-2], :shape[-1]].view(output.shape)
-    except RuntimeError:  # its rows do not lie evenly in the buffer's (a batched operand padded along M)
+    except (RuntimeError, ValueError):  # its rows do not lie evenly in the buffer's (a batched operand padded along M)
         return None
     return PaddedOutput(index, tuple(output.shape), written.stride(), shape, rows, columns)
 
