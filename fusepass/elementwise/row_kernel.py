@@ -38,8 +38,8 @@ LOOP_BLOCK = 2048
 PROGRAM_TILE = 2048  # elements a program holds (16 a thread at 4 warps): short rows take several a program
 # Rows whose RBLOCK lies in ONE_WARP_ROWS, in a kernel without column sums, are held by one warp a program, up to
 # ONE_WARP_TILE elements of them (at most 8 rows): a row's reductions are then warp shuffles, with no shared memory
-# and no barrier. This is Inductor's rule for such rows; its LayerNorm and softmax at 1024 wide ran 8-18 % faster
-# than PROGRAM_TILE at 4 warps (bench/NOTES.md).
+# and no barrier. This is Inductor's rule for such rows, whose LayerNorm and softmax ran faster than PROGRAM_TILE at
+# 4 warps (bench/NOTES.md).
 ONE_WARP_ROWS = (256, 1024)
 ONE_WARP_TILE = 1024
 

@@ -3,8 +3,8 @@
 The padding pass (`pad.py`) pads an unaligned operand by a copy (`pad._padded`). Where that operand is a fused
 group's output reached through views alone (the LM head's logits gradient, the loss backward's; a SwiGLU product
 that a down projection reads) and read by nothing else, the group's kernel writes it into the first rows and columns
-of a zero-padded buffer instead (`kernel.PaddedOutput`): the copy's read and write go, and so does one tensor of the
-operand's size from the step's memory (the LM head's: 0.8 GB at B8 T1024, vocabulary 50257).
+of a zero-padded buffer instead (`kernel.PaddedOutput`): the copy's read and write go, and the unpadded tensor is
+never made (the LM head's: 0.8 GB at B8 T1024, vocabulary 50257).
 """
 from __future__ import annotations
 
