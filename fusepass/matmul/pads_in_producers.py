@@ -1,8 +1,8 @@
 """A padded matmul's operand written padded by the fused kernel that makes it, not copied there.
 
 The padding pass (`pad.py`) pads an unaligned operand by a copy (`pad._padded`). Where that operand is a fused
-group's output reached through views alone (the LM head's logits gradient, the loss backward's; a SwiGLU product
-that a down projection reads) and read by nothing else, the group's kernel writes it into the first rows and columns
+group's output reached through views alone (the LM head's logits gradient, the loss backward's where the loss is
+compiled with the model; a SwiGLU's gradients) and read by nothing else, the group's kernel writes it into the first rows and columns
 of a zero-padded buffer instead (`kernel.PaddedOutput`): the copy's read and write go, and the unpadded tensor is
 never made (the LM head's: 0.8 GB at B8 T1024, vocabulary 50257).
 """

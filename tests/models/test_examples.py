@@ -76,3 +76,40 @@ def test_example_model_trains_at_new_lengths(name):
     kinds = {(r.kind, r.phase) for report in fusepass.reports() for r in report.rewrites}
     assert {("attention", "forward"), ("attention", "backward")} <= kinds
     assert not [h for report in fusepass.reports() for h in report.hotspots if h.kind == "attention"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_padded_product_s_gradient_operand_is_written_padded(name, monkeypatch):
+    """Every matmul padded, as a GPU that times the padded form faster pads it, the loss compiled with the model (as
+    nanoGPT's forward computes it): GPT-2's logits gradient (2 × 17 rows of its vocabulary of 97) is written padded
+    by the loss backward's kernel for the LM head's two products, Llama's SwiGLU gradients (an FFN of int(8 · d / 3))
+    by theirs; every parameter's gradient is eager's."""
+    import torch
+
+    import fusepass
+    from fusepass.matmul import pad
+
+    monkeypatch.setattr(pad, "_padding", lambda node, a, b: tuple(pad._aligned(d, torch.float16) - d for d in
+                                                                   (a.shape[-2], a.shape[-1], b.shape[-1])) or None)
+    monkeypatch.setattr(pad, "_measured", lambda *args: (1.0, 0.5))
+    example = _example(name)
+    model_class, loss_name = BUILT[name]
+    torch.manual_seed(0)
+    model = getattr(example, model_class)(example.SIZES["tiny"]).to(DEVICE)
+    loss = getattr(example, loss_name)
+    inputs = example.inputs(model, 2, 17)
+    loss(model(*inputs)).backward()
+    expected = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    fusepass.reset()
+    torch.compile(lambda *inputs: loss(model(*inputs)), backend=fusepass.backend(strict=True))(*inputs).backward()
+    actual = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert actual.keys() == expected.keys()
+    scale = max(grad.abs().max().item() for grad in expected.values())
+    for n, grad in expected.items():
+        torch.testing.assert_close(actual[n], grad, rtol=1e-3, atol=1e-5 * scale, msg=n)
+    written = [text for report in fusepass.reports() for r in report.rewrites if r.phase == "backward"
+               for text in r.detail.get("written padded", ())]
+    assert written
+    if name == "gpt2":
+        assert "[40, 104] for a matmul (+6 rows, +7 columns)" in written
