@@ -74,6 +74,17 @@ def next_token_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), (targets % logits.shape[-1]).flatten())
 
 
+class WithLoss(torch.nn.Module):
+    """A model and its loss as one module: the compiled function computes the loss (`run_model --loss-compiled`)."""
+
+    def __init__(self, model: torch.nn.Module, loss) -> None:
+        super().__init__()
+        self.model, self.loss = model, loss
+
+    def forward(self, *inputs):
+        return self.loss(self.model(*inputs))
+
+
 def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: dict, default_seq: dict,
               argv: list[str] | None = None, tolerance: float = 1e-3):
     """Parse ``[--size tiny|small|medium] [--train] [--batch B] [--seq T]``, build the model at that size (`build`:
@@ -93,6 +104,8 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
     parser.add_argument("--seq", type=int)
     parser.add_argument("--options", default="{}", help='fusepass.backend\'s options as JSON, e.g. \'{"graphs": true}\'')
     parser.add_argument("--peers", default="", help="Inductor's modes to time beside its default, e.g. reduce-overhead")
+    parser.add_argument("--loss-compiled", action="store_true",
+                        help="compile the loss with the model (as a forward that computes it, nanoGPT's, does)")
     args = parser.parse_args(argv)
     batch = args.batch or default_batch[args.size]
     seq = args.seq or default_seq[args.size]
@@ -106,6 +119,9 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
         reference, reference_inputs = copy.deepcopy(model), inputs
         model = model.to(torch.bfloat16)
         inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
+    if args.loss_compiled:
+        model, reference = WithLoss(model, loss), reference and WithLoss(reference, loss)
+        loss = torch.Tensor.clone  # the compiled function's output is the loss
     train = args.train or not ON_GPU  # on the CPU the gradients are checked whatever is timed
     modes = tuple(f"inductor-{mode}" for mode in args.peers.split(",") if mode)
     backends = ("eager", "inductor", *modes, "fusepass") if ON_GPU else ("eager", "fusepass")

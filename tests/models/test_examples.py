@@ -35,6 +35,14 @@ def test_example_model_matches_eager(name):
     assert {("attention", "forward"), ("attention", "backward")} <= kinds, kinds
 
 
+def test_an_example_trains_with_its_loss_compiled():
+    """`--loss-compiled` (bench/models.py's row of it): the loss in the compiled function, its gradients eager's."""
+    result = _example("gpt2").main(["--size", "tiny", "--loss-compiled"])
+    assert not result.result("fusepass").missing_gradients
+    kinds = {(r.kind, r.phase) for report in result.reports for r in report.rewrites}
+    assert ("reduction", "backward") in kinds  # the loss's backward, fused
+
+
 # Each example's model at its tiny size, and its loss, for the sequence models.
 BUILT = {
     "gpt2": ("GPT", "next_token_loss"), "llama": ("LlamaForCausalLM", "next_token_loss"),
