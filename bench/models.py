@@ -6,8 +6,8 @@
 Each model runs through `fusepass.compare` in bf16 with its training step (forward, cross-entropy, backward):
 forward and step milliseconds, tokens per second, peak memory and the first call (the compile), each backend in
 the same process. The rows (examples/<model>.py's sizes unless a row names its own) are those of the whole-model
-issue: GPT-2 small at T 1024 and 4096 (and at 1024 with its loss compiled with the model), Llama-style 1B-shaped layers at T 8192, BERT-base at T 512 with padding,
-T5-base, ViT-B/16, Gemma-2-style at T 8192. A model whose next row would pass `--budget-s` is left for the next
+issue: GPT-2 small at T 1024 and 4096 (and at 1024 with its loss compiled with the model), Llama-style 1B-shaped
+layers at T 8192, BERT-base at T 512 with padding, T5-base, ViT-B/16, Gemma-2-style at T 8192. A model whose next row would pass `--budget-s` is left for the next
 run. Each row runs in a process of its own: a model that fails (a device-side assert ends its process's CUDA
 context) costs its row only. Writes bench/results/models-<date>.md and .json.
 """

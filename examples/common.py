@@ -87,7 +87,7 @@ class WithLoss(torch.nn.Module):
 
 def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: dict, default_seq: dict,
               argv: list[str] | None = None, tolerance: float = 1e-3):
-    """Parse ``[--size tiny|small|medium] [--train] [--batch B] [--seq T]``, build the model at that size (`build`:
+    """Parse ``[--size tiny|small|medium] [--train] [--batch B] [--seq T] [--loss-compiled]``, build the model at that size (`build`:
     (size name, sequence length) → nn.Module; `make_inputs`: (model, batch, seq) → the inputs; `loss`: outputs → scalar), and compare
     eager, Inductor and fusepass on it (fusepass.compare): on a GPU in bf16, timed; without one at the tiny size in
     float32 through Triton's interpreter, checked only. Returns the `fusepass.Comparison`; raises if fusepass's
@@ -120,7 +120,8 @@ def run_model(name: str, build, make_inputs, loss, sizes: dict, default_batch: d
         model = model.to(torch.bfloat16)
         inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x for x in inputs)
     if args.loss_compiled:
-        model, reference = WithLoss(model, loss), reference and WithLoss(reference, loss)
+        model = WithLoss(model, loss)
+        reference = None if reference is None else WithLoss(reference, loss)
         loss = torch.Tensor.clone  # the compiled function's output is the loss
     train = args.train or not ON_GPU  # on the CPU the gradients are checked whatever is timed
     modes = tuple(f"inductor-{mode}" for mode in args.peers.split(",") if mode)

@@ -448,9 +448,9 @@ def row_layout(lowered: Lowered, device: torch.device) -> str | None:
     columns = any(out.space in COLUMN_SPACES for out in lowered.outputs)
     xblock, row_steps, programs = _row_grid(rows, length, columns, device)
     rblock = row_block(length)
-    if length > reduction.PERSISTENT_MAX:
-        return f"rows of {length} walked in chunks of {rblock}, {_warps(xblock, rblock, columns)} warps"
     warps = _warps(xblock, rblock, columns)
+    if length > reduction.PERSISTENT_MAX:
+        return f"rows of {length} walked in chunks of {rblock}, {warps} warps"
     layout = f"rows of {length} held {xblock} x {rblock} a program, {warps} warp{'s' * (warps != 1)}"
     if rblock > length:
         layout += f" ({1 - length / rblock:.0%} of the lanes past the row)"

@@ -59,13 +59,10 @@ def write_pads_in_producers(gm: torch.fx.GraphModule, ctx: PassContext) -> torch
         if found is None:
             continue
         call, index = found
-        launcher = call.target
-        if any(p.output == index for p in launcher.padded):
-            continue
         padded = _padded_output(val(x), call.meta["val"][index], index, rows, columns)
         if padded is None:
             continue
-        result = launcher.write_padded(padded)
+        result = call.target.write_padded(padded)
         with graph.inserting_after(call):
             buffer = graph.call_function(operator.getitem, (call, result))
         buffer.meta.update(node.meta)
