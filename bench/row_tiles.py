@@ -3,9 +3,9 @@ swept beside Inductor's kernel for the same row, forward, bf16, device time per 
 
     PYTHONPATH=. python bench/row_tiles.py [--tiles 4096:8,1024:8,...]
 
-Each tile is `elements a program holds:warps` (warps for every tile of the run, `row_kernel.ONE_WARP_ROWS` set
-aside); the product's rule is the first column ("as is": one warp for rows 256 to 1024 wide; before 2026-12-07
-2048:4). Writes bench/results/row-tiles-<date>.md and .json.
+Each tile is `elements a program holds:warps` (warps for every tile of the run, `row_kernel.SHORT_ROWS` set
+aside); the product's rule is the first column ("as is": `SHORT_ROWS`; before 2026-12-07 2048:4 for every short
+row). Writes bench/results/row-tiles-<date>.md and .json.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--tiles", default="2048:4,1024:1,2048:1,1024:2,2048:2,4096:4")
     args = parser.parse_args()
     tiles = [None] + [tuple(map(int, t.split(":"))) for t in args.tiles.split(",")]
-    rule = row_kernel.PROGRAM_TILE, row_kernel.row_warps, row_kernel.ONE_WARP_ROWS
+    rule = row_kernel.PROGRAM_TILE, row_kernel.row_warps, row_kernel.SHORT_ROWS
     rows = []
     for name, fn, shape, weights in CASES:
         torch.manual_seed(0)
@@ -42,9 +42,9 @@ def main() -> None:
         row = {"case": name, "inductor ms": device_ms(lambda: inductor(x, *extra))}
         bytes_moved = 2 * x.numel() * x.element_size()
         for tile in tiles:
-            row_kernel.PROGRAM_TILE, row_kernel.row_warps, row_kernel.ONE_WARP_ROWS = rule
+            row_kernel.PROGRAM_TILE, row_kernel.row_warps, row_kernel.SHORT_ROWS = rule
             if tile is not None:
-                row_kernel.PROGRAM_TILE, row_kernel.ONE_WARP_ROWS = tile[0], (1, 0)  # (no RBLOCK in it)
+                row_kernel.PROGRAM_TILE, row_kernel.SHORT_ROWS = tile[0], {}
                 row_kernel.row_warps = lambda xblock, rblock, warps=tile[1]: warps
             torch._dynamo.reset()
             fused = torch.compile(fn, backend=fusepass.backend(graphs=False))
@@ -56,7 +56,7 @@ def main() -> None:
             ms = device_ms(lambda: fused(x, *extra))
             row[f"{label} ms"] = ms
             row[f"{label} TB/s"] = bytes_moved / ms / 1e9
-        row_kernel.PROGRAM_TILE, row_kernel.row_warps, row_kernel.ONE_WARP_ROWS = rule
+        row_kernel.PROGRAM_TILE, row_kernel.row_warps, row_kernel.SHORT_ROWS = rule
         rows.append(row)
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else str(v) for k, v in row.items()), flush=True)
     columns = list(rows[0])

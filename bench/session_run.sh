@@ -15,7 +15,7 @@
 #   elementwise  the elementwise suite at 2^26 elements (12 rows)                   ~75 s
 #   tests        the GPU tests ($TESTS, default all of tests/)                         >380 s (2026-12-04, 1,167 tests)
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
-#   row-tiles    bench/row_tiles.py: short rows' tiles and warps (one warp for 256 to 1024 wide since 12-07)  (not run yet)
+#   row-tiles    bench/row_tiles.py: short rows' tiles and warps (row_kernel.SHORT_ROWS since 12-07)          ~90 s (12-07, H100)
 #                beside Inductor, forward
 #   inductor-configs  bench/inductor_configs.py: Inductor's short-row LayerNorm and softmax kernels with the   (not run yet)
 #                configs its autotuner kept, beside fusepass's tile, kept as bench/results/inductor-configs-<date>.txt

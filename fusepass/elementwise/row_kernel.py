@@ -36,12 +36,10 @@ from fusepass.runtime.sizes import cdiv, next_power_of_2
 # longer ones are walked in chunks of LOOP_BLOCK.
 LOOP_BLOCK = 2048
 PROGRAM_TILE = 2048  # elements a program holds (16 a thread at 4 warps): short rows take several a program
-# Rows whose RBLOCK lies in ONE_WARP_ROWS, in a kernel without column sums, are held by one warp a program, up to
-# ONE_WARP_TILE elements of them (at most 8 rows): a row's reductions are then warp shuffles, with no shared memory
-# and no barrier. This is Inductor's rule for such rows, whose LayerNorm and softmax ran faster than PROGRAM_TILE at
-# 4 warps (bench/NOTES.md).
-ONE_WARP_ROWS = (256, 1024)
-ONE_WARP_TILE = 1024
+# Short rows in a kernel without column sums, by RBLOCK: the rows a program holds and its warps. One warp's
+# reductions are warp shuffles, with no shared memory and no barrier (Inductor's rule for rows up to 1024); rows of
+# 1024 ran fastest at two warps a row, softmax's most (bench/row_tiles.py, bench/NOTES.md). Other rows: PROGRAM_TILE.
+SHORT_ROWS = {256: (4, 1), 512: (2, 1), 1024: (1, 2)}
 
 # Torch's maximum and minimum propagate NaN; Triton's reductions of tl.maximum need not.
 COMBINE = '''@triton.jit
@@ -466,9 +464,9 @@ def row_block(length: int) -> int:
     return LOOP_BLOCK if length > reduction.PERSISTENT_MAX else next_power_of_2(max(length, 1))
 
 
-def _one_warp(rblock: int, columns: bool) -> bool:
-    """Whether a program of rows of RBLOCK `rblock` is one warp (`ONE_WARP_ROWS`)."""
-    return not columns and ONE_WARP_ROWS[0] <= rblock <= ONE_WARP_ROWS[1]
+def _short_rows(rblock: int, columns: bool) -> tuple[int, int] | None:
+    """(rows, warps) of a program of rows of RBLOCK `rblock` where `SHORT_ROWS` lays them out, else None."""
+    return None if columns else SHORT_ROWS.get(rblock)
 
 
 def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tuple[int, int, int]:
@@ -477,8 +475,8 @@ def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tu
     rblock, most = row_block(length), next_power_of_2(max(rows, 1))
     if length > reduction.PERSISTENT_MAX:
         xblock = 1
-    elif _one_warp(rblock, columns):
-        xblock = min(most, 8, ONE_WARP_TILE // rblock)
+    elif _short_rows(rblock, columns):
+        xblock = min(most, _short_rows(rblock, columns)[0])
     else:
         xblock = min(most, max(1, PROGRAM_TILE // rblock))
     row_blocks = cdiv(rows, xblock)
@@ -504,10 +502,11 @@ def row_warps(xblock: int, rblock: int) -> int:
 
 
 def _warps(xblock: int, rblock: int, columns: bool) -> int:
-    """A program's warps: one for rows of ONE_WARP_ROWS, COLUMN_WIDE_ROW_WARPS for a column walk holding one wide
+    """A program's warps: `SHORT_ROWS`' for short rows, COLUMN_WIDE_ROW_WARPS for a column walk holding one wide
     row, else `row_warps`."""
-    if _one_warp(rblock, columns):
-        return 1
+    short = _short_rows(rblock, columns)
+    if short:
+        return short[1]
     return COLUMN_WIDE_ROW_WARPS if columns and xblock == 1 and rblock >= 4096 else row_warps(xblock, rblock)
 
 

@@ -88,17 +88,17 @@ def test_rmsnorm_is_one_kernel_each_way(row_form, dtype):
 
 
 @pytest.mark.parametrize("length", [300, 768])
-def test_rows_of_256_to_1024_are_held_by_one_warp(length):
-    """Rows whose tile is 256 to 1024 wide take one warp a program (`row_kernel.ONE_WARP_ROWS`: reductions by warp
-    shuffles), holding up to 1024 elements of them; a kernel with column sums keeps PROGRAM_TILE at 4 warps."""
+def test_short_rows_take_their_layout(length):
+    """Rows whose tile is 256 to 1024 wide take `row_kernel.SHORT_ROWS`' rows and warps a program (a 512-wide tile
+    two rows at one warp, a 1024-wide one a row at two); a kernel with column sums keeps PROGRAM_TILE at 4 warps."""
     x, weight = random_tensor((3, 5, length), torch.float32), random_tensor((length,), torch.float32)
     report = check(lambda x, w: torch.nn.functional.layer_norm(x, (length,), w), x, weight, backward=True,
                    backend=STRICT)
     (forward,) = rewrites(report, kind="reduction", phase="forward")
     (backward,) = rewrites(report, kind="reduction", phase="backward")
-    rblock = 512 if length == 300 else 1024
+    rblock, held, warps = (512, 2, "1 warp") if length == 300 else (1024, 1, "2 warps")
     past = f"({1 - length / rblock:.0%} of the lanes past the row)"
-    assert forward.detail["row kernel"] == f"rows of {length} held {1024 // rblock} x {rblock} a program, 1 warp {past}"
+    assert forward.detail["row kernel"] == f"rows of {length} held {held} x {rblock} a program, {warps} {past}"
     assert backward.detail["row kernel"].startswith(
         f"rows of {length} held {2048 // rblock} x {rblock} a program, 4 warps {past}; column sums by")
 

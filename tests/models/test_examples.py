@@ -37,7 +37,7 @@ def test_example_model_matches_eager(name):
 
 def test_an_example_trains_with_its_loss_compiled():
     """`--loss-compiled` (bench/models.py's row of it): the loss in the compiled function, its gradients eager's."""
-    result = _example("gpt2").main(["--size", "tiny", "--loss-compiled"])
+    result = _example("gpt2").main(["--size", "tiny", "--loss-compiled", "--train"])  # (a GPU's run times the step)
     assert not result.result("fusepass").missing_gradients
     kinds = {(r.kind, r.phase) for report in result.reports for r in report.rewrites}
     assert ("reduction", "backward") in kinds  # the loss's backward, fused
