@@ -17,6 +17,8 @@
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   row-tiles    bench/row_tiles.py: short rows' tiles and warps (row_kernel.SHORT_ROWS since 12-07)          ~90 s (12-07, H100)
 #                beside Inductor, forward
+#   row-walks    bench/row_walks.py: long rows' walks (chunk, stages, warps) on the losses and log-sum-exp,   (not run yet)
+#                beside Inductor, forward and forward+backward
 #   inductor-configs  bench/inductor_configs.py: Inductor's short-row LayerNorm and softmax kernels with the   (not run yet)
 #                configs its autotuner kept, beside fusepass's tile, kept as bench/results/inductor-configs-<date>.txt
 #   columns      bench/column_sums.py: a bias alone, LayerNorm, bias+GELU and RMSNorm (Gemma's 2304 wide among   ~30 s at one stage (12-06)
@@ -109,6 +111,8 @@ for part in $parts; do
         (cd bench && timeout 280 python reductions.py 2>&1 | grep -E "^\||Error" | cut -c1-330) ;;
     row-tiles)
         (cd bench && timeout 200 python row_tiles.py 2>&1 | grep "^|" | cut -c1-330) ;;
+    row-walks)
+        (cd bench && timeout 280 python row_walks.py 2>&1 | grep "^|" | cut -c1-400) ;;
     inductor-configs)
         kept=bench/results/inductor-configs-$(date -u +%Y-%m-%d-%H%M).txt
         (cd bench && timeout 120 python inductor_configs.py) > "$kept" 2>&1
