@@ -21,7 +21,7 @@ def fusepass_tile(rows: int, length: int) -> str:
     """The row kernel's tile and warps for rows of `length` (`RowLauncher._plan`, without column sums)."""
     rblock = row_kernel.row_block(length)
     xblock = row_kernel._row_grid(rows, length, False, torch.device("cuda"))[0]
-    return f"XBLOCK {xblock}, RBLOCK {rblock}, {row_kernel.row_warps(xblock, rblock)} warps"
+    return f"XBLOCK {xblock}, RBLOCK {rblock}, {row_kernel._warps(xblock, rblock, False)} warps"
 
 
 def main() -> None:

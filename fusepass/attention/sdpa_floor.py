@@ -56,7 +56,7 @@ def sdpa_form(spec: AttentionSpec) -> SdpaForm | None:
     return SdpaForm(lifted.linear_scale, masked, spec.k.group > 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["q_len", "kv_len"])  # (as blockmap.BY_LENGTH)
 def _mask_kernel(Differ, q_len, kv_len, aux, KEEP: tl.constexpr, BLOCK: tl.constexpr):
     """Counts where KEEP differs from SDPA's causal mask (Differ[0]) and from keeping everything (Differ[1])."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -36,7 +36,7 @@ def _rounded(total, out):
         return total.to(tl.float32).to(out.dtype.element_ty)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["programs"])  # the rows' count sets it: one kernel for every length
 def _column_total_kernel(partials, out0, out1, out2, out3, programs, length,
                          BLOCK_P: tl.constexpr, BLOCK_L: tl.constexpr):
     which = tl.program_id(1)  # the column sum: its partials are the `which`-th P × L block

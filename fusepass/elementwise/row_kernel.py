@@ -412,9 +412,15 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             [f"{col} = tl.arange(0, RBLOCK)[None, :]"] + \
             [f"tl.store(o{i}_ptr + tl.program_id(0) * o{i}_s0 + {col} * o{i}_s{last}, "
              f"tl.sum(col{i}, axis=0, keep_dims=True), mask={col} < n{last})" for i in columns]
-    # The leading sizes (rows, a sequence's length among them) and the row steps count rows only: no load or store
+    # The leading sizes (rows, a sequence's length among them) and the row steps count rows only, and a row's own
+    # values (a norm's statistics, read or written one a row) are never loaded or stored along a row: no access
     # along a row depends on their divisibility, which Triton would otherwise compile a kernel for at a new length.
-    return COMBINE + jit_text(name, params, body, unspecialized=[f"n{d}" for d in range(last)] + ["row_steps"])
+    row_strides = [f"l{k}_s{d}" for k, dims in enumerate(variant.load_dims) if not dims[last]
+                   for d, moves in enumerate(dims) if moves]
+    row_strides += [f"o{i}_s{d}" for i, dims in enumerate(variant.output_dims) if spaces[i] in ("row", "row_dropped")
+                    for d, moves in enumerate(dims) if moves]
+    return COMBINE + jit_text(name, params, body,
+                              unspecialized=[f"n{d}" for d in range(last)] + ["row_steps"] + row_strides)
 
 
 def walked_bytes(lowered: Lowered, input_bytes: list[int], device: torch.device) -> int:

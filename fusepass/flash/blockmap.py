@@ -115,7 +115,13 @@ def _kind_of(n_kept, n_elements):
     return tl.where(n_kept == n_elements, FULL, tl.where(n_kept > 0, PARTIAL, EMPTY)).to(tl.int8)
 
 
-@triton.jit
+# A map kernel's lengths and block counts bound its loops and masks only, no load's alignment: Triton does not
+# specialize on them, so one compiled kernel serves every length (a new length whose block count changed its
+# divisibility by 16 compiled the kernel again, ~1.5 s on the GPU machine; bench/NOTES.md).
+BY_LENGTH = ["q_len", "kv_len", "n_q_blocks", "n_kv_blocks"]
+
+
+@triton.jit(do_not_specialize=BY_LENGTH)
 def _tile_kind_kernel(Kind, q_len, kv_len, n_q_blocks, n_kv_blocks, map_heads, aux, KEEP: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUBTILES: tl.constexpr, GROUP: tl.constexpr):
     """Program (q group, kv group, bh): the kinds of SUBTILES q blocks × GROUP kv blocks, each tile of the
@@ -176,7 +182,7 @@ def launch_tile_kinds(kind: torch.Tensor, keep, aux: tuple, q_len: int, kv_len: 
 SEPARABLE_TILES = (8, 8, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BY_LENGTH)
 def _separable_kind_kernel(Kind, Others, others_b_stride, others_h_stride, q_len, kv_len, n_q_blocks, n_kv_blocks,
                            map_heads, aux, ROWS: tl.constexpr, COLS: tl.constexpr, EQUAL: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, Q_BLOCKS: tl.constexpr,

@@ -126,9 +126,10 @@ def test_whole_rows_are_read_and_written_once(sources):
 
 
 def test_a_row_kernel_is_not_specialised_on_its_row_counts(sources):
-    """Its leading sizes (a sequence's length among them) and row steps count rows; no access along a row
-    depends on them, and Triton would compile the kernel again at a length of another divisibility. The row's
-    own length stays specialised: its masks' alignment does."""
+    """Its leading sizes (a sequence's length among them) and row steps count rows, and the strides of a row's own
+    values (the statistics the forward writes and the backward reads) place one value a row: no access along a row
+    depends on them, and Triton would compile the kernel again at a length of another divisibility. The row's own
+    length and the strides of what moves along it stay specialised: its masks' and its loads' alignment do."""
     x = random_tensor((2, 3, 40), torch.float32)
     check(torch.nn.LayerNorm(40).to(DEVICE), x, backward=True, backend=STRICT)  # its backward sums columns
     assert any("row_steps" in text for text in sources)
@@ -137,6 +138,13 @@ def test_a_row_kernel_is_not_specialised_on_its_row_counts(sources):
         names = set(re.findall(r"'(\w+)'", unspecialized))
         assert {"n0", "n1"} <= names and "n2" not in names
         assert ("row_steps" in names) == ("row_steps" in text)
+        accesses = re.findall(r"tl\.(?:load|store)\(([lo]\d+)_ptr \+ ([^,]*),", text)
+        assert any("c2" not in where for _, where in accesses)  # the statistics
+        for operand, where in accesses:
+            if "program_id" in where:  # a column sum's partial sums: one row of them a program
+                continue
+            strides = set(re.findall(rf"{operand}_s\d", where))
+            assert strides <= names if "c2" not in where else not strides & names, (operand, where)
 
 
 @pytest.mark.parametrize("fn, shape", [(softmax_by_hand, (4, 29)), (layer_norm_by_hand, (2, 3, 41))],
