@@ -26,7 +26,7 @@ def _step(fn, inputs, grads):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--walks", default="2048:3:8,4096:1:8,4096:2:8,4096:3:8,8192:2:8,4096:2:16")
+    parser.add_argument("--walks", default="2048:3:8,4096:2:8,4096:3:8,8192:2:8")
     parser.add_argument("--cases", default="cross-entropy,logsumexp-by-hand")
     args = parser.parse_args()
     walks = [None] + [tuple(map(int, w.split(":"))) for w in args.walks.split(",")]
