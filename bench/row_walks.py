@@ -1,10 +1,10 @@
-"""Long rows' walks: the chunk a walk takes at once (`row_kernel.LOOP_BLOCK`), the chunks in flight
-(`row_kernel.LOOP_STAGES`) and the warps of a program, swept on the losses and log-sum-exp of bench/reductions.py
-beside Inductor's kernels for the same code, bf16, device time per call, forward and forward+backward.
+"""Long rows' walks: the chunk a walk takes at once (`row_kernel.LOOP_BLOCK`) and the warps of a program, swept on
+the losses and log-sum-exp of bench/reductions.py beside Inductor's kernels for the same code, bf16, device time
+per call, forward and forward+backward.
 
-    PYTHONPATH=. python bench/row_walks.py [--walks 2048:1:8,2048:3:8,...] [--cases cross-entropy,logsumexp-by-hand]
+    PYTHONPATH=. python bench/row_walks.py [--walks 4096:8,1024:4,...] [--cases cross-entropy,logsumexp-by-hand]
 
-Each walk is `elements a chunk:stages:warps`; the product's rule is the first column ("as is"). Writes
+Each walk is `elements a chunk:warps`; the product's rule is the first column ("as is"). Writes
 bench/results/row-walks-<date>.md and .json.
 """
 from __future__ import annotations
@@ -26,12 +26,12 @@ def _step(fn, inputs, grads):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--walks", default="2048:3:8,4096:2:8,4096:3:8,8192:2:8")
+    parser.add_argument("--walks", default="1024:4,2048:4,2048:16,4096:8,4096:16,8192:16")
     parser.add_argument("--cases", default="cross-entropy,logsumexp-by-hand")
     args = parser.parse_args()
     walks = [None] + [tuple(map(int, w.split(":"))) for w in args.walks.split(",")]
     chosen = set(args.cases.split(","))
-    rule = row_kernel.LOOP_BLOCK, row_kernel.LOOP_STAGES, row_kernel.row_warps
+    rule = row_kernel.LOOP_BLOCK, row_kernel.row_warps
     rows = []
     for case in CASES:
         if case.name.split()[0] not in chosen:
@@ -47,10 +47,10 @@ def main() -> None:
         row["inductor fwd+bwd ms"] = device_ms(lambda: _step(inductor, inputs, grads))
         read = sum(x.numel() * x.element_size() for x in inputs)
         for walk in walks:
-            row_kernel.LOOP_BLOCK, row_kernel.LOOP_STAGES, row_kernel.row_warps = rule
+            row_kernel.LOOP_BLOCK, row_kernel.row_warps = rule
             if walk is not None:
-                row_kernel.LOOP_BLOCK, row_kernel.LOOP_STAGES = walk[0], walk[1]
-                row_kernel.row_warps = lambda xblock, rblock, warps=walk[2]: warps
+                row_kernel.LOOP_BLOCK = walk[0]
+                row_kernel.row_warps = lambda xblock, rblock, warps=walk[1]: warps
             torch._dynamo.reset()
             fused = torch.compile(case.fn, backend=fusepass.backend(strict=True, graphs=False))
             got = fused(*inputs)
@@ -61,12 +61,12 @@ def main() -> None:
             row[f"{label} fwd ms"] = ms = device_ms(lambda: fused(*inputs))
             row[f"{label} fwd TB/s"] = read / ms / 1e9
             row[f"{label} fwd+bwd ms"] = device_ms(lambda: _step(fused, inputs, grads))
-        row_kernel.LOOP_BLOCK, row_kernel.LOOP_STAGES, row_kernel.row_warps = rule
+        row_kernel.LOOP_BLOCK, row_kernel.row_warps = rule
         rows.append(row)
         print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else str(v) for k, v in row.items()), flush=True)
     print(keep("row-walks", list(rows[0]), rows,
                notes="bf16, device ms per call (torch.profiler); fwd TB/s counts the inputs read once; walks "
-                     "`elements a chunk:stages:warps`, \"as is\" the product's rule"))
+                     "`elements a chunk:warps`, \"as is\" the product's rule"))
 
 
 if __name__ == "__main__":

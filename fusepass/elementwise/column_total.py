@@ -21,7 +21,10 @@ from fusepass.runtime.sizes import cdiv, next_power_of_2
 
 OUTPUTS_A_LAUNCH = 4
 TILE = 4096  # partial sums a program holds (32 a thread at 4 warps)
-MAX_PROGRAMS_A_TILE = 1024  # more partials than this are added BLOCK_P rows at a time
+# Rows of partials a program adds at a time, whatever their number (the row kernel's programs, which a new sequence
+# length changes): one compiled kernel for every length. The row kernel runs up to two programs a multiprocessor
+# (`row_kernel.COLUMN_PROGRAMS_PER_SM`): one step on a GPU of up to 256.
+BLOCK_P = 512
 
 
 @triton.jit
@@ -65,10 +68,9 @@ def add_up(partials: torch.Tensor, outputs: Sequence[torch.Tensor]) -> None:
     assert count == len(outputs) and partials.is_contiguous()
     if length == 0:
         return
-    block_p = min(next_power_of_2(max(programs, 1)), MAX_PROGRAMS_A_TILE)
-    block_l = min(next_power_of_2(length), max(1, TILE // block_p))
+    block_l = min(next_power_of_2(length), TILE // BLOCK_P)
     for first in range(0, count, OUTPUTS_A_LAUNCH):
         chosen = list(outputs[first:first + OUTPUTS_A_LAUNCH])
         pointers = chosen + [chosen[0]] * (OUTPUTS_A_LAUNCH - len(chosen))  # the unused ones are never written
         launch(_column_total_kernel, (cdiv(length, block_l), len(chosen)), partials[first], *pointers, programs,
-               length, BLOCK_P=block_p, BLOCK_L=block_l, num_warps=4)
+               length, BLOCK_P=BLOCK_P, BLOCK_L=block_l, num_warps=4)

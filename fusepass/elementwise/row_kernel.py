@@ -69,10 +69,6 @@ COLUMN_STAGE_BYTES = 96 * 1024
 # (Gemma's 2304-wide RMSNorm backward: 127, offline), two programs a multiprocessor; at 16 they halve (64), and a
 # multiprocessor keeps twice the warps in flight: to be timed (bench/column_sums.py --warps 8,16).
 COLUMN_WIDE_ROW_WARPS = 8
-# Pipeline stages of a long row's walks (LOOP_BLOCK-wide chunks, `tl.range(..., num_stages=)`): a program waits
-# for each chunk's loads before the next otherwise, which leaves a long row's walk latency-bound (a 50257-wide loss
-# read at ~40 % of the copy bandwidth, Inductor's alike; bench/NOTES.md). 1 walks as written.
-LOOP_STAGES = 1
 
 
 def _neutral(kind: str, dtype: torch.dtype) -> str:
@@ -90,7 +86,7 @@ class RowVariant:
     output_dims: tuple[tuple[bool, ...], ...]
     wide: bool
     looped: bool
-    stages: int = 1  # a column sum's row walk's pipeline stages (`column_stages`), or a long row's walks
+    stages: int = 1  # a column sum's row walk's pipeline stages (`column_stages`)
 
 
 def _row_values(program: Program, variant: RowVariant) -> tuple[dict[Ref, bool], dict[Ref, int]]:
@@ -263,9 +259,6 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                                                                    for j in range(len(program.steps))]
     col = f"c{last}"
 
-    walk_range = f"range(0, n{last}, RBLOCK)" if variant.stages == 1 else \
-        f"tl.range(0, n{last}, RBLOCK, num_stages={variant.stages})"
-
     def chunk() -> list[str]:
         """The head of a walk's loop body: this chunk's columns and masks."""
         return [f"{col} = r0 + tl.arange(0, RBLOCK)[None, :]", f"col_mask = {col} < n{last}",
@@ -355,7 +348,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                         loop.append(f"acc{total.index} = acc{total.index} * tl.where({grown}, 1.0, "
                                     f"tl.exp(m{ref.index} - acc{ref.index})) + tl.where({grown}, 0.0, "
                                     f"tl.exp(v{ref.index} - acc{ref.index}))")
-                body.append(f"for r0 in {walk_range}:")
+                body.append(f"for r0 in range(0, n{last}, RBLOCK):")
                 body += [f"    {line}" for line in loop]
                 names.clear()
                 names.update(row_names)
@@ -401,7 +394,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             if ref in needed and ref not in done:
                 emit(ref, "_out", loop)
         loop += [store(i) for i in tile_outputs]
-        body.append(f"for r0 in {walk_range}:")
+        body.append(f"for r0 in range(0, n{last}, RBLOCK):")
         body += [f"    {line}" for line in loop]
     if columns:  # the program's rows, XBLOCK at a time, then its sums of each column
         assert not variant.looped, "a column sum's rows are held whole"
@@ -597,7 +590,7 @@ class RowLauncher(PointwiseLauncher):
         if columns:
             int_args.append(row_steps)
         num_warps = _warps(xblock, rblock, bool(columns))
-        stages = column_stages(lowered.program, tuple(load_dims)) if columns else LOOP_STAGES if looped else 1
+        stages = column_stages(lowered.program, tuple(load_dims)) if columns else 1
         variant = RowVariant(q, tuple(load_dims), tuple(load_base), tuple(output_dims), max(extents) > INT32_MAX,
                              looped, stages)
         kernel = compiled_kernel(self.__name__, lowered.program, (variant, spaces),

@@ -24,9 +24,21 @@ def test_totals_are_the_partials_summed_and_rounded_once(count, programs, length
 
 
 def test_more_partials_than_a_tile_are_added_a_block_at_a_time(monkeypatch):
-    monkeypatch.setattr(column_total, "MAX_PROGRAMS_A_TILE", 4)
+    monkeypatch.setattr(column_total, "BLOCK_P", 4)
     partials = torch.randn(2, 19, 23, dtype=torch.float32, device=DEVICE)
     outputs = [torch.empty(23, dtype=torch.float32, device=DEVICE) for _ in range(2)]
     column_total.add_up(partials, outputs)
     for partial, out in zip(partials, outputs):
         torch.testing.assert_close(out, partial.sum(0))
+
+
+def test_one_kernel_adds_up_any_count_of_partials(monkeypatch):
+    """The row kernel's program count changes with the rows (a new sequence length): the launch's constexprs do
+    not, so Triton compiles the kernel once for every length."""
+    launched = []
+    launch = column_total.launch
+    monkeypatch.setattr(column_total, "launch", lambda kernel, grid, *args, **keywords: (
+        launched.append(keywords), launch(kernel, grid, *args, **keywords)))
+    for programs in (3, 261):
+        column_total.add_up(torch.randn(1, programs, 40, device=DEVICE), [torch.empty(40, device=DEVICE)])
+    assert launched[0] == launched[1]
