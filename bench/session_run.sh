@@ -17,7 +17,7 @@
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   row-tiles    bench/row_tiles.py: short rows' tiles and warps (row_kernel.SHORT_ROWS since 12-07)          ~90 s (12-07, H100)
 #                beside Inductor, forward
-#   row-walks    bench/row_walks.py: long rows' walks (chunk, stages, warps) on the losses and log-sum-exp,   (not run yet)
+#   row-walks    bench/row_walks.py: long rows' walks (chunk, warps) on the losses and log-sum-exp,   (~60 s a case and 3 walks)
 #                beside Inductor, forward and forward+backward
 #   inductor-configs  bench/inductor_configs.py: Inductor's short-row LayerNorm and softmax kernels with the   (not run yet)
 #                configs its autotuner kept, beside fusepass's tile, kept as bench/results/inductor-configs-<date>.txt
