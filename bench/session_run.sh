@@ -17,7 +17,7 @@
 #   reductions   bench/reductions.py: norms, softmax, losses, beside Inductor         ~130 s (2026-12-04, 8 rows)
 #   row-tiles    bench/row_tiles.py: short rows' tiles and warps (row_kernel.SHORT_ROWS since 12-07)          ~90 s (12-07, H100)
 #                beside Inductor, forward
-#   row-walks    bench/row_walks.py: long rows' walks (chunk, warps) on the losses and log-sum-exp,   (~60 s a case and 3 walks)
+#   row-walks    bench/row_walks.py: long rows' walks (chunk, warps) on a loss and log-sum-exp, 3 walks   (~150 s: ~18 s a walk a case)
 #                beside Inductor, forward and forward+backward
 #   inductor-configs  bench/inductor_configs.py: Inductor's short-row LayerNorm and softmax kernels with the   (not run yet)
 #                configs its autotuner kept, beside fusepass's tile, kept as bench/results/inductor-configs-<date>.txt
@@ -112,7 +112,8 @@ for part in $parts; do
     row-tiles)
         (cd bench && timeout 200 python row_tiles.py 2>&1 | grep "^|" | cut -c1-330) ;;
     row-walks)
-        (cd bench && timeout 280 python row_walks.py 2>&1 | grep "^|" | cut -c1-400) ;;
+        (cd bench && timeout 280 python row_walks.py --cases cross-entropy-bf16,logsumexp-by-hand \
+            --walks 4096:8,4096:16,1024:4 2>&1 | grep "^|" | cut -c1-400) ;;
     inductor-configs)
         kept=bench/results/inductor-configs-$(date -u +%Y-%m-%d-%H%M).txt
         (cd bench && timeout 120 python inductor_configs.py) > "$kept" 2>&1
