@@ -57,6 +57,7 @@ NEUTRAL = {"sum": "0.0", "mean": "0.0", "amax": 'float("-inf")', "amin": 'float(
 COMBINER = {"amax": "_max_nan", "amin": "_min_nan"}
 COLUMN = torch.ops.prims.iota.default  # a step giving each lane its column (the class of a row of classes)
 COLUMN_SPACES = ("column", "column_kept")  # a column sum's outputs (lower.OutputLayout)
+ROW_SPACES = ("row", "row_dropped")  # a row's own values: one a row
 # A column sum's program walks its rows one tile at a time, each tile's loads waited for before the next: more
 # programs a multiprocessor keep more bytes in flight, and write more partial sums (bench/column_sums.py).
 COLUMN_PROGRAMS_PER_SM = 2
@@ -382,7 +383,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
             where = "x * 0" if row_output else f"x * 0 + c{last} * 0"
         return f"tl.store(o{i}_ptr + {where}, {value}, mask={'row_mask' if row_output else 'mask'})"
 
-    row_outputs = [i for i, space in enumerate(spaces) if space in ("row", "row_dropped")]
+    row_outputs = [i for i, space in enumerate(spaces) if space in ROW_SPACES]
     tile_outputs = [i for i, space in enumerate(spaces) if space == "root"]
     body += [store(i) for i in row_outputs]
     if not variant.looped:
@@ -410,7 +411,7 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
     # along a row depends on their divisibility, which Triton would otherwise compile a kernel for at a new length.
     row_strides = [f"l{k}_s{d}" for k, dims in enumerate(variant.load_dims) if not dims[last]
                    for d, moves in enumerate(dims) if moves]
-    row_strides += [f"o{i}_s{d}" for i, dims in enumerate(variant.output_dims) if spaces[i] in ("row", "row_dropped")
+    row_strides += [f"o{i}_s{d}" for i, dims in enumerate(variant.output_dims) if spaces[i] in ROW_SPACES
                     for d, moves in enumerate(dims) if moves]
     return COMBINE + jit_text(name, params, body,
                               unspecialized=[f"n{d}" for d in range(last)] + ["row_steps"] + row_strides)
@@ -479,10 +480,11 @@ def _row_grid(rows: int, length: int, columns: bool, device: torch.device) -> tu
     """Rows a program takes at once (XBLOCK), the times it does (a group with column sums: each program adds up
     several blocks of rows), and the programs."""
     rblock, most = row_block(length), next_power_of_2(max(rows, 1))
+    short = _short_rows(rblock, columns)
     if length > reduction.PERSISTENT_MAX:
         xblock = 1
-    elif _short_rows(rblock, columns):
-        xblock = min(most, _short_rows(rblock, columns)[0])
+    elif short:
+        xblock = min(most, short[0])
     else:
         xblock = min(most, max(1, PROGRAM_TILE // rblock))
     row_blocks = cdiv(rows, xblock)

@@ -117,7 +117,7 @@ def _kind_of(n_kept, n_elements):
 
 # A map kernel's lengths and block counts bound its loops and masks only, no load's alignment: Triton does not
 # specialize on them, so one compiled kernel serves every length (a new length whose block count changed its
-# divisibility by 16 compiled the kernel again, ~1.5 s on the GPU machine; bench/NOTES.md).
+# divisibility by 16 compiled the kernel again: bench/NOTES.md, the new-lengths runs).
 BY_LENGTH = ["q_len", "kv_len", "n_q_blocks", "n_kv_blocks"]
 
 
