@@ -394,14 +394,15 @@ class PointwiseLauncher:
             plan = self._plans[key] = self._plan(inputs)
         layouts = self.lowered.outputs
         buffers = tuple(torch.empty(p.shape, dtype=layouts[p.output].dtype, device=self.device) for p in self.padded)
-        made = [torch.empty_strided(shape, strides, dtype=layout.dtype, device=self.device)
-                for shape, strides, layout in zip(plan.out_shapes, plan.out_strides, layouts)]
+        in_buffers = {}  # an output written padded is a view of its buffer, never a tensor of its own
         for p, buffer in zip(self.padded, buffers):
             if tuple(plan.out_shapes[p.output]) != p.output_shape:
                 raise RuntimeError(f"output {p.output} of shape {plan.out_shapes[p.output]}, planned to be written "
                                    f"padded at {p.output_shape}")
-            made[p.output] = buffer.as_strided(p.output_shape, p.strides)
-        outputs = tuple(made)
+            in_buffers[p.output] = buffer.as_strided(p.output_shape, p.strides)
+        outputs = tuple(in_buffers[i] if i in in_buffers else
+                        torch.empty_strided(shape, strides, dtype=layout.dtype, device=self.device)
+                        for i, (shape, strides, layout) in enumerate(zip(plan.out_shapes, plan.out_strides, layouts)))
         if plan.grid[0] == 0:
             for p, buffer in zip(self.padded, buffers):
                 p.zero_pads(buffer)

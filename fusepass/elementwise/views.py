@@ -7,6 +7,10 @@ the view moves before the op. The other way, a unary op reading a view that spli
 logits' gradient, cast back to bf16 in the logits' shape) would write a shape the row kernel does not: the view
 moves after the op. Either way a view at a group's edge costs nothing. Only where the value passed along has
 no other reader and takes the view as it is.
+
+A view of a view is first taken of what the first views: an LM head's logits gradient, split to (batch, time,
+vocab) by the loss's flatten and merged again by the matmul's view, would otherwise keep the cast back to bf16 out
+of the loss backward's kernel, which would write an fp32 gradient for the cast to read.
 """
 from __future__ import annotations
 
@@ -42,6 +46,30 @@ def _viewable(x: torch.fx.Node, shape: list) -> bool:
     return True
 
 
+VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _views_of_views(graph: torch.fx.Graph) -> None:
+    """Each view of a view a view of what the first views (the same elements in the same order) where that takes
+    the view; one giving back its shape is that value itself."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in VIEWS:
+            continue
+        inner = node.args[0]
+        if not isinstance(inner, torch.fx.Node) or inner.op != "call_function" or inner.target not in VIEWS:
+            continue
+        x = inner.args[0]
+        if not isinstance(x, torch.fx.Node) or not _viewable(x, node.args[1]):
+            continue
+        if tuple(val(x).shape) == tuple(val(node).shape) and val(x).stride() == val(node).stride():
+            node.replace_all_uses_with(x)
+            graph.erase_node(node)
+        else:
+            node.args = (x, *node.args[1:])
+        if not inner.users:
+            graph.erase_node(inner)
+
+
 def move_views(graph: torch.fx.Graph, device: torch.device) -> None:
     _column_sums_before_merges(graph)
     work = [n for n in graph.nodes if n.op == "call_function" and n.target == aten.view.default]
@@ -66,6 +94,7 @@ def move_views(graph: torch.fx.Graph, device: torch.device) -> None:
         graph.erase_node(view)
         graph.erase_node(op)
         work.append(moved)
+    _views_of_views(graph)  # a view moved before a unary op may now view a view
 
 
 def _column_sums_before_merges(graph: torch.fx.Graph) -> None:

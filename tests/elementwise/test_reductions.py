@@ -356,6 +356,26 @@ def test_cross_entropy_backward_is_one_kernel(row_form, reduction):
     assert not [n for n in report.graphs["backward"].graph.nodes if n.target == aten.nll_loss_backward.default]
 
 
+def test_an_lm_heads_logits_gradient_is_cast_back_in_the_loss_backwards_kernel():
+    """An LM head's logits, a matmul's viewed to (batch, time, vocab) and flattened again for an fp32 loss: the
+    loss backward's gradient reaches the cast back to bf16 through a view splitting the rows and one merging them.
+    The cast runs in the loss backward's kernel, which writes the bf16 gradient alone: no fp32 copy of the logits'
+    gradient (the largest tensor of a language model's step)."""
+    h = random_tensor((18, 16), torch.bfloat16).requires_grad_()
+    w = random_tensor((16, 41), torch.bfloat16).requires_grad_()
+    targets = torch.arange(18, device=DEVICE) * 5 % 41
+
+    def loss(h, w):
+        logits = (h @ w).view(2, 9, 41)
+        return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets)
+
+    report = check(loss, h, w, backward=True, backend=STRICT)
+    (backward,) = rewrites(report, kind="reduction", phase="backward")
+    assert "aten._to_copy" in backward.ops
+    graph = report.graphs["backward"].graph
+    assert not [n for n in graph.nodes if n.target == aten._to_copy.default]
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("upcast", [True, False], ids=["fp32 logits", "bf16 logits"])
 def test_cross_entropy_forward_picks_the_target_in_its_row_kernel(row_form, reduction, upcast):
