@@ -204,6 +204,9 @@ class Backend:
 
         def compiler(phase: str, backward_follows: bool = False) -> Callable[..., Any]:
             def compile_graph(module: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable[..., Any]:
+                inference = phase == "forward" and not backward_follows
+                if inference and fuses_rows:  # no partition writes its losses out
+                    softmax_loss.write_out(module, losses_only=True)
                 if replayed_whole:
                     module = self._step(host_scalars_made_on_device, module, context(phase), "moving host scalars")
                 module = self._step(pad_matmuls, module, context(phase), "matmul padding")
@@ -227,7 +230,6 @@ class Backend:
                 compiled = make_boxed_func(on_device(runnable(module, annotated).forward, device))
                 if not replayed_whole:
                     return compiled
-                inference = phase == "forward" and not backward_follows
 
                 def why_not(reason: str) -> None:
                     _notice(report, f"{report.graph} ({'inference' if inference else phase}) runs as compiled, "

@@ -107,13 +107,17 @@ def _write_out_nll(graph: torch.fx.Graph, node: torch.fx.Node, log_softmax: _Log
     graph.erase_node(node)
 
 
-def write_out(joint: torch.fx.GraphModule) -> None:
-    """Write out every softmax and log-softmax over the last dim, and every negative log-likelihood that fits."""
+def write_out(joint: torch.fx.GraphModule, losses_only: bool = False) -> None:
+    """Write out every softmax and log-softmax over the last dim, and every negative log-likelihood that fits;
+    `losses_only` (an inference graph, where a softmax's kernel needs no written-out form): the log-softmaxes a
+    negative log-likelihood reads and the likelihoods, whose row kernel then never writes the log-probabilities."""
     graph = joint.graph
     written: dict[torch.fx.Node, _LogSoftmax] = {}
     for node in list(graph.nodes):
         if node.op == "call_function" and node.target in SOFTMAXES and reduction_kind(node) == "softmax":
             users = list(node.users)
+            if losses_only and not any(u.target == NLL_FORWARD for u in users):
+                continue
             parts = _write_out_softmax(graph, node)
             if parts is not None:
                 written.update({u: parts for u in users if u.target == NLL_FORWARD})

@@ -401,6 +401,23 @@ def test_cross_entropy_forward_picks_the_target_in_its_row_kernel(row_form, redu
     assert {"aten.nll_loss_backward", "aten._log_softmax_backward_data"} <= set(backward.ops)
 
 
+def test_an_inference_cross_entropy_writes_no_log_probabilities(row_form):
+    """Without a gradient to compute the graph compiled is the inference graph, which no partition writes out: the
+    loss is written out there too, and picks each row's target in its row kernel."""
+    logits = random_tensor((21, 45), torch.bfloat16)
+    targets = torch.arange(21, device=DEVICE) * 7 % 45
+
+    def loss(logits):
+        return torch.nn.functional.cross_entropy(logits.float(), targets)
+
+    report = check(loss, logits, backend=STRICT)
+    assert "backward" not in report.graphs
+    forward = report.graphs["forward"].graph
+    assert not [n for n in forward.nodes if n.target in (aten.nll_loss_forward.default, aten._log_softmax.default)]
+    (row,) = [r for r in rewrites(report, kind="reduction", phase="forward") if "aten.amax" in r.ops]
+    assert row.bytes_fused < 2 * logits.numel() * logits.element_size()  # the logits read once
+
+
 def test_a_log_sum_exp_by_hand_keeps_its_input_and_counts_the_maximum_in_its_kernel(row_form):
     """exp's and amax's saved results are detached in the joint graph: the partition sees through that and keeps
     the input and the row values; the maximum's backward counts its ties (a sum of bools) in the row kernel."""
