@@ -132,7 +132,6 @@ def lower(group: Group, device: torch.device) -> Lowered:
     steps: list[Step] = []
     guard_list: list[Guard] = []
     refs: dict[tuple[torch.fx.Node, At], Ref] = {}
-    one_hot_totals: dict[Ref, Any] = {}  # `expand`'s
 
     def add_step(target: Any, args: tuple[Any, ...], result: torch.dtype, **kwargs: Any) -> Ref:
         steps.append(Step(target, args, tuple(sorted(kwargs.items())), result, False))
@@ -183,7 +182,7 @@ def lower(group: Group, device: torch.device) -> Lowered:
                 refs[(node, at)] = operand(node.args[0])
                 continue
             if is_composite(node):
-                refs[(node, at)] = expand(node, [operand(a) for a in read_inputs(node)], add_step, one_hot_totals)
+                refs[(node, at)] = expand(node, [operand(a) for a in read_inputs(node)], add_step)
                 continue
             steps.append(Step(node.target, tuple(operand(a) for a in node.args),
                               tuple(sorted((k, operand(v)) for k, v in node.kwargs.items())),

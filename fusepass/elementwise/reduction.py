@@ -160,17 +160,10 @@ def is_composite(node: torch.fx.Node) -> bool:
     return (node.target in COMPOSITES or node.target == NLL_BACKWARD) and is_row_reduction(node)
 
 
-def expand(node: torch.fx.Node, inputs: list[Any], emit: Callable[..., Any], one_hot_totals: dict[Any, Callable[[], Any]]
-           ) -> Any:
+def expand(node: torch.fx.Node, inputs: list[Any], emit: Callable[..., Any]) -> Any:
     """What a softmax-family op computes, as steps: `emit(target, args, dtype)` adds one and returns its value;
     `inputs` are the values of the op's tensor arguments. In float32 for half precision, as eager's kernels
-    compute, the output rounded once.
-
-    `one_hot_totals` (shared by the group's expansions): for each negative log-likelihood's backward, by its value,
-    how to emit its row's sum. That gradient is one value at the target's class and zeros (no value at an ignored
-    target), so its sum is that value, the same number eager's sum of it adds up: a log-softmax's backward reading
-    it takes no walk over the row to sum it (a target outside the classes, where eager's kernel raises, sums to the
-    value too)."""
+    compute, the output rounded once."""
     out_dtype = val(node).dtype
     dtype = torch.float32 if out_dtype in (torch.float16, torch.bfloat16) else out_dtype  # eager's kernels' own
     row = ((-1,), True)
@@ -189,12 +182,9 @@ def expand(node: torch.fx.Node, inputs: list[Any], emit: Callable[..., Any], one
         if reduction == REDUCTIONS_BY_MEAN:
             value = emit(aten.div.Tensor, (value, widen(total, val(node.args[6]).dtype)), dtype)
         column = emit(torch.ops.prims.iota.default, (), torch.int64)
-        counted = emit(aten.ne.Scalar, (classes, ignored), torch.bool)
-        hit = emit(aten.logical_and.default, (emit(aten.eq.Tensor, (column, classes), torch.bool), counted),
-                   torch.bool)
-        out = done(emit(aten.where.ScalarOther, (hit, value, 0.0), dtype))
-        one_hot_totals[out] = lambda: done(emit(aten.where.ScalarOther, (counted, value, 0.0), dtype))
-        return out
+        hit = emit(aten.logical_and.default, (emit(aten.eq.Tensor, (column, classes), torch.bool),
+                                              emit(aten.ne.Scalar, (classes, ignored), torch.bool)), torch.bool)
+        return done(emit(aten.where.ScalarOther, (hit, value, 0.0), dtype))
     if target in (aten._softmax.default, aten._log_softmax.default):
         x = widen(inputs[0], val(node.args[0]).dtype)
         shifted = emit(aten.sub.Tensor, (x, emit(aten.amax.default, (x, *row), dtype)), dtype)
@@ -209,8 +199,6 @@ def expand(node: torch.fx.Node, inputs: list[Any], emit: Callable[..., Any], one
         dot = emit(aten.sum.dim_IntList, (emit(aten.mul.Tensor, (grad, out), dtype), *row), dtype)
         return done(emit(aten.mul.Tensor, (out, emit(aten.sub.Tensor, (grad, dot), dtype)), dtype))
     # log-softmax: dy − exp(y) · Σ dy
-    one_hot = one_hot_totals.get(inputs[0])
-    total = widen(one_hot(), val(node.args[0]).dtype) if one_hot is not None else \
-        emit(aten.sum.dim_IntList, (grad, *row), dtype)
+    total = emit(aten.sum.dim_IntList, (grad, *row), dtype)
     return done(emit(aten.sub.Tensor, (grad, emit(aten.mul.Tensor, (emit(aten.exp.default, (out,), dtype), total),
                                                   dtype)), dtype))
