@@ -5,8 +5,11 @@ after a unary op (``logits.float().view(-1, vocab)``, as a loss flattens its log
 the row kernel that follows, and the op's result, an fp32 copy of the logits, would be written and read again:
 the view moves before the op. The other way, a unary op reading a view that splits a row kernel's output (the
 logits' gradient, cast back to bf16 in the logits' shape) would write a shape the row kernel does not: the view
-moves after the op. Either way a view at a group's edge costs nothing. Only where the value passed along has
-no other reader and takes the view as it is.
+moves after the op, and so does a view merging the rows of a computed value that a unary op reads (a logit
+softcap's backward divides the flattened logits' gradient by the cap); a view moved after one op moves on past the
+next. A merging view moves before the op it reads only where an op a group can hold reads the view (the row kernel
+of a loss, not a matmul alone). Either way a view at a group's edge costs nothing. Only where the value passed along has no other reader and
+takes the view as it is.
 
 A view of a view is first taken of what the first views: an LM head's logits gradient, split to (batch, time,
 vocab) by the loss's flatten and merged again by the matmul's view, would otherwise keep the cast back to bf16 out
@@ -35,6 +38,12 @@ def _unary_input(node: torch.fx.Node, device: torch.device) -> torch.fx.Node | N
             tuple(val(tensors[0]).shape) != tuple(val(node).shape):
         return None
     return tensors[0]
+
+
+def _read_by_fusable(view: torch.fx.Node, device: torch.device) -> bool:
+    """Whether an op a group can hold reads `view`: one moved before the view joins that reader's group (where only
+    a matmul reads it, the op stays with the value it reads)."""
+    return any(u.op == "call_function" and decline_reason(u, device) is None for u in view.users)
 
 
 def _viewable(x: torch.fx.Node, shape: list) -> bool:
@@ -72,16 +81,19 @@ def _views_of_views(graph: torch.fx.Graph) -> None:
 
 def move_views(graph: torch.fx.Graph, device: torch.device) -> None:
     _column_sums_before_merges(graph)
-    work = [n for n in graph.nodes if n.op == "call_function" and n.target == aten.view.default]
+    # (a view, the way it was moved: "before" an op or "after" one, or None): a moved view moves on that way only,
+    # or the two ways would undo each other
+    work = [(n, None) for n in graph.nodes if n.op == "call_function" and n.target == aten.view.default]
     while work:
-        view = work.pop()
+        view, way = work.pop()
         rank = val(view).dim()
-        if through_view(view, identity(rank), rank) is not None:
-            _after(graph, view, device)
-            continue
         op = view.args[0]
-        x = _unary_input(op, device) if isinstance(op, torch.fx.Node) else None
-        if x is None or not _viewable(x, view.args[1]):
+        x = _unary_input(op, device) if isinstance(op, torch.fx.Node) and way != "after" else None
+        if through_view(view, identity(rank), rank) is not None or x is None or not _viewable(x, view.args[1]) \
+                or not _read_by_fusable(view, device):
+            moved = _after(graph, view, device) if way != "before" else None
+            if moved is not None:
+                work.append((moved, "after"))
             continue
         with graph.inserting_before(op):
             moved = graph.call_function(aten.view.default, (x, view.args[1]))
@@ -93,7 +105,7 @@ def move_views(graph: torch.fx.Graph, device: torch.device) -> None:
         view.replace_all_uses_with(applied)
         graph.erase_node(view)
         graph.erase_node(op)
-        work.append(moved)
+        work.append((moved, "before"))
     _views_of_views(graph)  # a view moved before a unary op may now view a view
 
 
@@ -124,14 +136,14 @@ def _column_sums_before_merges(graph: torch.fx.Graph) -> None:
             graph.erase_node(merged)
 
 
-def _after(graph: torch.fx.Graph, view: torch.fx.Node, device: torch.device) -> None:
-    """A view that splits a computed value, read by one unary op: the op on the value, then the view."""
+def _after(graph: torch.fx.Graph, view: torch.fx.Node, device: torch.device) -> torch.fx.Node | None:
+    """A view of a computed value read by one unary op: the op on the value, then the view (returned)."""
     y = view.args[0]
     if len(view.users) != 1 or not isinstance(y, torch.fx.Node) or y.op != "call_function":
-        return
+        return None
     (op,) = view.users
     if _unary_input(op, device) is not view:
-        return
+        return None
     with graph.inserting_before(op):
         applied = graph.node_copy(op, lambda a: y if a is view else a)
         moved = graph.call_function(aten.view.default, (applied, view.args[1]))
@@ -143,7 +155,8 @@ def _after(graph: torch.fx.Graph, view: torch.fx.Node, device: torch.device) -> 
     except Exception:  # the op's result does not take the view: leave them as they were
         graph.erase_node(moved)
         graph.erase_node(applied)
-        return
+        return None
     op.replace_all_uses_with(moved)
     graph.erase_node(op)
     graph.erase_node(view)
+    return moved
