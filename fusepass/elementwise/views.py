@@ -41,9 +41,10 @@ def _unary_input(node: torch.fx.Node, device: torch.device) -> torch.fx.Node | N
 
 
 def _read_by_fusable(view: torch.fx.Node, device: torch.device) -> bool:
-    """Whether an op a group can hold reads `view`: one moved before the view joins that reader's group (where only
-    a matmul reads it, the op stays with the value it reads)."""
-    return any(u.op == "call_function" and decline_reason(u, device) is None for u in view.users)
+    """Whether an op a group can hold reads `view`, through other views: one moved before the view joins that
+    reader's group (where only matmuls read it, the op stays with the value it reads)."""
+    return any(u.op == "call_function" and decline_reason(u, device) is None and
+               (not is_mapped_view(u) or _read_by_fusable(u, device)) for u in view.users)
 
 
 def _viewable(x: torch.fx.Node, shape: list) -> bool:

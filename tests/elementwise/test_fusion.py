@@ -71,11 +71,11 @@ def test_a_logit_softcaps_backward_divides_in_the_kernel_before_it():
     """Gemma 2's final softcap, tanh(logits / cap) · cap on an LM head's logits viewed to (batch, time, vocab): its
     backward's tanh gradient is fused, then flattened for the matmul and divided by the cap, which joins the kernel
     rather than running alone over the vocabulary."""
-    h = random_tensor((58, 16), torch.bfloat16).requires_grad_()
-    w = random_tensor((16, 97), torch.bfloat16).requires_grad_()
+    h = random_tensor((2, 29, 16), torch.bfloat16).requires_grad_()
+    w = random_tensor((97, 16), torch.bfloat16).requires_grad_()
 
     def softcapped(h, w):
-        logits = (h @ w).view(2, 29, 97)
+        logits = F.linear(h, w)  # its backward flattens the gradient and reads it transposed too
         return torch.tanh(logits / 30.0) * 30.0
 
     report = check(softcapped, h, w, backward=True)
