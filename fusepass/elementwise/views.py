@@ -61,7 +61,7 @@ VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 def _views_of_views(graph: torch.fx.Graph) -> None:
     """Each view of a view a view of what the first views (the same elements in the same order) where that takes
-    the view; one giving back its shape is that value itself."""
+    the view; one giving back its layout is that value itself, unless the graph returns it."""
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in VIEWS:
             continue
@@ -71,7 +71,9 @@ def _views_of_views(graph: torch.fx.Graph) -> None:
         x = inner.args[0]
         if not isinstance(x, torch.fx.Node) or not _viewable(x, node.args[1]):
             continue
-        if tuple(val(x).shape) == tuple(val(node).shape) and val(x).stride() == val(node).stride():
+        # (a graph's output stays a view: what AOTAutograd knows of its outputs' aliasing holds)
+        if tuple(val(x).shape) == tuple(val(node).shape) and val(x).stride() == val(node).stride() and \
+                all(u.op != "output" for u in node.users):
             node.replace_all_uses_with(x)
             graph.erase_node(node)
         else:

@@ -67,6 +67,19 @@ def test_a_merging_view_moves_past_the_unary_ops_that_read_it():
     assert rewrite.ops == ("aten.sin", "aten.mul", "aten.cos", "aten.add")
 
 
+def test_views_of_views_returned_or_read_compute_what_eager_does():
+    """A view of a view is taken of what the first views; one the graph returns stays a view, an input's too."""
+    x = random_tensor((4, 6), torch.float32).requires_grad_()
+
+    def fn(x):
+        y = torch.sigmoid(x * 2)
+        return y.view(2, 2, 6).view(4, 6), x.view(2, 12).view(4, 6), torch.tanh(y.view(24).view(4, 6)) + 1
+
+    check(fn, x, backward=True)
+    with torch.no_grad():
+        check(fn, x)
+
+
 def test_a_logit_softcaps_backward_divides_in_the_kernel_before_it():
     """Gemma 2's final softcap, tanh(logits / cap) · cap on an LM head's logits viewed to (batch, time, vocab): its
     backward's tanh gradient is fused, then flattened for the matmul and divided by the cap, which joins the kernel
