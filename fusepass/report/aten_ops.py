@@ -7,6 +7,8 @@ reported as declined.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -58,10 +60,41 @@ def _reason(node: torch.fx.Node) -> str:
     if node.target.overloadpacket in REDUCTIONS:
         return f"{op_name(node)} {_unfused_reduction(node)}: an ATen reduction"
     if is_pointwise(node):
+        if _kernel_across_a_view(node):  # (the kernel unnamed: alike layers' reasons alike, as the summary groups)
+            return ("a pointwise op whose fused neighbour lies across a view of another shape (a group holds one "
+                    "shape): one ATen kernel")
         return "a pointwise op with no fusable neighbour: one ATen kernel"
     if is_piecewise(node):
         return f"{op_name(node)} with no fusable neighbour (or none of its shape): one ATen kernel"
     return f"no fusion rule for {op_name(node)}: an ATen kernel"
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and (node.target is operator.getitem or (
+        isinstance(node.target, torch._ops.OpOverload) and node.target.overloadpacket in VIEWS))
+
+
+def _kernel_across_a_view(node: torch.fx.Node) -> bool:
+    """Whether `node` reads a fused kernel's output through views that reshape it, or a fused kernel reads `node`'s
+    so."""
+    def kernel(n: torch.fx.Node) -> bool:
+        return n.op == "call_function" and hasattr(n.target, "lowered")
+
+    for x in node.all_input_nodes:  # up through views to what they view
+        reshaped = False
+        while _is_view(x) and not kernel(x) and x.args:
+            reshaped |= x.target is not operator.getitem
+            x = x.args[0]
+        if reshaped and kernel(x):
+            return True
+    readers = [(user, False) for user in node.users]  # down through views to their readers
+    while readers:
+        user, reshaped = readers.pop()
+        if kernel(user) and reshaped:
+            return True
+        if _is_view(user):
+            readers += [(reader, True) for reader in user.users]
+    return False
 
 
 def _views(node: torch.fx.Node, val: object) -> bool:

@@ -57,6 +57,16 @@ def test_a_lone_op_says_it_has_no_fusable_neighbour():
     assert lone and "no fusable neighbour" in lone[0].reason
 
 
+def test_a_lone_op_across_a_reshaping_view_from_a_kernel_names_it():
+    """A product viewed to another shape and added to a tensor of that shape: the add cannot join the product's
+    group (a group holds one shape), and its hotspot says a fused neighbour lies across the view."""
+    x, z = random_tensor((6, 4, 5), torch.float32), random_tensor((6, 4, 5), torch.float32)
+    report = _compiled_report(lambda x, z, y: (torch.sin(x) * z).reshape(6, 20) + y, x, z,
+                              random_tensor((6, 20), torch.float32))
+    (lone,) = [h for h in report.hotspots if h.ops == ("aten.add",)]
+    assert "fused neighbour lies across a view of another shape" in lone.reason
+
+
 def test_without_elementwise_fusion_every_op_is_listed():
     report = _compiled_report(lambda x: torch.sigmoid(x * 2 + 1), random_tensor((7, 9), torch.float32),
                               backend=fusepass.backend(elementwise=False))
