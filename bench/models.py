@@ -7,7 +7,7 @@ Each model runs through `fusepass.compare` in bf16 with its training step (forwa
 forward and step milliseconds, tokens per second, peak memory and the first call (the compile), each backend in
 the same process. The rows (examples/<model>.py's sizes unless a row names its own) are those of the whole-model
 issue: GPT-2 small at T 1024 and 4096 (and at 1024 with its loss compiled with the model), Llama-style 1B-shaped
-layers at T 8192, BERT-base at T 512 with padding, T5-base, ViT-B/16, Gemma-2-style at T 8192. A model whose next row would pass `--budget-s` is left for the next
+layers at T 8192 (also with its loss compiled), BERT-base at T 512 with padding, T5-base, ViT-B/16, Gemma-2-style at T 8192. A model whose next row would pass `--budget-s` is left for the next
 run. Each row runs in a process of its own: a model that fails (a device-side assert ends its process's CUDA
 context) costs its row only. Writes bench/results/models-<date>.md and .json.
 """
@@ -32,6 +32,7 @@ ROWS = [
     ("gpt2", "small", 2, 4096, []),
     ("gpt2", "small", 8, 1024, ["--loss-compiled"]),  # the loss in the compiled function, as nanoGPT's forward
     ("llama", "small", 1, 8192, []),
+    ("llama", "small", 1, 8192, ["--loss-compiled"]),  # as Hugging Face's forward computes the loss from its labels
     ("bert", "small", 8, 512, []),
     ("t5", "small", 8, 512, []),
     ("vit", "small", 32, 224, []),
