@@ -22,6 +22,7 @@ import torch.fx
 
 from fusepass.elementwise.coords import identity, is_mapped_view, through_view
 from fusepass.elementwise.partition import decline_reason
+from fusepass.elementwise.pieces import is_piecewise
 from fusepass.elementwise.reduction import is_column_sum, is_row_reduction, keeps_dim
 from fusepass.fx_util import infer_meta, val
 
@@ -29,8 +30,9 @@ aten = torch.ops.aten
 
 
 def _unary_input(node: torch.fx.Node, device: torch.device) -> torch.fx.Node | None:
-    """The one tensor a fusable unary op of the same shape reads, or None."""
-    if node.op != "call_function" or is_mapped_view(node) or is_row_reduction(node) or \
+    """The one tensor a fusable unary op of the same shape reads, or None. (Not a piece placed along a dim, whose
+    arguments name dims and sizes of the shape it is in.)"""
+    if node.op != "call_function" or is_mapped_view(node) or is_row_reduction(node) or is_piecewise(node) or \
             decline_reason(node, device) is not None or len(node.users) != 1:
         return None
     tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
