@@ -8,8 +8,8 @@ logits' gradient, cast back to bf16 in the logits' shape) would write a shape th
 moves after the op, and so does a view merging the rows of a computed value that a unary op reads (a logit
 softcap's backward divides the flattened logits' gradient by the cap); a view moved after one op moves on past the
 next. A merging view moves before the op it reads only where an op a group can hold reads the view (the row kernel
-of a loss, not a matmul alone). Either way a view at a group's edge costs nothing. Only where the value passed along has no other reader and
-takes the view as it is.
+of a loss, not a matmul alone). Either way a view at a group's edge costs nothing. Only where the value passed
+along has no other reader and takes the view as it is.
 
 A view of a view is first taken of what the first views: an LM head's logits gradient, split to (batch, time,
 vocab) by the loss's flatten and merged again by the matmul's view, would otherwise keep the cast back to bf16 out
@@ -27,6 +27,7 @@ from fusepass.elementwise.reduction import is_column_sum, is_row_reduction, keep
 from fusepass.fx_util import infer_meta, val
 
 aten = torch.ops.aten
+VIEWS = (aten.view.default, aten._unsafe_view.default)  # a view of a view: `_views_of_views`
 
 
 def _unary_input(node: torch.fx.Node, device: torch.device) -> torch.fx.Node | None:
@@ -56,9 +57,6 @@ def _viewable(x: torch.fx.Node, shape: list) -> bool:
     except Exception:
         return False
     return True
-
-
-VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 
 def _views_of_views(graph: torch.fx.Graph) -> None:
