@@ -16,9 +16,9 @@ A model named `name+loss` compiles its loss with it (the examples' `--loss-compi
 allocator's history over the step and lists the N largest blocks allocated in the step and live at its peak, each
 with the frames of fusepass, the example, Inductor's generated code or an FX graph's code that allocated it.
 
-Backends: Inductor's default and its `mode="reduce-overhead"`, fusepass without and with whole-graph replays, and
-`fusepass-graphs-lent`: replays that lend their gradients out of the pool (`lent_outputs.LEND_GRADIENTS`) instead of
-copying them.
+Backends: Inductor's default and its `mode="reduce-overhead"`, fusepass without and with whole-graph replays (which
+lend their gradients out of the pool, `lent_outputs.LEND_GRADIENTS`), and `fusepass-graphs-copied`: replays that copy
+each gradient out of the pool instead.
 
 Writes bench/results/peaks-<date>.md and .json; GiB above what was reserved before the model's first call.
 """
@@ -36,7 +36,7 @@ import torch
 from harness import keep
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-BACKENDS = ["inductor", "inductor-reduce-overhead", "fusepass", "fusepass-graphs", "fusepass-graphs-lent"]
+BACKENDS = ["inductor", "inductor-reduce-overhead", "fusepass", "fusepass-graphs", "fusepass-graphs-copied"]
 COLUMNS = ["model", "backend", "inference reserved", "after forward allocated", "after backward allocated",
            "peak allocated", "peak reserved", "default pool", "other pools"]
 
@@ -72,10 +72,10 @@ def _compiled(model: torch.nn.Module, backend: str) -> torch.nn.Module:
         return torch.compile(model)
     if backend == "inductor-reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
-    if backend == "fusepass-graphs-lent":
+    if backend == "fusepass-graphs-copied":
         from fusepass.runtime import lent_outputs
 
-        lent_outputs.LEND_GRADIENTS = True
+        lent_outputs.LEND_GRADIENTS = False
     return torch.compile(model, backend=fusepass.backend(graphs=backend.startswith("fusepass-graphs")))
 
 

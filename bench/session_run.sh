@@ -25,7 +25,7 @@
 #                them) at 2 and 4 programs a multiprocessor, a wide row's walk at 8 and 16 warps
 #   peaks        bench/peaks.py: a step's memory per phase and pool, $PEAK_MODELS (default bert,vit; gpt2+loss:   >300 s (bert,vit)
 #                its loss compiled), $PEAK_BACKENDS (default Inductor default and reduce-overhead, fusepass with
-#                whole-graph replays, its gradients copied and lent out of the pool), the $PEAK_BLOCKS largest
+#                whole-graph replays, its gradients lent and copied out of the pool), the $PEAK_BLOCKS largest
 #                blocks live at the step's peak (default none)
 #   models       bench/models.py's rows, $MODELS (default all) within $MODELS_BUDGET_S s, fusepass's $MODELS_OPTIONS     ~250 s (gpt2 alone)
 #   graphs       the whole-graph replay tests (tests/runtime/test_whole_graphs*.py) and the dropout and     (~110 s tests;
@@ -128,7 +128,7 @@ for part in $parts; do
         timeout 300 python bench/latent_attention.py 2>&1 | grep -E "^\||Error" ;;
     peaks)
         timeout 540 python bench/peaks.py --models "${PEAK_MODELS:-bert,vit}" --at-peak "${PEAK_BLOCKS:-0}" \
-            --backends "${PEAK_BACKENDS:-inductor,inductor-reduce-overhead,fusepass-graphs,fusepass-graphs-lent}" 2>&1 \
+            --backends "${PEAK_BACKENDS:-inductor,inductor-reduce-overhead,fusepass-graphs,fusepass-graphs-copied}" 2>&1 \
             | grep -E "^\||failed|^==|^  [0-9]|at its peak" | cut -c1-300 ;;
     columns)
         timeout 240 python bench/column_sums.py --programs 2,4 --tiles 2048 --stages 3 --warps 8,16 \
