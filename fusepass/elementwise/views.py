@@ -25,9 +25,9 @@ from fusepass.elementwise.partition import decline_reason
 from fusepass.elementwise.pieces import is_piecewise
 from fusepass.elementwise.reduction import is_column_sum, is_row_reduction, keeps_dim
 from fusepass.fx_util import infer_meta, val
+from fusepass.matmul.pad import VIEWS
 
 aten = torch.ops.aten
-VIEWS = (aten.view.default, aten._unsafe_view.default)  # a view of a view: `_views_of_views`
 
 
 def _unary_input(node: torch.fx.Node, device: torch.device) -> torch.fx.Node | None:
