@@ -14,7 +14,8 @@ with the gradients set to None first (as `compare` does), reading the allocator 
 
 A model named `name+loss` compiles its loss with it (the examples' `--loss-compiled`). `--at-peak N` records the
 allocator's history over the step and lists the N largest blocks allocated in the step and live at its peak, each
-with the frames of fusepass, the example, Inductor's generated code or an FX graph's code that allocated it.
+with the frames of fusepass, the example, Inductor's generated code or an FX graph's code that allocated it (printed,
+and kept in the .json).
 
 Backends: Inductor's default and its `mode="reduce-overhead"`, fusepass without and with whole-graph replays (which
 lend their gradients out of the pool, `lent_outputs.LEND_GRADIENTS`), and `fusepass-graphs-copied`: replays that copy
@@ -193,7 +194,7 @@ def main() -> None:
                                       capture_output=True, text=True)
                 row = json.load(open(out.name)) if done.returncode == 0 else \
                     {"model": name, "backend": f"failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:160]}"}
-            print("\n".join([f"== {name} {backend}"] + row.pop("at peak", [])), flush=True)
+            print("\n".join([f"== {name} {backend}"] + row.get("at peak", [])), flush=True)  # (kept in the .json)
             rows.append(row)
             print(row, flush=True)
     print(keep("peaks", COLUMNS, rows, "bf16, GiB above what was reserved before the model's first call; the "
