@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support import DEVICE, check, fused_kernel_count, missed, random_tensor, rewrites
+from support import DEVICE, assert_close, check, fused_kernel_count, missed, random_tensor, rewrites, tolerance
 
 import fusepass
 
@@ -96,6 +96,14 @@ def test_a_logit_softcaps_backward_divides_in_the_kernel_before_it():
     assert not [n for n in graph.nodes if n.target == torch.ops.aten.div.Tensor]
     (backward,) = rewrites(report, phase="backward")
     assert "aten.div" in backward.ops
+    # one compile called at other lengths (symbolic sizes from the second): the gradients still eager's
+    compiled = torch.compile(softcapped, backend=fusepass.backend(strict=True))
+    for length in (29, 37, 45):
+        h = random_tensor((2, length, 16), torch.bfloat16).requires_grad_()
+        dy = random_tensor((2, length, 97), torch.bfloat16)
+        got = torch.autograd.grad(compiled(h, w), (h, w), dy)
+        want = torch.autograd.grad(softcapped(h, w), (h, w), dy)
+        assert_close(got, want, **tolerance(torch.bfloat16))
 
 
 def test_zero_dim_tensors_and_scalars():
