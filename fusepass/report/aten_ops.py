@@ -13,6 +13,7 @@ import torch
 import torch.fx
 
 from fusepass.elementwise import reduction
+from fusepass.elementwise.kernel import PointwiseLauncher
 from fusepass.elementwise.partition import decline_reason, is_pointwise
 from fusepass.elementwise.pieces import is_piecewise
 from fusepass.elementwise.reduction import held_whole, is_row_reduction
@@ -78,7 +79,7 @@ def _kernel_across_a_view(node: torch.fx.Node) -> bool:
     """Whether `node` reads a fused kernel's output through views that reshape it, or a fused kernel reads `node`'s
     so."""
     def kernel(n: torch.fx.Node) -> bool:
-        return n.op == "call_function" and hasattr(n.target, "lowered")
+        return n.op == "call_function" and isinstance(n.target, PointwiseLauncher)
 
     for x in node.all_input_nodes:  # up through views to what they view
         reshaped = False
