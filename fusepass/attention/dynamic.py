@@ -42,6 +42,7 @@ from fusepass.attention.known_contents import (KNOWN, Band, ContentGuard, Conten
                                                known_input)
 from fusepass.attention.layout import Unsupported, walk_up
 from fusepass.attention.match import AttentionMatch
+from fusepass.attention.other_lengths import AtLengths, hint, other_lengths, size_at
 from fusepass.attention.subgraph import removed_nodes, replaced_subgraph, subgraph_module, with_built_from_sizes
 from fusepass.attention.unfused import autograd_enabled, with_strides
 from fusepass.capture import mark_requires_grad
@@ -361,7 +362,7 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
         raise Unsupported("the score chain reads a float Dynamo made symbolic (a number that changed between calls, "
                           "or specialize_float=False); torch.compile(..., dynamic=False) keeps it a constant")
     module, _ = subgraph_module(replaced, tensors + sizes, m.pv)
-    examples, hints = [_AtHint(val(n)) for n in tensors], [_hint(val(n)) for n in sizes]
+    examples, hints = [AtLengths(val(n)) for n in tensors], [hint(val(n)) for n in sizes]
     requires_grad = gradients_reach(module, examples, hints, [bool(n.meta.get("requires_grad")) for n in tensors])
     spec = DynamicSpec(name, module, requires_grad, ctx.options, static_rewrite, [known_input(n) for n in tensors],
                        location=where)
@@ -379,6 +380,8 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
         for record in records:
             record.location = where
             record.detail["sizes"] = "symbolic: figures at the sizes first seen; planned again at each new size"
+        if ctx.run_kernels:
+            _compile_other_lengths_ahead(spec, [val(n) for n in tensors], [val(n) for n in sizes])
     spec.report = ctx.report  # set after the plan above, whose failures its own report records
     spec.records = [r for r in records if r.phase == "forward"]
     if form is not None:
@@ -399,22 +402,16 @@ def rewrite_dynamic(graph: torch.fx.Graph, m: AttentionMatch, ctx: PassContext, 
     return records
 
 
-def _hint(value: Any) -> int:
-    return int(value.node.hint) if isinstance(value, torch.SymInt) else int(value)
-
-
-class _AtHint:
-    """The sizes, strides, dtype and device of a symbolic tensor, at the sizes Dynamo saw (all that
-    ``plan_static`` reads of an input)."""
-
-    def __init__(self, fake: torch.Tensor) -> None:
-        self.shape = torch.Size([_hint(s) for s in fake.shape])
-        self._stride = tuple(_hint(s) for s in fake.stride())
-        self.dtype = fake.dtype
-        self.device = fake.device
-
-    def stride(self) -> tuple[int, ...]:
-        return self._stride
+def _compile_other_lengths_ahead(spec: DynamicSpec, tensors: list[torch.Tensor], sizes: list[Any]) -> None:
+    """Plan the attention at lengths of the kinds the sizes seen are not (`other_lengths`): each plan's rewrite
+    starts compiling its kernels. Only a warm-up, planned strict so that a failure raises and says nothing: it
+    fails again, and is reported, at a call of such a length."""
+    warm_up = replace(spec, options=replace(spec.options, strict=True))
+    for lengths in other_lengths([*tensors, *sizes]):
+        try:
+            plan_static(warm_up, [AtLengths(t, lengths) for t in tensors], [size_at(n, lengths) for n in sizes])
+        except Exception:
+            pass
 
 
 def _token() -> torch.Tensor:

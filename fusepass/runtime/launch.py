@@ -73,6 +73,7 @@ class BoundLaunch:
         if entry is None:
             compiled = self._compiled_ahead(key)
             if compiled is None:  # Triton compiles and launches it
+                self._finish_compiles_ahead()
                 try:
                     compiled = self.kernel[grid](*args, *self.bound_args, **self.keywords)
                 except TypeError as error:
@@ -118,6 +119,16 @@ class BoundLaunch:
         self._ahead[key] = future = _compiling.submit(compile)
         _pending.add(future)
         future.add_done_callback(_pending.discard)
+
+    def _finish_compiles_ahead(self) -> None:
+        """Wait for the compiles ahead of this kernel at other signatures, and forget them. The signature keys
+        ints by value where Triton tells them only as multiples of 16 or not: one of those compiles may be the
+        kernel Triton is about to look up in its cache (a symbolic attention compiles ahead at a length of each
+        kind, `attention.other_lengths`), which it would otherwise compile again beside it."""
+        for key in list(self._ahead):
+            ahead = self._ahead.pop(key, None)
+            if ahead is not None:
+                wait([ahead])
 
     def _compiled_ahead(self, key: tuple) -> Any:
         """The kernel compiled ahead for this signature, once compiled, or None where none was or it failed (the

@@ -9,6 +9,7 @@ from itertools import repeat
 import pytest
 import torch
 import torch.nn.functional as F
+from triton.tools.tensor_descriptor import TensorDescriptor
 from support import SUMMED_GRADIENT_FP32, assert_close, check, missed, random_tensor, record_block_map_builds
 
 import fusepass
@@ -209,6 +210,80 @@ def test_a_compile_ahead_that_fails_at_the_rewrite_leaves_it_to_the_first_call(m
     assert starts == ["meta", q.device.type]
     assert [r.kind for r in report.rewrites] == ["attention", "attention"] and not missed(report)
 
+
+
+def _as_triton_specializes(value):
+    """What Triton's specialization tells of a launch argument: an int as 1, a multiple of 16 or neither, a float
+    by its type, a tensor descriptor by its block shape and dtype (its shape and strides are passed at run
+    time)."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value == 1, value % 16 == 0
+    if isinstance(value, float):
+        return float
+    if isinstance(value, (tuple, list)):
+        return tuple(map(_as_triton_specializes, value))
+    if isinstance(value, TensorDescriptor):
+        return TensorDescriptor, tuple(value.block_shape), value.base.dtype
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return value
+
+
+def _triton_signature(kernel, args, keywords):
+    return kernel, _as_triton_specializes(args), tuple(keywords), \
+        signature(keywords.values(), repeat(CONSTANT), [])
+
+
+def _causal_training_at(compiled, length: int) -> None:
+    q, k, v = (random_tensor((1, 1, length, 16), torch.float32).requires_grad_() for _ in range(3))
+    compiled(q, k, v).sum().backward()
+
+
+def test_a_symbolic_compile_compiles_ahead_the_kernels_of_lengths_of_other_kinds(monkeypatch):
+    """Compiled with symbolic sizes at a length that is a multiple of 16, the attention also starts compiling its
+    kernels at a length that is not (the kernels place the last tile and Triton specializes the length another
+    way): a later such length launches only kernels compiled ahead at the compile."""
+    ahead, launched = set(), []
+    monkeypatch.setattr(flash_ahead, "compile_fitting_ahead",
+                        lambda kernel, *args, **keywords: ahead.add(_triton_signature(kernel, args, keywords)))
+
+    def recording(kernel, grid, *args, **keywords):
+        launched.append(_triton_signature(kernel, args, keywords))
+        flash_config.launch_fitting(kernel, grid, *args, **keywords)
+
+    monkeypatch.setattr(flash_fwd, "launch_fitting", recording)
+    monkeypatch.setattr(flash_bwd, "launch_fitting", recording)
+    compiled = torch.compile(_attention, backend=fusepass.backend(strict=True), dynamic=True)
+    _causal_training_at(compiled, 272)
+    at_the_compile, launched[:] = set(ahead), []
+    _causal_training_at(compiled, 301)
+    assert [signature[0].__name__ for signature in launched] == \
+        ["_flash_forward_kernel", "_flash_backward_dq_kernel", "_flash_backward_dkdv_kernel"]
+    assert [signature for signature in launched if signature not in at_the_compile] == []
+
+
+@cuda_only
+def test_a_new_length_of_another_kind_launches_the_kernels_compiled_ahead(monkeypatch):
+    hits = []
+    original = BoundLaunch._compiled_ahead
+
+    def recording(self, key):
+        compiled = original(self, key)
+        if self.kernel.fn.__name__.startswith("_flash"):
+            hits.append(compiled is not None)
+        return compiled
+
+    monkeypatch.setattr(BoundLaunch, "_compiled_ahead", recording)
+    monkeypatch.setattr("fusepass.runtime.launch._bound", OrderedDict())
+    compiled = torch.compile(_attention, backend=fusepass.backend(strict=True), dynamic=True)
+    for length in (1536, 3001):
+        q, k, v = (torch.randn(1, 2, length, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        hits.clear()
+        compiled(q, k, v).sum().backward()
+    assert hits == [True] * 3
 
 
 class _Layers(torch.nn.Module):

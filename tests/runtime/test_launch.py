@@ -172,6 +172,24 @@ def test_a_launch_of_another_signature_than_compiled_ahead_goes_through_triton(a
     assert len(ahead.bound) == 2 and not ahead.direct
 
 
+def test_a_launch_of_another_signature_waits_for_its_kernels_compiles_ahead(compiling, kernel, monkeypatch):
+    """Triton tells an int only as a multiple of 16 or not: a compile ahead at another value may be the kernel
+    Triton looks up for the launch, which waits for it rather than have Triton compile it again."""
+    order, release = [], threading.Event()
+
+    def run(self, *args, grid, warmup, **keywords):
+        if warmup:
+            release.wait(10)
+        order.append("compiled ahead" if warmup else "launched through Triton")
+        return compiling.run(self, *args, grid=grid, warmup=warmup, **keywords)
+
+    monkeypatch.setattr(JITFunction, "run", run)
+    compile_ahead(kernel, torch.empty(0, device="meta"), 100, 7, 0.5, (3, 16), SCALE_FN=_identity, num_warps=4)
+    threading.Timer(0.2, release.set).start()
+    _call(kernel, torch.randn(40), n=116)
+    assert order == ["compiled ahead", "launched through Triton"]
+
+
 def test_a_compile_ahead_that_failed_leaves_the_launch_to_triton(ahead, kernel, monkeypatch):
     def failing(*args, warmup, **keywords):
         if warmup:

@@ -1,0 +1,68 @@
+"""Lengths other than those Dynamo saw, at which a symbolic attention's kernels are compiled ahead.
+
+A flash kernel is compiled per way its last tile along each axis is placed (`flash.tiles.tail_placement`: a
+length that is a multiple of the tile or not) and per whether a length is a multiple of 16 (Triton specializes
+its int arguments so): a symbolic attention compiled at 1536 still compiles three kernels, ~2 s, at its first
+length that no tile divides. The compile plans it at one length of each other kind too, whose rewrite starts
+compiling its kernels on background threads (`flash.ahead`), so that a later length of that kind finds them
+compiled. Only sizes past `LONGEST_TILE` twice are taken for lengths (batch and head counts stay as seen), and
+only made shorter: a length sliced out of a buffer (nanoGPT's `tril`) stays within it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+
+LONGEST_TILE = 128  # the flash kernels' longest tile along either axis (`flash.config`)
+SPECIALIZED_MULTIPLE = 16  # Triton compiles apart an int argument that is a multiple of this
+
+
+def hint(value: Any) -> int:
+    return int(value.node.hint) if isinstance(value, torch.SymInt) else int(value)
+
+
+def size_at(value: Any, lengths: dict[sympy.Symbol, int]) -> int:
+    """A size (an int or a symbolic one) with its symbols at `lengths` (the others at their hints)."""
+    if not isinstance(value, torch.SymInt):
+        return int(value)
+    node = value.node
+    return int(node.expr.xreplace({s: sympy.Integer(lengths.get(s, node.shape_env.var_to_val[s]))
+                                   for s in node.expr.free_symbols}))
+
+
+class AtLengths:
+    """The sizes, strides, dtype and device of a symbolic tensor with its symbols at `lengths` (all that
+    `dynamic.plan_static` reads of an input): the sizes Dynamo saw, where `lengths` is empty."""
+
+    def __init__(self, fake: torch.Tensor, lengths: dict[sympy.Symbol, int] | None = None) -> None:
+        lengths = lengths or {}
+        self.shape = torch.Size([size_at(s, lengths) for s in fake.shape])
+        self._stride = tuple(size_at(s, lengths) for s in fake.stride())
+        self.dtype = fake.dtype
+        self.device = fake.device
+
+    def stride(self) -> tuple[int, ...]:
+        return self._stride
+
+
+def other_lengths(values: list[Any]) -> list[dict[sympy.Symbol, int]]:
+    """Values for the length symbols of `values` (sizes, tensors of symbolic shapes), one set per kind of length
+    the sizes seen are not: a multiple of `LONGEST_TILE` where they are not one, and a length that is no
+    multiple of `SPECIALIZED_MULTIPLE` where they are one; none where no symbol holds a length."""
+    seen: dict[sympy.Symbol, int] = {}
+    for value in values:
+        for size in (*value.shape, *value.stride()) if isinstance(value, torch.Tensor) else (value,):
+            if isinstance(size, torch.SymInt):
+                var_to_val = size.node.shape_env.var_to_val
+                seen.update((s, int(var_to_val[s])) for s in size.node.expr.free_symbols if s in var_to_val)
+    lengths = {s: n for s, n in seen.items() if n > 2 * LONGEST_TILE}
+    if not lengths:
+        return []
+    kinds = []
+    if any(n % LONGEST_TILE for n in lengths.values()):
+        kinds.append({s: n - n % LONGEST_TILE for s, n in lengths.items()})
+    if any(n % SPECIALIZED_MULTIPLE == 0 for n in lengths.values()):
+        kinds.append({s: n - 1 if n % SPECIALIZED_MULTIPLE == 0 else n for s, n in lengths.items()})
+    return kinds
