@@ -344,11 +344,15 @@ def row_kernel_source(name: str, program: Program, spaces: tuple[str, ...], vari
                         loop += [f"v{ref.index} = {value}", f"m{ref.index} = acc{ref.index}"]
                         value = f"v{ref.index}"
                     loop.append(f"acc{ref.index} = {COMBINER[kind]}(acc{ref.index}, {value})")
-                    for total in totals:  # a lane's sum so far, at its new maximum (lanes with none hold 0)
-                        grown = f"acc{ref.index} == float('-inf')"
-                        loop.append(f"acc{total.index} = acc{total.index} * tl.where({grown}, 1.0, "
-                                    f"tl.exp(m{ref.index} - acc{ref.index})) + tl.where({grown}, 0.0, "
-                                    f"tl.exp(v{ref.index} - acc{ref.index}))")
+                    if totals:  # the smaller of the old maximum and the value, at the new maximum
+                        loop.append(f"e{ref.index} = tl.exp(tl.minimum(m{ref.index}, v{ref.index}) - acc{ref.index})")
+                    for total in totals:
+                        # A lane's sum so far at its new maximum (lanes with none hold 0): where the value is the new
+                        # maximum, the sum rescaled plus exp(0); else the sum plus the value's exp. One exponential a
+                        # value, where the sum rescaled and the value's exp each took one; the same roundings.
+                        loop.append(f"acc{total.index} = tl.where(acc{ref.index} == float('-inf'), 0.0, "
+                                    f"tl.where(v{ref.index} > m{ref.index}, acc{total.index} * e{ref.index} + 1.0, "
+                                    f"acc{total.index} + e{ref.index}))")
                 body.append(f"for r0 in range(0, n{last}, RBLOCK):")
                 body += [f"    {line}" for line in loop]
                 names.clear()
