@@ -5,8 +5,10 @@ output, a full tensor, for the backward (a cross-entropy's log-probabilities ove
 8192 rows: 1.6 GB written by the forward and read by the backward), and ``nll_loss_forward`` reads that tensor
 for one value a row. Written out as eager's kernel computes them (in fp32 for half precision, the output rounded
 once: ``reduction.expand``'s composites), the partitioner keeps the input and two row values and the backward's
-row kernel recomputes the rest; the loss takes each row's target value of the input in the walk of the row's
-maximum (``x[t] − max − log Σ exp`` is the log-probability picked), so the log-probabilities are never written.
+row kernel recomputes the rest; the loss picks each row's target value of the input (``x[t] − max − log Σ exp``
+is the log-probability picked), so the log-probabilities are never written: by a gather where the input is a tensor
+(the row walk then reads the logits alone, not a class index beside each), in the walk of the row's maximum where a
+kernel computes the input (gathered from, it would have to be written out).
 
 Written out only where the elementwise pass fuses row reductions on a device that runs its kernels: in ATen ops
 the written-out form is several kernels where eager runs one.
@@ -20,11 +22,18 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fusepass.codegen.translate import CASTS, packet_of
+from fusepass.elementwise.partition import is_pointwise
 from fusepass.elementwise.reduction import REDUCTIONS_BY_MEAN, reduction_kind
 from fusepass.fx_util import Writer, val
 
 aten = torch.ops.aten
 SOFTMAXES = (aten._softmax.default, aten._log_softmax.default)
+WIDENING_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+ORDER_KEEPING_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
+                       aten.unsqueeze.default)
+# The dtypes each floating dtype holds every value of exactly.
+WIDER = {torch.float32: (torch.float16, torch.bfloat16), torch.float64: (torch.float16, torch.bfloat16, torch.float32)}
 NLL_FORWARD = aten.nll_loss_forward.default
 REDUCTIONS_BY_SUM, NO_REDUCTION = 2, 0
 
@@ -83,15 +92,25 @@ def _write_out_nll(graph: torch.fx.Graph, node: torch.fx.Node, log_softmax: _Log
     w = Writer(graph, node)
     logp, target, _, reduction, ignored = node.args[:5]
     dtype = val(logp).dtype
-    classes = w(aten.arange.start_step, 0, val(logp).shape[1], 1, dtype=torch.int64, device=val(logp).device)
-    hit = w(aten.eq.Tensor, classes, w(aten.unsqueeze.default, target, 1))
+    counted = w(aten.ne.Scalar, target, ignored)
+
+    def pick(x: torch.fx.Node) -> torch.fx.Node:
+        """Each row's value of `x` at its target class: gathered (`_gathered_from`; an ignored target reads class
+        0), else summed over the row where the class is the target."""
+        source = _gathered_from(w, x)
+        if source is not None:
+            index = w(aten.unsqueeze.default, w(aten.where.ScalarOther, counted, target, 0), 1)
+            return w.cast(w(aten.gather.default, source, 1, index), val(x).dtype)
+        classes = w(aten.arange.start_step, 0, val(logp).shape[1], 1, dtype=torch.int64, device=val(logp).device)
+        hit = w(aten.eq.Tensor, classes, w(aten.unsqueeze.default, target, 1))
+        return w(aten.sum.dim_IntList, w(aten.where.ScalarOther, hit, x, 0.0), [-1], True)
+
     if log_softmax is not None:  # x[t] − max − log Σ exp: the log-probability, picked before it is computed
-        picked_x = w(aten.sum.dim_IntList, w(aten.where.ScalarOther, hit, log_softmax.x, 0.0), [-1], True)
+        picked_x = pick(log_softmax.x)
         picked = w.cast(w(aten.sub.Tensor, w(aten.sub.Tensor, picked_x, log_softmax.maximum), log_softmax.log_total),
                         dtype)
     else:
-        picked = w(aten.sum.dim_IntList, w(aten.where.ScalarOther, hit, logp, 0.0), [-1], True)
-    counted = w(aten.ne.Scalar, target, ignored)
+        picked = pick(logp)
     losses = w(aten.where.ScalarOther, counted, w(aten.neg.default, w(aten.squeeze.dim, picked, -1)), 0.0)
     acc = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype  # eager's accumulator
     if reduction == NO_REDUCTION:
@@ -105,6 +124,27 @@ def _write_out_nll(graph: torch.fx.Graph, node: torch.fx.Node, log_softmax: _Log
         user.replace_all_uses_with(outputs[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
+
+
+def _gathered_from(w: Writer, x: torch.fx.Node) -> torch.fx.Node | None:
+    """A tensor of `x`'s shape whose values `x` holds exactly, read from what lies below the views keeping the
+    elements' order and the exact widening casts that `x` is: None where a kernel may compute that (a pointwise
+    op or a cast: gathered from, it would have to be written out) or it does not view as `x`."""
+    source = x
+    while source.op == "call_function" and isinstance(source.args[0], torch.fx.Node) and (
+            source.target in ORDER_KEEPING_VIEWS or source.target in WIDENING_CASTS and set(source.kwargs) <= {"dtype"}
+            and val(source.args[0]).dtype in WIDER.get(val(source).dtype, ())):
+        source = source.args[0]
+    if source.op == "call_function" and (is_pointwise(source) or packet_of(source.target) in CASTS):
+        return None
+    shape = list(val(x).shape)
+    if list(val(source).shape) == shape:
+        return source
+    try:
+        val(source).view(shape)
+    except RuntimeError:
+        return None
+    return w(aten.view.default, source, shape)
 
 
 def write_out(joint: torch.fx.GraphModule, losses_only: bool = False) -> None:

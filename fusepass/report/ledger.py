@@ -35,6 +35,8 @@ MATMULS = frozenset({aten.matmul, aten.mm, aten.bmm})
 BIASED_MATMULS = frozenset({aten.addmm, aten.baddbmm})  # input + mat1 · mat2
 SOFTMAXES = frozenset({aten.softmax, aten._softmax})
 DROPOUTS = frozenset({aten.dropout, aten.native_dropout})
+# Ops reading, of their first argument, the elements their indices pick: one for each element they write.
+INDEXED_READS = frozenset({aten.gather, aten.index_select, aten.embedding})
 SOFTMAX_FLOPS = 3  # per element: max, exp and sum, divide
 SOFTMAX_BACKWARD_FLOPS = 4  # per element: dY·Y, its row sum, subtract, times Y
 
@@ -89,10 +91,15 @@ def _dropout_mask_bytes(node: torch.fx.Node) -> int:
 
 
 def op_bytes(node: torch.fx.Node) -> int:
-    """Bytes one op moves on its own: its tensor inputs read, its output written."""
+    """Bytes one op moves on its own: its tensor inputs read (of an indexed read's source, the elements it picks),
+    its output written."""
     if moves_no_bytes(node):
         return 0
-    return sum(value_bytes(a) for a in node.all_input_nodes) + value_bytes(node) + _dropout_mask_bytes(node)
+    read = sum(value_bytes(a) for a in node.all_input_nodes)
+    if packet(node) in INDEXED_READS and isinstance(node.args[0], torch.fx.Node):
+        source = node.args[0].meta.get("val")
+        read += numel(node.meta.get("val")) * source.element_size() - value_bytes(node.args[0])
+    return read + value_bytes(node) + _dropout_mask_bytes(node)
 
 
 def is_matmul(node: torch.fx.Node) -> bool:

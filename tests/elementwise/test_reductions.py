@@ -378,10 +378,11 @@ def test_an_lm_heads_logits_gradient_is_cast_back_in_the_loss_backwards_kernel()
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("upcast", [True, False], ids=["fp32 logits", "bf16 logits"])
-def test_cross_entropy_forward_picks_the_target_in_its_row_kernel(row_form, reduction, upcast):
+def test_cross_entropy_forward_gathers_the_targets_and_walks_the_logits_alone(row_form, reduction, upcast):
     """The log-probabilities are never written: the forward keeps the logits and two row values (the backward
-    recomputes them, bf16 ones too), and takes the target's log-probability in the walk of the row's maximum. An
-    ignored target inside the classes too."""
+    recomputes them, bf16 ones too), and picks each target's logit by a gather from the logits as the graph holds
+    them (its row walk reads the logits alone, no class index), for its row kernel to take its log-probability.
+    An ignored target inside the classes too."""
     logits = random_tensor((3, 7, 45), torch.bfloat16)
     targets = torch.arange(21, device=DEVICE).view(3, 7) * 7 % 45
     targets[1, 2] = targets[2, 5] = 14  # the ignored class
@@ -397,8 +398,27 @@ def test_cross_entropy_forward_picks_the_target_in_its_row_kernel(row_form, redu
     assert not saved_full_size(report, (21, 45))
     (row,) = [r for r in rewrites(report, kind="reduction", phase="forward") if "aten.amax" in r.ops]
     assert row.bytes_fused < 2 * logits.numel() * logits.element_size()  # the logits read once
+    assert "aten.eq" not in row.ops
+    assert [n.target for n in forward.nodes if n.target in (aten.gather.default, aten.arange.start_step)] == \
+        [aten.gather.default]
     (backward,) = rewrites(report, kind="reduction", phase="backward")
     assert {"aten.nll_loss_backward", "aten._log_softmax_backward_data"} <= set(backward.ops)
+
+
+def test_cross_entropy_of_logits_a_kernel_computes_picks_the_target_in_its_row_walk(row_form):
+    """Capped logits (Gemma 2's tanh), computed in the loss's own kernel: gathered from, they would have to be
+    written out; the row walk takes each target's logit beside the row's maximum instead."""
+    logits = random_tensor((21, 45), torch.bfloat16)
+    targets = torch.arange(21, device=DEVICE) * 7 % 45
+
+    def loss(logits):
+        return torch.nn.functional.cross_entropy(torch.tanh(logits.float() / 3) * 3, targets)
+
+    report = check(loss, logits, backward=True, backend=STRICT)
+    forward = report.graphs["forward"].graph
+    assert not [n for n in forward.nodes if n.target == aten.gather.default]
+    (row,) = [r for r in rewrites(report, kind="reduction", phase="forward") if "aten.amax" in r.ops]
+    assert "aten.eq" in row.ops and "aten.tanh" in row.ops
 
 
 def test_an_inference_cross_entropy_writes_no_log_probabilities(row_form):

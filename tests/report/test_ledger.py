@@ -199,3 +199,24 @@ def test_cpu_without_kernels_still_reports(planned_only):
     assert "kernels need a CUDA device" in report.notices[0]
     (forward,) = rewrites(report, kind="attention")
     assert forward.bytes_saved > 0 and forward.time_fused_ms is not None
+
+
+@pytest.mark.parametrize("op", ["gather", "index_select", "embedding"])
+def test_an_indexed_read_moves_the_elements_it_picks(op):
+    """A gather reads, of its source, one element for each it writes: a loss's targets picked from 50257-wide
+    rows are not the rows' bytes."""
+    from fusepass.report.ledger import op_bytes
+
+    source, rows = torch.empty(512, 50257, dtype=torch.bfloat16), torch.zeros(512, 1, dtype=torch.int64)
+    graph = torch.fx.Graph()
+    x, index = graph.placeholder("x"), graph.placeholder("index")
+    x.meta["val"], index.meta["val"] = source, rows
+    if op == "gather":
+        node, out = graph.call_function(torch.ops.aten.gather.default, (x, 1, index)), source.gather(1, rows)
+    elif op == "index_select":
+        node, out = graph.call_function(torch.ops.aten.index_select.default, (x, 0, index)), \
+            source.index_select(0, rows.flatten())
+    else:
+        node, out = graph.call_function(torch.ops.aten.embedding.default, (x, index)), F.embedding(rows, source)
+    node.meta["val"] = out
+    assert op_bytes(node) == 2 * out.numel() * 2 + rows.numel() * 8
