@@ -32,6 +32,8 @@ SOFTMAXES = (aten._softmax.default, aten._log_softmax.default)
 WIDENING_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 ORDER_KEEPING_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
                        aten.unsqueeze.default)
+# Written again as `aten.view`: a reshape copies what it cannot view, an _unsafe_view is one of a fresh tensor only.
+WRITTEN_AS_VIEW = (aten._unsafe_view.default, aten.reshape.default)
 # The dtypes each floating dtype holds every value of exactly.
 WIDER = {torch.float32: (torch.float16, torch.bfloat16), torch.float64: (torch.float16, torch.bfloat16, torch.float32)}
 NLL_FORWARD = aten.nll_loss_forward.default
@@ -127,24 +129,31 @@ def _write_out_nll(graph: torch.fx.Graph, node: torch.fx.Node, log_softmax: _Log
 
 
 def _gathered_from(w: Writer, x: torch.fx.Node) -> torch.fx.Node | None:
-    """A tensor of `x`'s shape whose values `x` holds exactly, read from what lies below the views keeping the
-    elements' order and the exact widening casts that `x` is: None where a kernel may compute that (a pointwise
-    op or a cast: gathered from, it would have to be written out) or it does not view as `x`."""
-    source = x
+    """A tensor of `x`'s shape whose values `x` holds exactly: what lies below the views keeping the elements' order
+    and the exact widening casts that `x` is, through the same views. None where a kernel may compute that (a
+    pointwise op or a cast: gathered from, it would have to be written out) or the views do not view it."""
+    source, views = x, []
     while source.op == "call_function" and isinstance(source.args[0], torch.fx.Node) and (
             source.target in ORDER_KEEPING_VIEWS or source.target in WIDENING_CASTS and set(source.kwargs) <= {"dtype"}
             and val(source.args[0]).dtype in WIDER.get(val(source).dtype, ())):
+        if source.target in ORDER_KEEPING_VIEWS:
+            views.append(source)
         source = source.args[0]
     if source.op == "call_function" and (is_pointwise(source) or packet_of(source.target) in CASTS):
         return None
-    shape = list(val(x).shape)
-    if list(val(source).shape) == shape:
-        return source
+    # Each view again on what the casts read (a reshape as a view: that it views is checked on the fake values
+    # first; the casts' fresh output views where their input may not, and a reshape would then copy).
+    views = [(aten.view.default if view.target in WRITTEN_AS_VIEW else view.target, view.args[1:])
+             for view in reversed(views)]
     try:
-        val(source).view(shape)
+        value = val(source)
+        for target, args in views:
+            value = target(value, *torch.fx.node.map_arg(args, val))
     except RuntimeError:
         return None
-    return w(aten.view.default, source, shape)
+    for target, args in views:
+        source = w(target, source, *args)
+    return source
 
 
 def write_out(joint: torch.fx.GraphModule, losses_only: bool = False) -> None:

@@ -405,6 +405,23 @@ def test_cross_entropy_forward_gathers_the_targets_and_walks_the_logits_alone(ro
     assert {"aten.nll_loss_backward", "aten._log_softmax_backward_data"} <= set(backward.ops)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cross_entropy_of_flattened_logits_at_symbolic_rows_is_eager_s(row_form, reduction):
+    """Rows of a symbolic count (a sequence's length, marked dynamic): the flattened logits are picked from where
+    no view of theirs names the count (a view written by the pass would name it by value)."""
+    def loss(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1),
+                                                 reduction=reduction)
+
+    for length in (9, 13):
+        logits = random_tensor((2, length, 45), torch.bfloat16)
+        targets = torch.arange(2 * length, device=DEVICE).view(2, length) * 7 % 45
+        targets[0, 3] = -100
+        torch._dynamo.mark_dynamic(logits, 1)
+        torch._dynamo.mark_dynamic(targets, 1)
+        check(loss, logits, targets, backward=True, backend=STRICT)
+
+
 def test_cross_entropy_of_logits_a_kernel_computes_picks_the_target_in_its_row_walk(row_form):
     """Capped logits (Gemma 2's tanh), computed in the loss's own kernel: gathered from, they would have to be
     written out; the row walk takes each target's logit beside the row's maximum instead."""
