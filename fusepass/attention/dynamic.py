@@ -407,7 +407,7 @@ def _compile_other_lengths_ahead(spec: DynamicSpec, tensors: list[torch.Tensor],
     starts compiling its kernels. Only a warm-up, planned strict so that a failure raises and says nothing: it
     fails again, and is reported, at a call of such a length."""
     warm_up = replace(spec, options=replace(spec.options, strict=True))
-    for lengths in other_lengths([*tensors, *sizes]):
+    for lengths in other_lengths(tensors):
         try:
             plan_static(warm_up, [AtLengths(t, lengths) for t in tensors], [size_at(n, lengths) for n in sizes])
         except Exception:

@@ -47,13 +47,14 @@ class AtLengths:
         return self._stride
 
 
-def other_lengths(values: list[Any]) -> list[dict[sympy.Symbol, int]]:
-    """Values for the length symbols of `values` (sizes, tensors of symbolic shapes), one set per kind of length
-    the sizes seen are not: a multiple of `LONGEST_TILE` where they are not one, and a length that is no
-    multiple of `SPECIALIZED_MULTIPLE` where they are one; none where no symbol holds a length."""
+def other_lengths(tensors: list[torch.Tensor]) -> list[dict[sympy.Symbol, int]]:
+    """Values for the length symbols of `tensors`' symbolic shapes, one set per kind of length the sizes seen are
+    not: a multiple of `LONGEST_TILE` where they are not one, and a length that is no multiple of
+    `SPECIALIZED_MULTIPLE` where they are one; none where no symbol holds a length. A symbolic int the attention
+    reads beside them (a window size that changed between calls) keeps its value unless a shape holds it."""
     seen: dict[sympy.Symbol, int] = {}
-    for value in values:
-        for size in (*value.shape, *value.stride()) if isinstance(value, torch.Tensor) else (value,):
+    for tensor in tensors:
+        for size in tensor.shape:
             if isinstance(size, torch.SymInt):
                 var_to_val = size.node.shape_env.var_to_val
                 seen.update((s, int(var_to_val[s])) for s in size.node.expr.free_symbols if s in var_to_val)
