@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx
 
+from fusepass.codegen.translate import EXACT_WIDENING
 from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten
@@ -152,10 +153,6 @@ def _scale(node: torch.fx.Node) -> Scale | None:
         return None
     shrinks = 0 < abs(c) <= 1 if packet(node) == aten.mul else 1 <= abs(c) < math.inf
     return Scale(packet(node), float(c)) if shrinks else None
-
-
-# Casts whose result holds exactly the values of their input, in a wider float (bf16 or fp16 read as fp32).
-EXACT_WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
 
 
 def _exact_widening(node: torch.fx.Node, source_dtype: torch.dtype | None) -> bool:

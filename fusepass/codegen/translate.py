@@ -25,6 +25,9 @@ CONTINUOUS_ARITHMETIC = {aten.add, aten.sub, aten.rsub, aten.mul, aten.div}
 
 CASTS = {aten._to_copy, aten.to, prims.convert_element_type, aten.clone, aten.alias, aten.copy,
          aten.lift_fresh_copy, aten.detach, aten.type_as}
+# (from, to) of casts whose result holds exactly the values of their input, in a wider float (bf16 or fp16 read as
+# fp32).
+EXACT_WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
 CONSTANTS = {aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.zeros_like, aten.ones_like,
              aten.full_like, aten.new_ones, aten.new_zeros, aten.new_full}
 

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fusepass.codegen.translate import CASTS, packet_of
+from fusepass.codegen.translate import CASTS, EXACT_WIDENING, packet_of
 from fusepass.elementwise.partition import is_pointwise
 from fusepass.elementwise.reduction import REDUCTIONS_BY_MEAN, reduction_kind
 from fusepass.fx_util import Writer, val
@@ -34,8 +34,6 @@ ORDER_KEEPING_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshap
                        aten.unsqueeze.default)
 # Written again as `aten.view`: a reshape copies what it cannot view, an _unsafe_view is one of a fresh tensor only.
 WRITTEN_AS_VIEW = (aten._unsafe_view.default, aten.reshape.default)
-# The dtypes each floating dtype holds every value of exactly.
-WIDER = {torch.float32: (torch.float16, torch.bfloat16), torch.float64: (torch.float16, torch.bfloat16, torch.float32)}
 NLL_FORWARD = aten.nll_loss_forward.default
 REDUCTIONS_BY_SUM, NO_REDUCTION = 2, 0
 
@@ -135,7 +133,7 @@ def _gathered_from(w: Writer, x: torch.fx.Node) -> torch.fx.Node | None:
     source, views = x, []
     while source.op == "call_function" and isinstance(source.args[0], torch.fx.Node) and (
             source.target in ORDER_KEEPING_VIEWS or source.target in WIDENING_CASTS and set(source.kwargs) <= {"dtype"}
-            and val(source.args[0]).dtype in WIDER.get(val(source).dtype, ())):
+            and (val(source.args[0]).dtype, val(source).dtype) in EXACT_WIDENING):
         if source.target in ORDER_KEEPING_VIEWS:
             views.append(source)
         source = source.args[0]
