@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx
 
-from fusepass.codegen.translate import EXACT_WIDENING
+from fusepass.codegen.translate import exact_widening
 from fusepass.fx_util import packet, val
 
 aten = torch.ops.aten
@@ -156,14 +156,8 @@ def _scale(node: torch.fx.Node) -> Scale | None:
 
 
 def _exact_widening(node: torch.fx.Node, source_dtype: torch.dtype | None) -> bool:
-    """Whether ``node`` is ``x.to(dtype)`` (``.float()``) of a ``source_dtype`` tensor, an exact widening that keeps
-    its strides: reading ``x`` itself then reads the same values."""
-    if source_dtype is None or packet(node) not in (aten.to, aten._to_copy) or not node.args or \
-            not isinstance(node.args[0], torch.fx.Node):
-        return False
-    extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v not in (None, torch.preserve_format)}
-    return not extra and len(node.args) <= 2 and \
-        (val(node.args[0]).dtype, val(node).dtype) in EXACT_WIDENING and val(node.args[0]).dtype == source_dtype
+    """Whether ``node`` is an exact widening (`exact_widening`) of a ``source_dtype`` tensor."""
+    return source_dtype is not None and exact_widening(node) and val(node.args[0]).dtype == source_dtype
 
 
 def walk_up(node: torch.fx.Node, widen_from: torch.dtype | None = None, through_splits: bool = True,

@@ -28,6 +28,17 @@ CASTS = {aten._to_copy, aten.to, prims.convert_element_type, aten.clone, aten.al
 # (from, to) of casts whose result holds exactly the values of their input, in a wider float (bf16 or fp16 read as
 # fp32).
 EXACT_WIDENING = {(torch.bfloat16, torch.float32), (torch.float16, torch.float32)}
+
+
+def exact_widening(node: Any) -> bool:
+    """Whether the fx node `node` is ``x.to(dtype)`` (``.float()``) of a tensor `x`, an exact widening
+    (`EXACT_WIDENING`) that keeps its strides: reading ``x`` itself then reads the same values."""
+    if node.op != "call_function" or packet_of(node.target) not in (aten.to, aten._to_copy) or not node.args or \
+            not hasattr(node.args[0], "meta"):
+        return False
+    extra = {k: v for k, v in node.kwargs.items() if k != "dtype" and v not in (None, torch.preserve_format)}
+    return not extra and len(node.args) <= 2 and \
+        (node.args[0].meta["val"].dtype, node.meta["val"].dtype) in EXACT_WIDENING
 CONSTANTS = {aten.full, aten.scalar_tensor, aten.zeros, aten.ones, aten.zeros_like, aten.ones_like,
              aten.full_like, aten.new_ones, aten.new_zeros, aten.new_full}
 

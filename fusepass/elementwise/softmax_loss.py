@@ -22,14 +22,13 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fusepass.codegen.translate import CASTS, EXACT_WIDENING, packet_of
+from fusepass.codegen.translate import CASTS, exact_widening, packet_of
 from fusepass.elementwise.partition import is_pointwise
 from fusepass.elementwise.reduction import REDUCTIONS_BY_MEAN, reduction_kind
 from fusepass.fx_util import Writer, val
 
 aten = torch.ops.aten
 SOFTMAXES = (aten._softmax.default, aten._log_softmax.default)
-WIDENING_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 ORDER_KEEPING_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
                        aten.unsqueeze.default)
 # Written again as `aten.view`: a reshape copies what it cannot view, an _unsafe_view is one of a fresh tensor only.
@@ -132,8 +131,7 @@ def _gathered_from(w: Writer, x: torch.fx.Node) -> torch.fx.Node | None:
     pointwise op or a cast: gathered from, it would have to be written out) or the views do not view it."""
     source, views = x, []
     while source.op == "call_function" and isinstance(source.args[0], torch.fx.Node) and (
-            source.target in ORDER_KEEPING_VIEWS or source.target in WIDENING_CASTS and set(source.kwargs) <= {"dtype"}
-            and (val(source.args[0]).dtype, val(source).dtype) in EXACT_WIDENING):
+            source.target in ORDER_KEEPING_VIEWS or exact_widening(source)):
         if source.target in ORDER_KEEPING_VIEWS:
             views.append(source)
         source = source.args[0]
