@@ -43,6 +43,8 @@
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   rings        bench/gluon_forward.py: the sm_90 forward at K/V tiles of 128 and 64 rows and rings of 2 to 4 (not run yet)
 #                (the small shape's D64 forward trails SDPA), kept as bench/results/gluon-forward-rings-<date>.md
+#   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal and   (not run yet)
+#                plain at both shapes, gradients from float64, kept as bench/results/gluon-backward-<date>.md
 #   latent       bench/latent_attention.py: DeepSeek's latent attention (q·k 192, V 128, causal) beside SDPA   (not run yet)
 #   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
 #                a key bias's among them, beside eager and SDPA (B1 H4 N4096 D128)
@@ -123,6 +125,10 @@ for part in $parts; do
         kept=bench/results/gluon-forward-rings-$(date -u +%Y-%m-%d-%H%M).md
         timeout 200 python bench/gluon_forward.py --shapes "8,16,2048,64;2,16,8192,128" \
             --rings "128,2;64,3;64,4;128,3" > "$kept" 2>&1
+        grep -E "^\||Error" "$kept" ;;
+    gluon-backward)
+        kept=bench/results/gluon-backward-$(date -u +%Y-%m-%d-%H%M).md
+        (cd bench && timeout 240 python gluon_backward.py) > "$kept" 2>&1
         grep -E "^\||Error" "$kept" ;;
     latent)
         timeout 300 python bench/latent_attention.py 2>&1 | grep -E "^\||Error" ;;

@@ -26,10 +26,10 @@ from fusepass.flash.backward import flash_attention_backward
 from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
 from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles, tile_width
 from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs, keeps_residual
-from fusepass.flash import hopper_forward
+from fusepass.flash import hopper_backward, hopper_forward
 from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 from fusepass.report import profile
-from fusepass.report.records import FORWARD_KERNEL, SDPA
+from fusepass.report.records import KERNEL, SDPA
 from fusepass.runtime.replay import attention_replays
 from fusepass.runtime.timing import random_like
 
@@ -207,9 +207,9 @@ class AttentionCall:
             extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None,
                                       self.block_map(block_map[0], q) if block_map else None,
                                       residual if residual.numel() else None)
-            flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, s.kernel_aux(read),
-                                     s.kernel_aux_grad(aux_grad), dropout_p=s.dropout_p, seed=seed,
-                                     grads=(s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])))
+            hopper = self._choices.get(self._layouts(q4, k4, v4), (None, None))[1] if self.sdpa is not None else None
+            self._fused_backward(grad_out, q4, k4, v4, out, lse, extra, s.kernel_aux(read), s.kernel_aux_grad(aux_grad),
+                                 (s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])), hopper, seed)
 
         aux_grad = new_aux_grad()
         try:
@@ -258,13 +258,34 @@ class AttentionCall:
         flash_attention_forward(q4, k4, v4, self.mod, aux, dropout_p=s.dropout_p, seed=seed, out_dtype=s.out_dtype,
                                 outputs=outputs, map_into=map_into)
 
+    def _fused_backward(self, grad_out: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, extra: FlashForwardExtra, aux: tuple,
+                        aux_grad: tuple | None, grads: tuple, hopper: bool | None, seed: torch.Tensor | None) -> None:
+        """The fused backward into `grads`: the sm_90 kernel's where the forward was the sm_90 kernel's (`hopper`, as
+        `_choice` gives it) with its exact weights and `hopper_backward.serves`, else the Triton kernels'."""
+        if hopper is not None and extra.residual is not None and hopper_backward.serves(grad_out, q4, k4, v4, hopper):
+            hopper_backward.hopper_backward(grad_out, q4, k4, v4, out, lse, extra.log_sum, self.sdpa.scale, hopper,
+                                            grads, extra.residual)
+            record = self.unfused.backward_record
+            if record is not None:
+                record.detail.setdefault(KERNEL, {})[shape_named(q4)] = hopper_backward.DESCRIBED
+            return
+        s = self.spec
+        flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, aux, aux_grad, dropout_p=s.dropout_p,
+                                 seed=seed, grads=grads)
+
+    @staticmethod
+    def _layouts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple:
+        """What `_choice` decides by: q's, k's and v's shapes, strides, dtype and device."""
+        return q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), q4.dtype, q4.device
+
     def _choice(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple[SdpaRun | None, bool | None]:
         """(SDPA in place of the fused kernels or None; whether the fused forward is the sm_90 kernel's and causal,
         or None where it is the Triton kernel's) for an attention SDPA computes (`self.sdpa`): SDPA where the floor
         is on, its mask is checked to be what SDPA computes at each layout, and it was measured faster
         (`sdpa_floor`, timed once per class of layouts); the sm_90 kernel where `hopper_forward.serves`. Asked on
         every call, decided once per layout."""
-        layouts = (q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), q4.dtype, q4.device)
+        layouts = self._layouts(q4, k4, v4)
         if layouts not in self._choices:
             run, hopper = None, None
             s = self.spec
@@ -285,7 +306,7 @@ class AttentionCall:
                             found.describe(gradients, where)
                         run = SdpaRun(self.sdpa, causal) if found.runs_sdpa else None
                     if hopper is not None and run is None:
-                        self.unfused.forward_record.detail.setdefault(FORWARD_KERNEL, {})[where] = \
+                        self.unfused.forward_record.detail.setdefault(KERNEL, {})[where] = \
                             hopper_forward.DESCRIBED
             self._choices[layouts] = run, hopper
         return self._choices[layouts]
@@ -313,9 +334,9 @@ class AttentionCall:
             self._fused_forward(q, k, v, aux, None, outputs, None, hopper)
             if gradients:
                 out, lse, log_sum, fallback_rows, residual = outputs
-                flash_attention_backward(grad_out, q, k, v, out, lse,
-                                         FlashForwardExtra(log_sum, fallback_rows, None, residual), self.mod, aux,
-                                         s.kernel_aux_grad(()), grads=grads)
+                self._fused_backward(grad_out, q, k, v, out, lse,
+                                     FlashForwardExtra(log_sum, fallback_rows, None, residual), aux,
+                                     s.kernel_aux_grad(()), grads, hopper, None)
 
         return Decision(causal, *sdpa_floor.timed(sdpa_step, fused_step), measured_at=shape_named(q4))
 

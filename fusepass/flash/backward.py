@@ -376,6 +376,26 @@ def _dq_tile(dq, q, do, stats, delta, kv_block, K, K2, V, k_strides, v_strides, 
 
 
 @triton.jit
+def row_delta(out, do, residual, DELTA_BY_DOT: tl.constexpr):
+    """delta_i = dO_i · O_i of a block of rows, the softmax backward's row term (`residual`: the forward's rounding
+    residual of O, or None). With DELTA_BY_DOT (O in the inputs' dtype), as the dot dp_ij = dO_i · V_j is computed
+    (the diagonal of dO · Oᵀ): where a row's weight is all on one key, its O is that key's V and dp - delta cancels
+    exactly, as in eager's softmax backward; summed another way, the two roundings differ, and a saturated row's key
+    gradient is that difference times |q| (q·kᵀ ~ 1e6: an exact 0 came out as 0.9)."""
+    if DELTA_BY_DOT:
+        square = dot(do, tl.trans(out))
+        diagonal = tl.arange(0, out.shape[0])[:, None] == tl.arange(0, out.shape[0])[None, :]
+        delta = tl.sum(tl.where(diagonal, square, 0.0), 1)
+    else:
+        delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
+    if residual is not None:
+        # What rounding O left out (`keeps_residual`): without it a row's score gradients sum to dO · (O - round(O)),
+        # not 0. A row whose weight is all on one key has O = V exactly, residual 0: the cancellation above stays.
+        delta += tl.sum(residual.to(tl.float32) * do.to(tl.float32), 1)
+    return delta
+
+
+@triton.jit
 def _flash_backward_dq_kernel(
     Q, Q2, K, K2, V, Out, Residual, DO, Lse, LogSum, Delta, DQ,
     q_strides, k_strides, v_strides, out_strides, do_strides, dq_strides,
@@ -398,22 +418,11 @@ def _flash_backward_dq_kernel(
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, DESCRIPTORS)
     out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, DESCRIPTORS)
     do = do.to(q[0].dtype)
-    if DELTA_BY_DOT:
-        # delta_i = dO_i · O_i as the dot dp_ij = dO_i · V_j is computed (the diagonal of dO · Oᵀ): where a row's
-        # weight is all on one key, its O is that key's V and dp - delta cancels exactly, as in eager's softmax
-        # backward; summed another way, the two roundings differ, and a saturated row's key gradient is that
-        # difference times |q| (q·kᵀ ~ 1e6: an exact 0 came out as 0.9).
-        square = dot(do, tl.trans(out))
-        diagonal = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
-        delta = tl.sum(tl.where(diagonal, square, 0.0), 1)
-    else:
-        delta = tl.sum(out.to(tl.float32) * do.to(tl.float32), 1)
+    residual = None
     if Residual is not None:
-        # What rounding O left out (`keeps_residual`): without it a row's score gradients sum to dO · (O - round(O)),
-        # not 0. A row whose weight is all on one key has O = V exactly, residual 0: the cancellation above stays.
         residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV,
                              True, DESCRIPTORS)
-        delta += tl.sum(residual.to(tl.float32) * do.to(tl.float32), 1)
+    delta = row_delta(out, do, residual, DELTA_BY_DOT)
     tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
     stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
 

@@ -20,8 +20,9 @@ KNOWN_CONTENTS = "known contents"
 # An attention's: per shape it ran at on the GPU, whether SDPA or the fused kernels ran, with both measured times
 # (`attention.sdpa_floor`).
 SDPA = "sdpa"
-# An attention's: per shape, the forward kernel where it is not the Triton kernel (`flash.hopper_forward`).
-FORWARD_KERNEL = "forward kernel"
+# An attention's, in each phase's record: per shape, the kernel that ran where it is not the Triton kernel
+# (`flash.hopper_forward`, `flash.hopper_backward`).
+KERNEL = "kernel"
 
 
 @dataclass

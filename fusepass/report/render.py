@@ -10,7 +10,7 @@ from __future__ import annotations
 import textwrap
 from typing import TYPE_CHECKING
 
-from fusepass.report.records import FORWARD_KERNEL, KNOWN_CONTENTS, SDPA, Hotspot, Rewrite
+from fusepass.report.records import KERNEL, KNOWN_CONTENTS, SDPA, Hotspot, Rewrite
 
 if TYPE_CHECKING:  # the report renders itself through this module: no import back at run time
     from fusepass.report.report import Report
@@ -75,7 +75,7 @@ def _rewrite_lines(r: Rewrite) -> list[str]:
         about.append(f"{name} computed from the positions ({band}; its contents checked on each call)")
     for shape, ran in r.detail.get(SDPA, {}).items():
         about.append(f"at {shape}: {ran}")
-    for shape, kernel in r.detail.get(FORWARD_KERNEL, {}).items():
+    for shape, kernel in r.detail.get(KERNEL, {}).items():
         about.append(f"at {shape}: {kernel}")
     return [numbers] + _wrapped(" | ".join(about), "      ")
 

@@ -9,11 +9,12 @@ import math
 
 import pytest
 import torch
+from hopper_layouts import causal_attention, laid_out
 from support import DEVICE, check, last_attention
 
 import fusepass
 from fusepass.flash import hopper_forward
-from fusepass.report.records import FORWARD_KERNEL
+from fusepass.report.records import KERNEL
 
 on_hopper = pytest.mark.skipif(not hopper_forward.available(torch.device(DEVICE)),
                                reason="the sm_90 kernel needs an sm_90 GPU and Gluon")
@@ -30,28 +31,12 @@ def _reference(q, k, v, causal):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def _laid_out(layout, b, h, kv_h, n, d, dtype):
-    """q, k, v as [B, H, N, D] views of the layout named, and an output laid out as `forward_outputs` lays it."""
-    if layout == "bhnd":
-        q = torch.randn(b, h, n, d, device=DEVICE, dtype=dtype)
-        k, v = (torch.randn(b, kv_h, n, d, device=DEVICE, dtype=dtype) for _ in range(2))
-    elif layout == "bnhd":
-        q = torch.randn(b, n, h, d, device=DEVICE, dtype=dtype).transpose(1, 2)
-        k, v = (torch.randn(b, n, kv_h, d, device=DEVICE, dtype=dtype).transpose(1, 2) for _ in range(2))
-    else:  # one projection's output [B, N, H + 2 · KV_H, D], sliced
-        qkv = torch.randn(b, n, h + 2 * kv_h, d, device=DEVICE, dtype=dtype)
-        q, k, v = (x.transpose(1, 2) for x in qkv.split([h, kv_h, kv_h], 2))
-    out = torch.empty(b, n, h, d, device=DEVICE, dtype=dtype).transpose(1, 2) if layout != "bhnd" else \
-        torch.empty(b, h, n, d, device=DEVICE, dtype=dtype)
-    return q, k, v, out
-
-
 @on_hopper
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
 @pytest.mark.parametrize("d,n,dtype", [(64, 384, torch.bfloat16), (128, 256, torch.float16), (128, 640, torch.bfloat16)])
 def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype):
-    q, k, v, out = _laid_out(layout, 2, heads, kv_heads, n, d, dtype)
+    q, k, v, out = laid_out(layout, 2, heads, kv_heads, n, d, dtype)
     lse = torch.empty(q.shape[:3], device=DEVICE)
     log_sum, fallback = torch.empty_like(lse), torch.ones(q.shape[:3], device=DEVICE, dtype=torch.int8)
     assert hopper_forward.serves(q, k, v, causal)
@@ -77,22 +62,13 @@ def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n
 def test_the_kernel_is_exact_at_large_scores():
     """The weights are exp2((s - m) · c), m the row's max product: no row to recompute however large the scores
     (the Triton kernel's fused form recomputes rows past 2^24)."""
-    q, k, v, out = _laid_out("bhnd", 1, 2, 2, 256, 64, torch.bfloat16)
+    q, k, v, out = laid_out("bhnd", 1, 2, 2, 256, 64, torch.bfloat16)
     q, k = q * 3000, k * 3000  # scores near 1e8
     lse, log_sum = (torch.empty(q.shape[:3], device=DEVICE) for _ in range(2))
     hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, None, 1 / 8, False)
     expected, _ = _reference(q, k, v, False)
     assert torch.isfinite(out).all()
     assert ((out.double() - expected).norm() / expected.norm()).item() < 1e-2
-
-
-def causal_attention(x, wq, wk, wv):
-    b, n, _ = x.shape
-    q, k, v = ((x @ w).view(b, n, 4, 64).transpose(1, 2) for w in (wq, wk, wv))
-    s = q @ k.transpose(-1, -2) / 8.0
-    i = torch.arange(n, device=x.device)
-    s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
-    return (torch.softmax(s.float(), -1).to(x.dtype) @ v).transpose(1, 2).reshape(b, n, 256)
 
 
 @on_hopper
@@ -102,7 +78,7 @@ def test_a_compiled_attention_without_gradients_runs_it(n):
     weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
     report = check(causal_attention, x, *weights, backend=fusepass.backend(sdpa=False))
     detail = last_attention().unfused.forward_record.detail
-    assert list(detail.get(FORWARD_KERNEL, {}).values()) == [hopper_forward.DESCRIBED], detail
+    assert list(detail.get(KERNEL, {}).values()) == [hopper_forward.DESCRIBED], detail
     assert "sm_90" in str(report)
 
 
@@ -115,14 +91,14 @@ def test_a_training_forward_runs_it_with_the_exact_weights():
     check(causal_attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
     assert last_attention().keeps_residual()
     detail = last_attention().unfused.forward_record.detail
-    assert list(detail.get(FORWARD_KERNEL, {}).values()) == [hopper_forward.DESCRIBED], detail
+    assert list(detail.get(KERNEL, {}).values()) == [hopper_forward.DESCRIBED], detail
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd", "qkv"])
 def test_each_head_is_a_block_of_rows_of_one_matrix(layout):
     """The kernel's addressing (`_Rows`): head (b, h)'s rows start at row (b·sb + h·sh) // sn and column
     (b·sb + h·sh) % sn of the matrix its descriptor covers. On any device: the matrix is a view."""
-    for t in _laid_out(layout, 2, 4, 2, 5, 16, torch.float16)[:3]:
+    for t in laid_out(layout, 2, 4, 2, 5, 16, torch.float16)[:3]:
         rows = hopper_forward._Rows.of(t)
         matrix = t.as_strided((rows.rows, rows.width), (t.stride(2), 1))
         sb, sh, sn, _ = t.stride()
@@ -170,7 +146,7 @@ def test_its_exact_weights_keep_a_key_bias_gradient_at_eagers_distance(dtype):
     wide = gradients(key_bias_attention, torch.float64)
     eager = gradients(key_bias_attention, dtype)
     fused = gradients(torch.compile(key_bias_attention, backend=fusepass.backend(sdpa=False)), dtype)
-    assert list(last_attention().unfused.forward_record.detail.get(FORWARD_KERNEL, {}).values()) == \
+    assert list(last_attention().unfused.forward_record.detail.get(KERNEL, {}).values()) == \
         [hopper_forward.DESCRIBED]
     scale = max(g.norm() for g in wide)
     ours, eagers = ((g[3].double() - wide[3]).norm() / scale for g in (fused, eager))

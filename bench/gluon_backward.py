@@ -1,0 +1,169 @@
+"""The sm_90 backward (`fusepass.flash.hopper_backward`, Gluon, one kernel) beside fusepass's Triton backward (two
+kernels) and SDPA's (cuDNN's), after the sm_90 forward's training form (its exact weights and residual), or its sm_90
+build's counts offline:
+
+    PYTHONPATH=. python bench/gluon_backward.py             (on the GPU machine: gradients against float64, then time)
+    PYTHONPATH=DIR:. python bench/gluon_backward.py --sass  (any machine, DIR holding triton 3.6: the sm_90 build's
+                                                             registers, spills, barriers and atomics)
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import subprocess
+import tempfile
+
+import flash_sweep
+import torch
+import triton
+import triton.testing
+
+from fusepass.flash import hopper_backward, hopper_forward
+from fusepass.flash.score_mod import ScoreMod
+
+SHAPES = "2,16,8192,128;8,16,2048,64"
+
+
+@triton.jit
+def scaled_d64(s, b, h, q_idx, kv_idx, aux):
+    return s * 0.125
+
+
+@triton.jit
+def scaled_d64_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    return ds * 0.125
+
+
+# The sweep's score functions at D64's scale, for the Triton backward
+D64_PLAIN = ScoreMod(name="gluon_backward_plain_d64", score=scaled_d64, score_grad=scaled_d64_grad)
+D64_CAUSAL = ScoreMod(name="gluon_backward_causal_d64", score=scaled_d64, score_grad=scaled_d64_grad,
+                      keep=flash_sweep.CAUSAL.keep, fill=flash_sweep.CAUSAL.fill)
+
+
+def sass_counts(causal: bool, head_dim: int) -> dict:
+    """Registers, spills, and the instructions that order the loop and add dQ, from the sm_90 build (no GPU)."""
+    from kernel_resources import CompileOnlyDriver, resources
+    from triton.runtime import driver
+
+    driver.set_active(CompileOnlyDriver())
+    hb = hopper_backward
+    x = torch.empty(1, 1, 1024, head_dim, dtype=torch.bfloat16)
+    described = [hopper_forward._Rows.of(x).described(x, n) for n in (hb.BLOCK_M, hb.BLOCK_M, hb.BLOCK_N // 2,
+                                                                        hb.BLOCK_N // 2)]
+    stat = torch.empty(1, 1, 1024)
+    kernel = hb._hopper_backward.warmup(*described, x, x, stat, stat, stat, stat, *[x.stride()[:3]] * 4,
+                                        x.stride(), x.stride(), 1, 1, 1024, 0.125, HEAD_DIM=head_dim,
+                                        BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=causal, STAGES=hb.STAGES,
+                                        num_warps=4, grid=(1,))
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        notes = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
+                                os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True).stdout
+    counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2",
+                                                             "RED.E.ADD", "ATOM")}
+    counts["atomics (ptx)"] = sorted(set(re.findall(r"(?:red|atom)\.[\w.]+", kernel.asm["ptx"])))
+    serialized = re.findall(r"\(C75\d\d\)[^\n]*serialized due to ([^\n]*) in the function", notes)
+    return {**resources(kernel), **counts, "wgmma serialized": "; ".join(serialized) or "no"}
+
+
+def training_forward(q, k, v, causal):
+    """The sm_90 forward as a training step runs it: out, lse, log_sum and the output's rounding residual."""
+    out, residual = torch.empty_like(q), torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    log_sum = torch.empty_like(lse)
+    hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, None, 1 / math.sqrt(q.shape[3]), causal, residual)
+    return out, lse, log_sum, residual
+
+
+def backwards(q, k, v, do, causal):
+    """{label: a call writing (dq, dk, dv) into new tensors} for the sm_90 backward, the Triton backward (both after the
+    sm_90 forward's training form) and SDPA's backward (after its own forward)."""
+    from fusepass.flash.backward import flash_attention_backward
+    from fusepass.flash.forward import FlashForwardExtra
+
+    out, lse, log_sum, residual = training_forward(q, k, v, causal)
+    scale = 1 / math.sqrt(q.shape[3])
+    if q.shape[3] == 128:
+        mod = flash_sweep.CAUSAL if causal else flash_sweep.PLAIN
+    else:
+        mod = D64_CAUSAL if causal else D64_PLAIN
+
+    def grads():
+        return tuple(torch.empty_like(t) for t in (q, k, v))
+
+    def sm90():
+        g = grads()
+        hopper_backward.hopper_backward(do, q, k, v, out, lse, log_sum, scale, causal, g, residual)
+        return g
+
+    def triton_backward():
+        g = grads()
+        flash_attention_backward(do, q, k, v, out, lse, FlashForwardExtra(log_sum, None, None, residual), mod, (),
+                                 None, grads=g)
+        return g
+
+    group = q.shape[1] // k.shape[1]
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    sdpa_out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
+                                                                enable_gqa=group > 1)
+
+    def sdpa():
+        return torch.autograd.grad(sdpa_out, (qs, ks, vs), do, retain_graph=True)
+    return {"sm_90 kernel": sm90, "Triton": triton_backward, "SDPA": sdpa}
+
+
+def reference(q, k, v, do, causal):
+    """(dq, dk, dv) in float64."""
+    group = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[3])
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)
+    return torch.autograd.grad(out, (q64, k64, v64), do.double())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
+    parser.add_argument("--shapes", default=SHAPES)
+    args = parser.parse_args()
+    shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
+    if args.sass:
+        for causal in (True, False):
+            for head_dim in sorted({s[3] for s in shapes}):
+                print(f"causal={causal} D{head_dim}:", sass_counts(causal, head_dim))
+        return
+    torch.manual_seed(0)
+    print("| shape | case | kernel | dq error | dk error | dv error | ms | TFLOP/s | vs SDPA | vs Triton |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for b, h, n, d in shapes:
+        for causal in (True, False):
+            # errors from float64 at B1 H4 (2 kv heads) N1024, times at the shape
+            small = [torch.randn(1, heads, 1024, d, device="cuda", dtype=torch.bfloat16) for heads in (4, 2, 2, 4)]
+            expected = reference(*small, causal)
+            errors = {label: [((g.double() - e).norm() / e.norm()).item() for g, e in zip(fn(), expected)]
+                      for label, fn in backwards(*small, causal).items()}
+            q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            timed = backwards(q, k, v, do, causal)
+            ms = {label: triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
+                  for label, fn in timed.items()}
+            flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+            for label in timed:
+                e = errors.get(label, [float("nan")] * 3)
+                print(f"| B{b} H{h} N{n} D{d} | {'causal' if causal else 'plain'} | {label} | {e[0]:.2e} | "
+                      f"{e[1]:.2e} | {e[2]:.2e} | {ms[label]:.3f} | {flops / ms[label] / 1e9:.0f} | "
+                      f"{ms['SDPA'] / ms[label]:.3f} | {ms['Triton'] / ms[label] if 'Triton' in ms else float('nan'):.3f} |")
+            del q, k, v, do, timed
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""The backward on sm_90 for what the sm_90 forward computes (`hopper_forward`): one Gluon kernel for dQ, dK and dV
+in FlashAttention-3's structure, five products per tile pair where the Triton backward's two kernels take seven.
+
+A program holds a kv block of 128 rows of one kv head, split between two partitions of one warpgroup (64 kv rows
+each), and walks the q blocks of 64 rows of every query head sharing it (under a causal mask, from the block's
+diagonal on). One warp loads Q and dO a q block at a time by TMA into a ring. Per q block a partition computes its
+scores and weights transposed (Sᵀ = K Qᵀ, [kv, q]: the weights then are dV's operand as they are), dV += Pᵀ dO,
+dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - delta) and dK += dSᵀ Q; both partitions' dSᵀ go to shared memory, where each
+partition takes half of dQ's head dim, dQ = dS K, over all 128 kv rows. One more warp adds each q block's dQ from
+shared memory into an fp32 buffer by atomics (Gluon under triton 3.6 has no TMA reduction), off the partitions'
+path; the buffer is converted to dQ's dtype at the end. delta = rowsum(dO ⊙ O) (with the forward's rounding
+residual) comes first, from a Triton kernel (`backward.row_delta`, the Triton backward's).
+
+The weights are recomputed from the forward's statistics as the Triton backward does (`backward._row_statistics`):
+exp2((s · scale - m) · log2(e) - a), with the exact mode's cut to the inputs' dtype and 1 / l where the forward wrote
+its exact weights (`forward.keeps_residual`). Served (`serves`): the sm_90 forward's cases (`hopper_forward.serves`)
+with dO laid out as rows of one matrix too. The Triton backward runs everything else.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusepass.flash import hopper_forward
+from fusepass.flash.backward import row_delta
+from fusepass.flash.tiles import load_tile
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+except ImportError:  # a Triton without Gluon's Hopper language: the Triton backward serves
+    gluon = None
+
+LOG2E = tl.constexpr(1.4426950408889634)
+BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two partitions of 64), the ring's depth
+DELTA_BLOCK = 64  # rows a program of the delta kernel
+
+if gluon is not None:
+    @gluon.jit
+    def _loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_free,
+               q_strides, do_strides, b, first_head, k_row, k_col, v_row, v_col, first_block, n_blocks, group,
+               BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """The loading warp: the program's K and V once (a half for each partition), then Q and dO a q block at a
+        time into the next free buffer of their ring; `q_free[i]` completes when both partitions are done with
+        step t's buffers, for a t with t % STAGES == i."""
+        half: gl.constexpr = k_smem.shape[1]
+        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+        for part in gl.static_range(2):
+            tma.async_copy_global_to_shared(k_desc, [k_row + part * half, k_col], kv_bar, k_smem.index(part))
+            tma.async_copy_global_to_shared(v_desc, [v_row + part * half, v_col], kv_bar, v_smem.index(part))
+        t = 0
+        for g in range(group):
+            h = first_head + g
+            q_base = b.to(gl.int64) * q_strides[0] + h.to(gl.int64) * q_strides[1]
+            do_base = b.to(gl.int64) * do_strides[0] + h.to(gl.int64) * do_strides[1]
+            q_row = (q_base // q_strides[2]).to(gl.int32)
+            q_col = (q_base % q_strides[2]).to(gl.int32)
+            do_row = (do_base // do_strides[2]).to(gl.int32)
+            do_col = (do_base % do_strides[2]).to(gl.int32)
+            for i in range(first_block, n_blocks):
+                slot = t % STAGES
+                # A ring's buffers start free: the first wait on each is for the phase before its first.
+                mbarrier.wait(q_free.index(slot), ((t // STAGES) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row + i * BLOCK_M, q_col], q_ready.index(slot),
+                                                q_smem.index(slot))
+                tma.async_copy_global_to_shared(do_desc, [do_row + i * BLOCK_M, do_col], q_ready.index(slot),
+                                                do_smem.index(slot))
+                t += 1
+
+    @gluon.jit
+    def _dq_adds(dq_acc, dq_smem, dq_ready, dq_free, b, first_head, n_heads, q_len, first_block, n_blocks, group,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+        """The adding warp: each step's dQ (both partitions' halves of the head dim, in shared memory) added into
+        the fp32 buffer [B, H, Nq, D] by atomics, a few rows at a time."""
+        half: gl.constexpr = HEAD_DIM // 2
+        cols_threads: gl.constexpr = half // 4
+        rows_threads: gl.constexpr = 32 // cols_threads
+        layout: gl.constexpr = gl.BlockedLayout([1, 4], [rows_threads, cols_threads], [1, 1], [1, 0])
+        rows = gl.arange(0, rows_threads, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, half, layout=gl.SliceLayout(0, layout))
+        t = 0
+        for g in range(group):
+            bh = (b * n_heads + first_head + g).to(gl.int64)
+            for i in range(first_block, n_blocks):
+                base = dq_acc + (bh * q_len + i * BLOCK_M) * HEAD_DIM
+                mbarrier.wait(dq_ready, t & 1)
+                for part in gl.static_range(2):
+                    for r in gl.static_range(0, BLOCK_M, rows_threads):
+                        added = dq_smem.index(part).slice(r, rows_threads).load(layout)
+                        gl.atomic_add(base + (r + rows)[:, None] * HEAD_DIM + part * half + cols[None, :], added,
+                                      sem="relaxed")
+                mbarrier.arrive(dq_free)
+                t += 1
+
+    @gluon.jit
+    def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem, ds_smem, dq_smem, q_ready, q_free,
+              ds_ready, dq_ready, dq_free, stat_lse, stat_log_sum, stat_delta, kv_start, c, scale, part: gl.constexpr,
+              S_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              MASKED: gl.constexpr):
+        """Step t (q block i of one head): this partition's share of dV, dK and dQ. `stat_*` point at the head's
+        rows of the forward's statistics and delta; c = scale · log2(e), as the forward's.
+
+        The weights are the forward's, from its statistics (`forward.FlashForwardExtra`, exact mode): 2^(s · c -
+        shift) for a row whose max stayed tame (its lse the whole shift), 2^(s · c - m · log2(e)) past that (its lse
+        the max m in score units, its log_sum negative), cut toward zero to the inputs' dtype, times 1 / l (|log_sum|)
+        for dV; the score gradient p · (dp / l - delta / l) · scale, as the Triton backward's (`_weights_gradient`).
+        The tiles are [q, kv], a row's values two registers a thread; the weights and dS reach the products that
+        take them transposed (dV's, dK's) through shared memory."""
+        dtype: gl.constexpr = q_smem.dtype
+        head_dim: gl.constexpr = q_smem.shape[2]
+        cols: gl.constexpr = k_part.shape[0]
+        slot = t % STAGES
+        q_rows: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
+        q_at = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_rows)
+        mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
+        q_s = q_smem.index(slot)
+        do_s = do_smem.index(slot)
+        s = warpgroup_mma(q_s, k_part.permute((1, 0)), gl.zeros([BLOCK_M, cols], gl.float32, S_LAYOUT),
+                          use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_s, v_part.permute((1, 0)), gl.zeros([BLOCK_M, cols], gl.float32, S_LAYOUT),
+                           use_acc=False, is_async=True)
+        lse = gl.load(stat_lse + q_at)
+        log_sum = gl.load(stat_log_sum + q_at)
+        offset = gl.where(log_sum < 0.0, -lse * LOG2E, -lse)
+        inverse_l = gl.abs(log_sum)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        if MASKED:
+            kv_at = kv_start + part * cols + gl.arange(0, cols, layout=gl.SliceLayout(0, S_LAYOUT))
+            s = gl.where(q_at[:, None] >= kv_at[None, :], s, float("-inf"))
+        p = gl.exp2(gl.fma(s, c, offset[:, None]))
+        # Cut toward zero to the inputs' dtype (`tiles.truncated`): exact in it.
+        if dtype == gl.bfloat16:
+            p = (p.to(gl.uint32, bitcast=True) & 0xFFFF0000).to(gl.float32, bitcast=True)
+        else:
+            p = (p.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
+        p_smem.store((p * inverse_l[:, None]).to(dtype))
+        p = p.to(dtype)
+        fence_async_shared()
+        dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
+        scaled_delta = gl.load(stat_delta + q_at) * inverse_l
+        dp = warpgroup_mma_wait(1, deps=(dp,))
+        ds = p.to(gl.float32) * gl.fma(dp, inverse_l[:, None], -scaled_delta[:, None])
+        ds = (ds * scale).to(dtype)  # the scaled score's gradient
+        # Both partitions' dS, for dQ over all kv rows; its two buffers alternate by step: a partition passes step
+        # t + 1's wait only after the other finished step t, so step t + 2 writes over nothing still read.
+        ds_slot = t % 2
+        ds_own = ds_smem.index(2 * ds_slot + part)
+        ds_own.store(ds)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(ds_slot))
+        mbarrier.wait(ds_ready.index(ds_slot), (t // 2) & 1)
+        dk = warpgroup_mma(ds_own.permute((1, 0)), q_s, dk, is_async=True)
+        half: gl.constexpr = head_dim // 2
+        dq = warpgroup_mma(ds_smem.index(2 * ds_slot), k_smem.index(0).slice(part * half, half, 1),
+                           gl.zeros([BLOCK_M, half], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(2 * ds_slot + 1), k_smem.index(1).slice(part * half, half, 1), dq,
+                           is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(q_free.index(slot))  # Q and dO of step t read
+        mbarrier.wait(dq_free, (t & 1) ^ 1)  # the adding warp is done with step t - 1's dQ
+        dq_smem.index(part).store(dq)
+        mbarrier.arrive(dq_ready)
+        return dk, dv
+
+    @gluon.jit
+    def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem, k_smem,
+                   v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_ready, dq_free, b, kv_h, kv_start,
+                   first_head, n_heads, q_len, first_block, n_blocks, group, scale, part: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+        """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ."""
+        warps: gl.constexpr = gl.num_warps()
+        rows: gl.constexpr = k_smem.shape[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                           instr_shape=[16, rows, 16])
+        kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                            instr_shape=[16, HEAD_DIM, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                            instr_shape=[16, HEAD_DIM // 2, 16])
+        c = scale * 1.4426950408889634  # as the forward's
+        dk = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
+        k_part = k_smem.index(part)
+        v_part = v_smem.index(part)
+        mbarrier.wait(kv_bar, 0)
+        # Under a causal mask a kv block's first two q blocks cross the diagonal (q blocks of 64, kv blocks of 128).
+        n_masked = 2 if CAUSAL else 0
+        t = 0
+        for g in range(group):
+            stats = (b * n_heads + first_head + g).to(gl.int64) * q_len
+            for i in range(first_block, first_block + n_masked):
+                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem.index(part), ds_smem,
+                               dq_smem, q_ready, q_free, ds_ready, dq_ready, dq_free, lse_ptr + stats,
+                               log_sum_ptr + stats, delta_ptr + stats, kv_start, c, scale, part, s_layout, dq_layout,
+                               BLOCK_M, STAGES, True)
+                t += 1
+            for i in range(first_block + n_masked, n_blocks):
+                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem.index(part), ds_smem,
+                               dq_smem, q_ready, q_free, ds_ready, dq_ready, dq_free, lse_ptr + stats,
+                               log_sum_ptr + stats, delta_ptr + stats, kv_start, c, scale, part, s_layout, dq_layout,
+                               BLOCK_M, STAGES, False)
+                t += 1
+        row_idx = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, kv_layout))
+        col_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+        dk_at = (dk_ptr + b.to(gl.int64) * dk_strides[0] + kv_h.to(gl.int64) * dk_strides[1]
+                 + row_idx[:, None].to(gl.int64) * dk_strides[2] + col_idx[None, :] * dk_strides[3])
+        dv_at = (dv_ptr + b.to(gl.int64) * dv_strides[0] + kv_h.to(gl.int64) * dv_strides[1]
+                 + row_idx[:, None].to(gl.int64) * dv_strides[2] + col_idx[None, :] * dv_strides[3])
+        gl.store(dk_at, dk.to(dk_ptr.dtype.element_ty))
+        gl.store(dv_at, dv.to(dv_ptr.dtype.element_ty))
+
+    @gluon.jit
+    def _hopper_backward(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, dq_acc, lse_ptr, log_sum_ptr, delta_ptr,
+                         q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len,
+                         scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+        """Program (kv block, batch · kv head). Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
+        in the matrix its descriptor covers (`hopper_forward._Rows`)."""
+        dtype: gl.constexpr = q_desc.dtype
+        HALF: gl.constexpr = BLOCK_N // 2
+        kv_block = gl.program_id(0)  # the first kv blocks first: under a causal mask they walk the most q blocks
+        bh = gl.program_id(1)
+        kv_heads = n_heads // group
+        b = bh // kv_heads
+        kv_h = bh - b * kv_heads
+        k_base = b.to(gl.int64) * k_strides[0] + kv_h.to(gl.int64) * k_strides[1]
+        v_base = b.to(gl.int64) * v_strides[0] + kv_h.to(gl.int64) * v_strides[1]
+        kv_start = kv_block * BLOCK_N
+        k_row = (k_base // k_strides[2]).to(gl.int32) + kv_start
+        v_row = (v_base // v_strides[2]).to(gl.int32) + kv_start
+        first_block = kv_start // BLOCK_M if CAUSAL else 0
+        n_blocks = q_len // BLOCK_M
+        first_head = kv_h * group
+
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], v_desc.layout)
+        # Per partition its weights for dV, and its dS for dK and both partitions' dQ (two buffers, by step).
+        ps_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], ps_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF], ps_layout)  # (step's buffer, partition)
+        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=2)
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(dq_ready, count=2)
+        mbarrier.init(dq_free, count=1)
+
+        gl.warp_specialize([
+            (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem,
+                          k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_ready, dq_free, b,
+                          kv_h, kv_start, first_head, n_heads, q_len, first_block, n_blocks, group, scale, 0, HEAD_DIM,
+                          BLOCK_M, STAGES, CAUSAL)),
+            (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem,
+                          k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_ready, dq_free, b,
+                          kv_h, kv_start, first_head, n_heads, q_len, first_block, n_blocks, group, scale, 1, HEAD_DIM,
+                          BLOCK_M, STAGES, CAUSAL)),
+            (_loads, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_free,
+                      q_strides, do_strides, b, first_head, k_row, (k_base % k_strides[2]).to(gl.int32), v_row,
+                      (v_base % v_strides[2]).to(gl.int32), first_block, n_blocks, group, BLOCK_M, STAGES)),
+            (_dq_adds, (dq_acc, dq_smem, dq_ready, dq_free, b, first_head, n_heads, q_len, first_block, n_blocks,
+                        group, HEAD_DIM, BLOCK_M))], [4, 1, 1], [224, 24, 40])
+
+
+@triton.jit
+def _delta_kernel(Out, Residual, DO, Delta, out_strides, do_strides, Nq, HEAD_DIM: tl.constexpr,
+                  BLOCK_M: tl.constexpr, DELTA_BY_DOT: tl.constexpr):
+    """delta of each query row (`backward.row_delta`), program (q block, head, batch)."""
+    q_block, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bh = b * tl.num_programs(1) + h
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
+    do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
+    residual = None
+    if Residual is not None:
+        residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True,
+                             False)
+    tl.store(Delta + bh * Nq + rows, row_delta(out, do.to(out.dtype), residual, DELTA_BY_DOT), mask=rows < Nq)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernel can run on `device` (as the sm_90 forward)."""
+    return gluon is not None and hopper_forward.available(device)
+
+
+def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
+    """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal]) v for these [B, H, N, D] tensors
+    and dO: where the sm_90 forward serves them (its statistics are the ones read) and dO is laid out as rows of
+    one matrix in their dtype."""
+    return (gluon is not None and hopper_forward.serves(q, k, v, causal) and do.dtype == q.dtype
+            and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0 and hopper_forward._Rows.of(do) is not None)
+
+
+DESCRIBED = "the backward ran the sm_90 kernel (warp-specialized, Gluon)"  # in the report, per shape
+
+
+def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, log_sum: torch.Tensor, scale: float, causal: bool, grads: tuple,
+                    residual: torch.Tensor | None = None) -> None:
+    """dQ, dK, dV into `grads` (tensors of q's, k's and v's shapes, any strides; dK and dV summed over the query
+    heads sharing a kv head), where `serves`; `lse` and `log_sum` the forward's ([B, H, N] contiguous fp32) and
+    `residual` the output's rounding residual where the forward wrote its exact weights."""
+    batch, q_heads, q_len, d = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    dq, dk, dv = grads
+    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
+    _delta_kernel[(triton.cdiv(q_len, DELTA_BLOCK), q_heads, batch)](
+        out, residual, do, delta, out.stride(), do.stride(), q_len, HEAD_DIM=d, BLOCK_M=DELTA_BLOCK,
+        DELTA_BY_DOT=out.dtype == v.dtype)
+    dq_acc = torch.zeros(batch, q_heads, q_len, d, dtype=torch.float32, device=q.device)
+    rows = hopper_forward._Rows
+    described = [rows.of(t).described(t, n) for t, n in ((q, BLOCK_M), (do, BLOCK_M), (k, BLOCK_N // 2),
+                                                           (v, BLOCK_N // 2))]
+    _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
+        *described, dk, dv, dq_acc, lse, log_sum, delta, q.stride()[:3], do.stride()[:3], k.stride()[:3],
+        v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, scale, HEAD_DIM=d,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)
+    dq.copy_(dq_acc)

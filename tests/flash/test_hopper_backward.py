@@ -1,0 +1,149 @@
+"""The sm_90 backward (`fusepass.flash.hopper_backward`): dQ, dK and dV after the sm_90 forward's training form against
+float64, at the Triton backward's distance, at the layouts it serves (contiguous, by position, a fused projection's
+slices, shared K/V heads); where a compiled training step runs it (the report names it); what it does not serve; and
+its delta kernel (Triton, on any device).
+The kernel runs asynchronous products, TMA rings and atomics: on an sm_90 GPU only; elsewhere `serves` says no."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hopper_layouts import causal_attention, laid_out
+from support import DEVICE, check, last_attention
+
+import fusepass
+from fusepass.flash import hopper_backward, hopper_forward
+from fusepass.flash.backward import flash_attention_backward
+from fusepass.flash.forward import FlashForwardExtra
+from fusepass.flash.score_mod import ScoreMod
+from fusepass.report.records import KERNEL
+
+on_hopper = pytest.mark.skipif(not hopper_backward.available(torch.device(DEVICE)),
+                               reason="the sm_90 kernel needs an sm_90 GPU and Gluon")
+
+
+def _reference(q, k, v, do, causal):
+    """(dq, dk, dv) of softmax(q kᵀ / √D [causal]) v in float64, K/V heads repeated for their groups (their
+    gradients summed back)."""
+    group = q.shape[1] // k.shape[1]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    out = torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)
+    return torch.autograd.grad(out, (q64, k64, v64), do.double())
+
+
+def _training_forward(q, k, v, out, causal):
+    """The sm_90 forward as a training step runs it (its exact weights, the output's residual): lse, log_sum and
+    the residual."""
+    lse = torch.empty(q.shape[:3], device=DEVICE)
+    log_sum, residual = torch.empty_like(lse), torch.empty_like(out)
+    hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, None, 1 / math.sqrt(q.shape[3]), causal, residual)
+    return lse, log_sum, residual
+
+
+def _distance(got, expected):
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
+@pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
+@pytest.mark.parametrize("d,n,dtype", [(64, 384, torch.bfloat16), (128, 256, torch.float16), (128, 640, torch.bfloat16)])
+def test_the_kernel_computes_the_gradients(causal, layout, heads, kv_heads, d, n, dtype):
+    q, k, v, out = laid_out(layout, 2, heads, kv_heads, n, d, dtype)
+    lse, log_sum, residual = _training_forward(q, k, v, out, causal)
+    do = torch.randn(out.shape, device=DEVICE, dtype=dtype)
+    assert hopper_backward.serves(do, q, k, v, causal)
+    # gradients laid out as the inputs (a fused projection's share one buffer)
+    grads = tuple(torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=DEVICE) for t in (q, k, v))
+    hopper_backward.hopper_backward(do, q, k, v, out, lse, log_sum, 1 / math.sqrt(d), causal, grads, residual)
+    expected = _reference(q, k, v, do, causal)
+    # The Triton backward's distance from float64 after the same forward is the bar.
+    mod = scaled_mod(causal, d)
+    triton_grads = flash_attention_backward(do, q, k, v, out, lse, FlashForwardExtra(log_sum, None, None, residual),
+                                            mod, (), None)
+    for name, got, bar, e in zip("qkv", grads, triton_grads, expected):
+        assert _distance(got, e) <= 1.2 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
+
+
+@triton.jit
+def _scaled_64(s, b, h, q_idx, kv_idx, aux):
+    return s * 0.125
+
+
+@triton.jit
+def _scaled_64_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    return ds * 0.125
+
+
+@triton.jit
+def _scaled_128(s, b, h, q_idx, kv_idx, aux):
+    return s * 0.08838834764831845
+
+
+@triton.jit
+def _scaled_128_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    return ds * 0.08838834764831845
+
+
+@triton.jit
+def _causal_keep(b, h, q_idx, kv_idx, aux):
+    return q_idx >= kv_idx
+
+
+@triton.jit
+def _minus_inf(s, b, h, q_idx, kv_idx, aux):
+    return tl.full(s.shape, float("-inf"), tl.float32)
+
+
+def scaled_mod(causal: bool, d: int) -> ScoreMod:
+    """Score functions for the Triton backward: the scores times 1 / √d, causal or not."""
+    score, score_grad = (_scaled_64, _scaled_64_grad) if d == 64 else (_scaled_128, _scaled_128_grad)
+    name = f"hopper_backward_reference_{'causal' if causal else 'plain'}_{d}"
+    if causal:
+        return ScoreMod(name=name, score=score, score_grad=score_grad, keep=_causal_keep, fill=_minus_inf)
+    return ScoreMod(name=name, score=score, score_grad=score_grad)
+
+
+@on_hopper
+@pytest.mark.parametrize("n", [256, 384])  # a second call at another length compiles again
+def test_a_compiled_training_step_runs_it(n):
+    """Eager's gradients for every weight (`check`), and the report names the kernel of each phase."""
+    x = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
+    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
+    report = check(causal_attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
+    unfused = last_attention().unfused
+    assert list(unfused.forward_record.detail.get(KERNEL, {}).values()) == [hopper_forward.DESCRIBED]
+    assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
+    assert "backward ran the sm_90" in str(report)
+
+
+def test_it_serves_only_what_it_computes():
+    """What the sm_90 forward does not serve, and a dO of another dtype or not rows of one matrix: the Triton
+    kernels'."""
+    q, k, v = (torch.randn(1, 2, 256, 64, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    do = torch.randn_like(q)
+    assert not hopper_backward.serves(do[:, :, :200], q[:, :, :200], k[:, :, :200], v[:, :, :200], False)
+    assert not hopper_backward.serves(do.float(), q, k, v, False)
+    assert not hopper_backward.serves(do.transpose(2, 3).contiguous().transpose(2, 3), q, k, v, False)
+    assert hopper_backward.serves(do, q, k, v, True) == hopper_backward.available(q.device)
+
+
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "none"])
+def test_the_delta_kernel_takes_each_rows_term(with_residual):
+    """delta = rowsum(dO · (O + residual)), the Triton backward's row term (`backward.row_delta`), at a length no
+    block divides."""
+    out = torch.randn(2, 3, 100, 64, device=DEVICE, dtype=torch.bfloat16)
+    do = torch.randn_like(out)
+    residual = torch.randn_like(out) * 1e-3 if with_residual else None
+    delta = torch.empty(out.shape[:3], device=DEVICE)
+    hopper_backward._delta_kernel[(2, 3, 2)](out, residual, do, delta, out.stride(), do.stride(), 100, HEAD_DIM=64,
+                                             BLOCK_M=hopper_backward.DELTA_BLOCK, DELTA_BY_DOT=True)
+    expected = (do.double() * (out.double() + (residual.double() if with_residual else 0))).sum(-1)
+    torch.testing.assert_close(delta.double(), expected, rtol=1e-4, atol=1e-3)
