@@ -31,14 +31,25 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
+    from triton.experimental.gluon.language._core import builtin
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton._C.libtriton import ir
 except ImportError:  # a Triton without Gluon's Hopper language: the Triton backward serves
     gluon = None
 
 LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two partitions of 64), the ring's depth
 DELTA_BLOCK = 64  # rows a program of the delta kernel
+HEAD_DIMS = (128,)
 
 if gluon is not None:
+    @builtin
+    def _tma_add(tensor_desc, coord, src, _semantic=None):
+        """Add a shared-memory tile into global memory by TMA (`cp.reduce.async.bulk.tensor`): Gluon's builder has it
+        under triton 3.6, its Hopper language not."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
     @gluon.jit
     def _loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_free,
                q_strides, do_strides, b, first_head, k_row, k_col, v_row, v_col, first_block, n_blocks, group,
@@ -72,33 +83,8 @@ if gluon is not None:
                 t += 1
 
     @gluon.jit
-    def _dq_adds(dq_acc, dq_smem, dq_ready, dq_free, b, first_head, n_heads, q_len, first_block, n_blocks, group,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
-        """The adding warp: each step's dQ (both partitions' halves of the head dim, in shared memory) added into
-        the fp32 buffer [B, H, Nq, D] by atomics, a few rows at a time."""
-        half: gl.constexpr = HEAD_DIM // 2
-        cols_threads: gl.constexpr = half // 4
-        rows_threads: gl.constexpr = 32 // cols_threads
-        layout: gl.constexpr = gl.BlockedLayout([1, 4], [rows_threads, cols_threads], [1, 1], [1, 0])
-        rows = gl.arange(0, rows_threads, layout=gl.SliceLayout(1, layout))
-        cols = gl.arange(0, half, layout=gl.SliceLayout(0, layout))
-        t = 0
-        for g in range(group):
-            bh = (b * n_heads + first_head + g).to(gl.int64)
-            for i in range(first_block, n_blocks):
-                base = dq_acc + (bh * q_len + i * BLOCK_M) * HEAD_DIM
-                mbarrier.wait(dq_ready, t & 1)
-                for part in gl.static_range(2):
-                    for r in gl.static_range(0, BLOCK_M, rows_threads):
-                        added = dq_smem.index(part).slice(r, rows_threads).load(layout)
-                        gl.atomic_add(base + (r + rows)[:, None] * HEAD_DIM + part * half + cols[None, :], added,
-                                      sem="relaxed")
-                mbarrier.arrive(dq_free)
-                t += 1
-
-    @gluon.jit
     def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem, ds_smem, dq_smem, q_ready, q_free,
-              ds_ready, dq_ready, dq_free, stat_lse, stat_log_sum, stat_delta, kv_start, c, scale, part: gl.constexpr,
+              ds_ready, dq_desc, dq_row, stat_lse, stat_log_sum, stat_delta, kv_start, c, scale, part: gl.constexpr,
               S_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               MASKED: gl.constexpr):
         """Step t (q block i of one head): this partition's share of dV, dK and dQ. `stat_*` point at the head's
@@ -161,16 +147,17 @@ if gluon is not None:
                            is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(q_free.index(slot))  # Q and dO of step t read
-        mbarrier.wait(dq_free, (t & 1) ^ 1)  # the adding warp is done with step t - 1's dQ
+        tma.store_wait(0)  # step t - 1's addition has read the buffer
         dq_smem.index(part).store(dq)
-        mbarrier.arrive(dq_ready)
+        fence_async_shared()
+        _tma_add(dq_desc, [dq_row + i * BLOCK_M, part * half], dq_smem.index(part))
         return dk, dv
 
     @gluon.jit
     def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem, k_smem,
-                   v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_ready, dq_free, b, kv_h, kv_start,
-                   first_head, n_heads, q_len, first_block, n_blocks, group, scale, part: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                   v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start,
+                   first_head, n_heads, q_len, first_block, n_blocks, group, scale, part: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
         """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ."""
         warps: gl.constexpr = gl.num_warps()
         rows: gl.constexpr = k_smem.shape[1]
@@ -193,13 +180,13 @@ if gluon is not None:
             stats = (b * n_heads + first_head + g).to(gl.int64) * q_len
             for i in range(first_block, first_block + n_masked):
                 dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem.index(part), ds_smem,
-                               dq_smem, q_ready, q_free, ds_ready, dq_ready, dq_free, lse_ptr + stats,
+                               dq_smem, q_ready, q_free, ds_ready, dq_desc, stats.to(gl.int32), lse_ptr + stats,
                                log_sum_ptr + stats, delta_ptr + stats, kv_start, c, scale, part, s_layout, dq_layout,
                                BLOCK_M, STAGES, True)
                 t += 1
             for i in range(first_block + n_masked, n_blocks):
                 dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem.index(part), ds_smem,
-                               dq_smem, q_ready, q_free, ds_ready, dq_ready, dq_free, lse_ptr + stats,
+                               dq_smem, q_ready, q_free, ds_ready, dq_desc, stats.to(gl.int32), lse_ptr + stats,
                                log_sum_ptr + stats, delta_ptr + stats, kv_start, c, scale, part, s_layout, dq_layout,
                                BLOCK_M, STAGES, False)
                 t += 1
@@ -211,9 +198,10 @@ if gluon is not None:
                  + row_idx[:, None].to(gl.int64) * dv_strides[2] + col_idx[None, :] * dv_strides[3])
         gl.store(dk_at, dk.to(dk_ptr.dtype.element_ty))
         gl.store(dv_at, dv.to(dv_ptr.dtype.element_ty))
+        tma.store_wait(0)
 
     @gluon.jit
-    def _hopper_backward(q_desc, do_desc, k_desc, v_desc, dk_ptr, dv_ptr, dq_acc, lse_ptr, log_sum_ptr, delta_ptr,
+    def _hopper_backward(q_desc, do_desc, k_desc, v_desc, dq_desc, dk_ptr, dv_ptr, lse_ptr, log_sum_ptr, delta_ptr,
                          q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len,
                          scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          CAUSAL: gl.constexpr, STAGES: gl.constexpr):
@@ -243,37 +231,31 @@ if gluon is not None:
         ps_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], ps_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF], ps_layout)  # (step's buffer, partition)
-        dq_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_layout)
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)  # per partition
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_free.index(i), count=2)
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(dq_ready, count=2)
-        mbarrier.init(dq_free, count=1)
 
         gl.warp_specialize([
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem,
-                          k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_ready, dq_free, b,
-                          kv_h, kv_start, first_head, n_heads, q_len, first_block, n_blocks, group, scale, 0, HEAD_DIM,
+                          k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h,
+                          kv_start, first_head, n_heads, q_len, first_block, n_blocks, group, scale, 0, HEAD_DIM,
                           BLOCK_M, STAGES, CAUSAL)),
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem,
-                          k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_ready, dq_free, b,
-                          kv_h, kv_start, first_head, n_heads, q_len, first_block, n_blocks, group, scale, 1, HEAD_DIM,
+                          k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h,
+                          kv_start, first_head, n_heads, q_len, first_block, n_blocks, group, scale, 1, HEAD_DIM,
                           BLOCK_M, STAGES, CAUSAL)),
             (_loads, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_free,
                       q_strides, do_strides, b, first_head, k_row, (k_base % k_strides[2]).to(gl.int32), v_row,
-                      (v_base % v_strides[2]).to(gl.int32), first_block, n_blocks, group, BLOCK_M, STAGES)),
-            (_dq_adds, (dq_acc, dq_smem, dq_ready, dq_free, b, first_head, n_heads, q_len, first_block, n_blocks,
-                        group, HEAD_DIM, BLOCK_M))], [4, 1, 1], [224, 24, 40])
+                      (v_base % v_strides[2]).to(gl.int32), first_block, n_blocks, group, BLOCK_M, STAGES))],
+            [4, 1], [240, 24])
 
 
 @triton.jit
@@ -299,10 +281,12 @@ def available(device: torch.device) -> bool:
 
 def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal]) v for these [B, H, N, D] tensors
-    and dO: where the sm_90 forward serves them (its statistics are the ones read) and dO is laid out as rows of
-    one matrix in their dtype."""
-    return (gluon is not None and hopper_forward.serves(q, k, v, causal) and do.dtype == q.dtype
-            and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0 and hopper_forward._Rows.of(do) is not None)
+    and dO, and is the faster backward there: where the sm_90 forward serves them (its statistics are the ones read),
+    at head dim 128 (at 64 the Triton backward was faster: bench/NOTES.md), and dO is laid out as rows of one matrix
+    in their dtype."""
+    return (gluon is not None and hopper_forward.serves(q, k, v, causal) and q.shape[3] in HEAD_DIMS
+            and do.dtype == q.dtype and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0
+            and hopper_forward._Rows.of(do) is not None)
 
 
 DESCRIBED = "the backward ran the sm_90 kernel (warp-specialized, Gluon)"  # in the report, per shape
@@ -310,10 +294,10 @@ DESCRIBED = "the backward ran the sm_90 kernel (warp-specialized, Gluon)"  # in 
 
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, log_sum: torch.Tensor, scale: float, causal: bool, grads: tuple,
-                    residual: torch.Tensor | None = None) -> None:
+                    residual: torch.Tensor) -> None:
     """dQ, dK, dV into `grads` (tensors of q's, k's and v's shapes, any strides; dK and dV summed over the query
-    heads sharing a kv head), where `serves`; `lse` and `log_sum` the forward's ([B, H, N] contiguous fp32) and
-    `residual` the output's rounding residual where the forward wrote its exact weights."""
+    heads sharing a kv head), where `serves`, after the sm_90 forward's training form: `lse`, `log_sum` its exact
+    weights' statistics ([B, H, N] contiguous fp32), `residual` the output's rounding residual."""
     batch, q_heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq, dk, dv = grads
@@ -325,8 +309,11 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     rows = hopper_forward._Rows
     described = [rows.of(t).described(t, n) for t, n in ((q, BLOCK_M), (do, BLOCK_M), (k, BLOCK_N // 2),
                                                            (v, BLOCK_N // 2))]
+    dq_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d // 2], gl.float32)
+    dq_described = TensorDescriptor(dq_acc.view(-1, d), [batch * q_heads * q_len, d], [d, 1], [BLOCK_M, d // 2],
+                                    dq_layout)
     _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
-        *described, dk, dv, dq_acc, lse, log_sum, delta, q.stride()[:3], do.stride()[:3], k.stride()[:3],
+        *described, dq_described, dk, dv, lse, log_sum, delta, q.stride()[:3], do.stride()[:3], k.stride()[:3],
         v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, scale, HEAD_DIM=d,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)
     dq.copy_(dq_acc)

@@ -22,7 +22,7 @@ KNOWN_CONTENTS = "known contents"
 SDPA = "sdpa"
 # An attention's, in each phase's record: per shape, the kernel that ran where it is not the Triton kernel
 # (`flash.hopper_forward`, `flash.hopper_backward`).
-KERNEL = "kernel"
+KERNEL = "sm_90 kernel"
 
 
 @dataclass
