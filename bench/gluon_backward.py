@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
-import subprocess
-import tempfile
 
 import flash_sweep
 import torch
@@ -27,23 +24,24 @@ SHAPES = "2,16,8192,128;8,16,2048,64"
 
 
 @triton.jit
-def scaled_d64(s, b, h, q_idx, kv_idx, aux):
-    return s * 0.125
+def scaled(s, b, h, q_idx, kv_idx, aux):
+    return s * aux[0]  # aux: (the scale,)
 
 
 @triton.jit
-def scaled_d64_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
-    return ds * 0.125
+def scaled_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
+    return ds * aux[0]
 
 
-# The sweep's score functions at D64's scale, for the Triton backward
-D64_PLAIN = ScoreMod(name="gluon_backward_plain_d64", score=scaled_d64, score_grad=scaled_d64_grad)
-D64_CAUSAL = ScoreMod(name="gluon_backward_causal_d64", score=scaled_d64, score_grad=scaled_d64_grad,
-                      keep=flash_sweep.CAUSAL.keep, fill=flash_sweep.CAUSAL.fill)
+# The Triton backward's score functions, the scale an argument
+PLAIN = ScoreMod(name="gluon_backward_plain", score=scaled, score_grad=scaled_grad)
+CAUSAL = ScoreMod(name="gluon_backward_causal", score=scaled, score_grad=scaled_grad, keep=flash_sweep.CAUSAL.keep,
+                  fill=flash_sweep.CAUSAL.fill)
 
 
 def sass_counts(causal: bool, head_dim: int) -> dict:
     """Registers, spills, and the instructions that order the loop and add dQ, from the sm_90 build (no GPU)."""
+    from gluon_forward import sm90_build
     from kernel_resources import CompileOnlyDriver, resources
     from triton.runtime import driver
 
@@ -62,15 +60,7 @@ def sass_counts(causal: bool, head_dim: int) -> dict:
                                         *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, 0.125,
                                         HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=causal,
                                         STAGES=hb.STAGES, num_warps=4, grid=(1,))
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        notes = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
-                                os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True).stdout
+    sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2",
                                                              "REDG", "UBLKRED|UTMAREDG")}
     serialized = re.findall(r"\(C75\d\d\)[^\n]*serialized due to ([^\n]*) in the function", notes)
@@ -94,10 +84,7 @@ def backwards(q, k, v, do, causal):
 
     out, lse, log_sum, residual = training_forward(q, k, v, causal)
     scale = 1 / math.sqrt(q.shape[3])
-    if q.shape[3] == 128:
-        mod = flash_sweep.CAUSAL if causal else flash_sweep.PLAIN
-    else:
-        mod = D64_CAUSAL if causal else D64_PLAIN
+    mod = CAUSAL if causal else PLAIN
 
     fallback = torch.zeros(q.shape[:3], device=q.device, dtype=torch.int8) if causal else None  # none recomputed
 
@@ -112,7 +99,7 @@ def backwards(q, k, v, do, causal):
     def triton_backward():
         g = grads()
         flash_attention_backward(do, q, k, v, out, lse, FlashForwardExtra(log_sum, fallback, None, residual), mod,
-                                 (), None, grads=g)
+                                 (scale,), None, grads=g)
         return g
 
     group = q.shape[1] // k.shape[1]

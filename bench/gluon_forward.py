@@ -48,10 +48,24 @@ def ring(block_n: int, stages: int):
     return setting()
 
 
+def sm90_build(kernel) -> tuple[str, str]:
+    """A kernel compiled for sm_90 (no GPU): its SASS, and what ptxas said of it (-v: registers, serializations)."""
+    import triton
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        notes = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
+                                os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True).stdout
+    return sass, notes
+
+
 def sass_counts(causal: bool, head_dim: int, exact: bool) -> dict:
     """Registers, spills and the instructions that order the loop, from the sm_90 build (no GPU), at
     `hopper_forward`'s present ring; `exact`: the training forward's weights (`forward.keeps_residual`)."""
-    import triton
     from kernel_resources import CompileOnlyDriver, resources
     from triton.runtime import driver
 
@@ -64,15 +78,7 @@ def sass_counts(causal: bool, head_dim: int, exact: bool) -> dict:
     kernel = hf._hopper_forward.warmup(*described, lse, lse, lse, *[x.stride()[:3]] * 4, 1, 1, 1024, 1024, 0.125,
                                        HEAD_DIM=head_dim, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, CAUSAL=causal,
                                        STAGES=hf.STAGES, EXACT=exact, num_warps=4, grid=(1,))
-    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        notes = subprocess.run([os.path.join(bin_dir, "ptxas"), "-arch=sm_90a", "-v", ptx, "-o",
-                                os.path.join(tmp, "k.cubin")], capture_output=True, text=True).stderr
-        sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True).stdout
+    sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2")}
     serialized = re.findall(r"\(C75\d\d\)[^\n]*serialized due to ([^\n]*) in the function", notes)
     return {**resources(kernel), **counts, "wgmma serialized": "; ".join(serialized) or "no"}
