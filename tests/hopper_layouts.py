@@ -22,10 +22,12 @@ def laid_out(layout, b, h, kv_h, n, d, dtype):
     return q, k, v, out
 
 
-def causal_attention(x, wq, wk, wv):
+def causal_attention(x, wq, wk, wv, heads=4):
+    """Causal attention over 256 features in `heads` heads (of 64 by default, of 128 at 2)."""
     b, n, _ = x.shape
-    q, k, v = ((x @ w).view(b, n, 4, 64).transpose(1, 2) for w in (wq, wk, wv))
-    s = q @ k.transpose(-1, -2) / 8.0
+    d = 256 // heads
+    q, k, v = ((x @ w).view(b, n, heads, d).transpose(1, 2) for w in (wq, wk, wv))
+    s = q @ k.transpose(-1, -2) / d ** 0.5
     i = torch.arange(n, device=x.device)
     s = s.masked_fill(i[None, :] > i[:, None], float("-inf"))
     return (torch.softmax(s.float(), -1).to(x.dtype) @ v).transpose(1, 2).reshape(b, n, 256)

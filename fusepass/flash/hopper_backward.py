@@ -205,13 +205,13 @@ if gluon is not None:
                          q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len,
                          scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-        """Program (batch · kv head, kv block): programs start in that order, so under a causal mask every head's
-        first kv blocks (the most q blocks to walk) start first. Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
+        """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in the
+        other order both backwards ran ~9 % slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
         in the matrix its descriptor covers (`hopper_forward._Rows`)."""
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
-        bh = gl.program_id(0)
-        kv_block = gl.program_id(1)
+        kv_block = gl.program_id(0)  # the first kv blocks first: under a causal mask they walk the most q blocks
+        bh = gl.program_id(1)
         kv_heads = n_heads // group
         b = bh // kv_heads
         kv_h = bh - b * kv_heads
@@ -313,7 +313,7 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dq_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d // 2], gl.float32)
     dq_described = TensorDescriptor(dq_acc.view(-1, d), [batch * q_heads * q_len, d], [d, 1], [BLOCK_M, d // 2],
                                     dq_layout)
-    _hopper_backward[(batch * kv_heads, kv_len // BLOCK_N)](
+    _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
         *described, dq_described, dk, dv, lse, log_sum, delta, q.stride()[:3], do.stride()[:3], k.stride()[:3],
         v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, scale, HEAD_DIM=d,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)
