@@ -206,8 +206,8 @@ if gluon is not None:
                          scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          CAUSAL: gl.constexpr, STAGES: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in the
-        other order both backwards ran ~9 % slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
-        in the matrix its descriptor covers (`hopper_forward._Rows`)."""
+        other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its
+        rows in the matrix its descriptor covers (`hopper_forward._Rows`)."""
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
         kv_block = gl.program_id(0)  # the first kv blocks first: under a causal mask they walk the most q blocks
