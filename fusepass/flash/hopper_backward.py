@@ -1,20 +1,18 @@
-"""The backward on sm_90 for what the sm_90 forward computes (`hopper_forward`): one Gluon kernel for dQ, dK and dV
-in FlashAttention-3's structure, five products per tile pair where the Triton backward's two kernels take seven.
+"""The backward on sm_90 for what the sm_90 forward computes in its training form (`hopper_forward`, exact weights):
+one Gluon kernel for dQ, dK and dV in FlashAttention-3's structure, five products per tile pair where the Triton
+backward's two kernels take seven.
 
 A program holds a kv block of 128 rows of one kv head, split between two partitions of one warpgroup (64 kv rows
 each), and walks the q blocks of 64 rows of every query head sharing it (under a causal mask, from the block's
 diagonal on). One warp loads Q and dO a q block at a time by TMA into a ring. Per q block a partition computes its
-scores and weights transposed (Sᵀ = K Qᵀ, [kv, q]: the weights then are dV's operand as they are), dV += Pᵀ dO,
-dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - delta) and dK += dSᵀ Q; both partitions' dSᵀ go to shared memory, where each
-partition takes half of dQ's head dim, dQ = dS K, over all 128 kv rows. One more warp adds each q block's dQ from
-shared memory into an fp32 buffer by atomics (Gluon under triton 3.6 has no TMA reduction), off the partitions'
-path; the buffer is converted to dQ's dtype at the end. delta = rowsum(dO ⊙ O) (with the forward's rounding
-residual) comes first, from a Triton kernel (`backward.row_delta`, the Triton backward's).
+[q, kv] tiles of scores and dP = dO Vᵀ (a row's statistics two registers a thread), the weights (to shared memory,
+for dV += Pᵀ dO) and dS = P ⊙ (dP - delta) (to shared memory, for dK += dSᵀ Q); each partition then takes half of
+dQ's head dim, dQ = dS K over both partitions' 128 kv rows, and adds it into an fp32 buffer by a TMA reduction
+(`cp.reduce.async.bulk.tensor`), converted to dQ's dtype at the end. delta = rowsum(dO ⊙ O) (with the forward's
+rounding residual) comes first, from a Triton kernel (`backward.row_delta`, the Triton backward's).
 
-The weights are recomputed from the forward's statistics as the Triton backward does (`backward._row_statistics`):
-exp2((s · scale - m) · log2(e) - a), with the exact mode's cut to the inputs' dtype and 1 / l where the forward wrote
-its exact weights (`forward.keeps_residual`). Served (`serves`): the sm_90 forward's cases (`hopper_forward.serves`)
-with dO laid out as rows of one matrix too. The Triton backward runs everything else.
+The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases at head dim 128, with dO
+laid out as rows of one matrix too. The Triton backward runs everything else.
 """
 from __future__ import annotations
 
@@ -34,6 +32,8 @@ try:
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton._C.libtriton import ir
+
+    from fusepass.flash.hopper_forward import truncated
 except ImportError:  # a Triton without Gluon's Hopper language: the Triton backward serves
     gluon = None
 
@@ -117,12 +117,7 @@ if gluon is not None:
         if MASKED:
             kv_at = kv_start + part * cols + gl.arange(0, cols, layout=gl.SliceLayout(0, S_LAYOUT))
             s = gl.where(q_at[:, None] >= kv_at[None, :], s, float("-inf"))
-        p = gl.exp2(gl.fma(s, c, offset[:, None]))
-        # Cut toward zero to the inputs' dtype (`tiles.truncated`): exact in it.
-        if dtype == gl.bfloat16:
-            p = (p.to(gl.uint32, bitcast=True) & 0xFFFF0000).to(gl.float32, bitcast=True)
-        else:
-            p = (p.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
+        p = truncated(gl.exp2(gl.fma(s, c, offset[:, None])), dtype)  # exact in the inputs' dtype
         p_smem.store((p * inverse_l[:, None]).to(dtype))
         p = p.to(dtype)
         fence_async_shared()

@@ -41,6 +41,13 @@ HEAD_DIMS = (64, 128)
 
 if gluon is not None:
     @gluon.jit
+    def truncated(p, dtype: gl.constexpr):
+        """fp32 values cut toward zero to `dtype` (bf16 or fp16) by a bitwise and, kept in fp32 (`tiles.truncated`)."""
+        if dtype == gl.bfloat16:
+            return (p.to(gl.uint32, bitcast=True) & 0xFFFF0000).to(gl.float32, bitcast=True)
+        return (p.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
+
+    @gluon.jit
     def _tile_weights(s, m_i, sub_i, shift_i, l_i, c, q_pos, k_pos, dtype: gl.constexpr, MASKED: gl.constexpr,
                       EXACT: gl.constexpr):
         """One tile's online softmax: its weights in `dtype`, the accumulator's rescale, the new running max (of
@@ -56,11 +63,7 @@ if gluon is not None:
             tame = gl.abs(m_new * c) < 16777216.0  # 2^24, the Triton forward's TAME
             sub = gl.where(tame, 0.0, m_new)
             shift = gl.where(tame, gl.ceil(m_new * c), 0.0)
-            p = gl.exp2(gl.fma(s - sub[:, None], c, -shift[:, None]))
-            if dtype == gl.bfloat16:
-                p = (p.to(gl.uint32, bitcast=True) & 0xFFFF0000).to(gl.float32, bitcast=True)
-            else:
-                p = (p.to(gl.uint32, bitcast=True) & 0xFFFFE000).to(gl.float32, bitcast=True)
+            p = truncated(gl.exp2(gl.fma(s - sub[:, None], c, -shift[:, None])), dtype)
             # From the shift before; a whole power of two while the row stays tame (rows start at m = -inf).
             alpha = gl.exp2(gl.fma(sub_i - sub, c, shift_i - shift))
             return p.to(dtype), alpha, m_new, sub, shift, l_i * alpha + gl.sum(p, 1)
