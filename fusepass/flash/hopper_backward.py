@@ -256,18 +256,16 @@ if gluon is not None:
 
 @triton.jit
 def _delta_kernel(Out, Residual, DO, Delta, out_strides, do_strides, Nq, HEAD_DIM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, DELTA_BY_DOT: tl.constexpr):
-    """delta of each query row (`backward.row_delta`), program (q block, head, batch)."""
+                  BLOCK_M: tl.constexpr):
+    """delta of each query row (`backward.row_delta`: O in the inputs' dtype, with its rounding residual), program
+    (q block, head, batch)."""
     q_block, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = b * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
-    residual = None
-    if Residual is not None:
-        residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True,
-                             False)
-    tl.store(Delta + bh * Nq + rows, row_delta(out, do.to(out.dtype), residual, DELTA_BY_DOT), mask=rows < Nq)
+    residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
+    tl.store(Delta + bh * Nq + rows, row_delta(out, do, residual, True), mask=rows < Nq)
 
 
 def available(device: torch.device) -> bool:
@@ -299,8 +297,7 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dq, dk, dv = grads
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     _delta_kernel[(triton.cdiv(q_len, DELTA_BLOCK), q_heads, batch)](
-        out, residual, do, delta, out.stride(), do.stride(), q_len, HEAD_DIM=d, BLOCK_M=DELTA_BLOCK,
-        DELTA_BY_DOT=out.dtype == v.dtype)
+        out, residual, do, delta, out.stride(), do.stride(), q_len, HEAD_DIM=d, BLOCK_M=DELTA_BLOCK)
     dq_acc = torch.zeros(batch, q_heads, q_len, d, dtype=torch.float32, device=q.device)
     rows = hopper_forward._Rows
     described = [rows.of(t).described(t, n) for t, n in ((q, BLOCK_M), (do, BLOCK_M), (k, BLOCK_N // 2),

@@ -98,15 +98,14 @@ def test_it_serves_only_what_it_computes():
     assert hopper_backward.serves(do, q, k, v, True) == hopper_backward.available(q.device)
 
 
-@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "none"])
-def test_the_delta_kernel_takes_each_rows_term(with_residual):
+def test_the_delta_kernel_takes_each_rows_term():
     """delta = rowsum(dO · (O + residual)), the Triton backward's row term (`backward.row_delta`), at a length no
     block divides."""
     out = torch.randn(2, 3, 100, 64, device=DEVICE, dtype=torch.bfloat16)
     do = torch.randn_like(out)
-    residual = torch.randn_like(out) * 1e-3 if with_residual else None
+    residual = torch.randn_like(out) * 1e-3
     delta = torch.empty(out.shape[:3], device=DEVICE)
     hopper_backward._delta_kernel[(2, 3, 2)](out, residual, do, delta, out.stride(), do.stride(), 100, HEAD_DIM=64,
-                                             BLOCK_M=hopper_backward.DELTA_BLOCK, DELTA_BY_DOT=True)
-    expected = (do.double() * (out.double() + (residual.double() if with_residual else 0))).sum(-1)
+                                             BLOCK_M=hopper_backward.DELTA_BLOCK)
+    expected = (do.double() * (out.double() + residual.double())).sum(-1)
     torch.testing.assert_close(delta.double(), expected, rtol=1e-4, atol=1e-3)
