@@ -1,6 +1,8 @@
-"""Inputs of the sm_90 kernels' tests (tests/flash/test_hopper_*.py): q, k, v at the layouts they serve, and a causal
-attention as a model writes it."""
+"""Inputs of the sm_90 kernels' tests (tests/flash/test_hopper_*.py): q, k, v at the layouts they serve, their scores
+in float64, and a causal attention as a model writes it."""
 from __future__ import annotations
+
+import math
 
 import torch
 from support import DEVICE
@@ -20,6 +22,17 @@ def laid_out(layout, b, h, kv_h, n, d, dtype):
     out = torch.empty(b, n, h, d, device=DEVICE, dtype=dtype).transpose(1, 2) if layout != "bhnd" else \
         torch.empty(b, h, n, d, device=DEVICE, dtype=dtype)
     return q, k, v, out
+
+
+def scores64(q, k, causal):
+    """q kᵀ / √D in float64 (q and k as given, in float64), K heads repeated for their groups, -inf above the diagonal
+    where causal."""
+    group = q.shape[1] // k.shape[1]
+    s = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    return s
 
 
 def causal_attention(x, wq, wk, wv, heads=4):

@@ -2,14 +2,14 @@
 float64, at SDPA's distance, at the layouts it serves (contiguous, by position, a fused projection's
 slices, shared K/V heads); where a compiled training step runs it (the report names it); what it does not serve; and
 its delta kernel (Triton, on any device).
-The kernel runs asynchronous products, TMA rings and atomics: on an sm_90 GPU only; elsewhere `serves` says no."""
+The kernel runs asynchronous products, TMA rings and TMA reductions: on an sm_90 GPU only; elsewhere `serves` says no."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
-from hopper_layouts import causal_attention, laid_out
+from hopper_layouts import causal_attention, laid_out, scores64
 from support import DEVICE, check, last_attention
 
 import fusepass
@@ -23,13 +23,8 @@ on_hopper = pytest.mark.skipif(not hopper_backward.available(torch.device(DEVICE
 def _reference(q, k, v, do, causal):
     """(dq, dk, dv) of softmax(q kᵀ / √D [causal]) v in float64, K/V heads repeated for their groups (their
     gradients summed back)."""
-    group = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    out = torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)
+    out = torch.softmax(scores64(q64, k64, causal), -1) @ v64.repeat_interleave(q.shape[1] // k.shape[1], 1)
     return torch.autograd.grad(out, (q64, k64, v64), do.double())
 
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from hopper_layouts import causal_attention, laid_out
+from hopper_layouts import causal_attention, laid_out, scores64
 from support import DEVICE, check, last_attention
 
 import fusepass
@@ -22,13 +22,8 @@ on_hopper = pytest.mark.skipif(not hopper_forward.available(torch.device(DEVICE)
 
 def _reference(q, k, v, causal):
     """softmax(q kᵀ / √D [causal]) v and each row's log-sum-exp, in float64, K/V heads repeated for their groups."""
-    group = q.shape[1] // k.shape[1]
-    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+    s = scores64(q, k, causal)
+    return torch.softmax(s, -1) @ v.double().repeat_interleave(q.shape[1] // k.shape[1], 1), torch.logsumexp(s, -1)
 
 
 @on_hopper
@@ -50,10 +45,7 @@ def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n
     assert ((out.double() - expected).norm() / expected.norm()).item() <= 1.5 * bar + 1e-4
     torch.testing.assert_close(lse.double(), expected_lse, rtol=1e-4, atol=1e-4)
     # log_sum is the log of the row's sum relative to its max: lse - log_sum is the row's largest score
-    s = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(d)
-    if causal:
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
-    torch.testing.assert_close((lse - log_sum).double(), s.amax(-1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close((lse - log_sum).double(), scores64(q, k, causal).amax(-1), rtol=1e-4, atol=1e-4)
     if causal:
         assert not fallback.any()
 
