@@ -55,8 +55,10 @@ def sass_counts(causal: bool, head_dim: int) -> dict:
     acc = torch.empty(1024, head_dim)
     dq_described = TensorDescriptor(acc, [1024, head_dim], [head_dim, 1], [hb.BLOCK_M, head_dim // 2],
                                     gl.NVMMASharedLayout.get_default_for([hb.BLOCK_M, head_dim // 2], gl.float32))
-    stat = torch.empty(1, 1, 1024)
-    kernel = hb._hopper_backward.warmup(*described, dq_described, x, x, stat, stat, stat,
+    stats = torch.empty(hb.STATS.value, 1024)
+    stats_described = TensorDescriptor(stats, [hb.STATS.value, 1024], [1024, 1], [hb.STATS.value, hb.BLOCK_M],
+                                       gl.NVMMASharedLayout.get_default_for([hb.STATS.value, hb.BLOCK_M], gl.float32))
+    kernel = hb._hopper_backward.warmup(*described, stats_described, dq_described, x, x,
                                         *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, 0.125,
                                         HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=causal,
                                         STAGES=hb.STAGES, num_warps=4, grid=(1,))

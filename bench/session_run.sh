@@ -61,6 +61,8 @@
 #   replay       small-shape calls replayed as CUDA graphs, beside FlexAttention's  (not run yet)
 #   replay-steps bench/replay_steps.py: the sequences replayed per training step of T5 and BERT, and the step   (not run yet)
 #                with replays on and off
+#   profile-backward  bench/profile_attention.py --backward: ncu of causal's and plain's forward+backward kernels   (not run yet)
+#                (the sm_90 backward at D128) beside FlexAttention's and cuDNN's
 #   sweep        the kernels at flash_config's tiles, causal B2 H16 N8192 D128,     (not run yet)
 #                forward and backward beside SDPA's, with registers and spills
 #   sweep-d256   the forward at D256 (Gemma 2's attention: B1 H8, 4 kv heads, N8192, causal) at 64 × 64 and     (not run yet)
@@ -203,6 +205,9 @@ for part in $parts; do
             | grep "^|") ;;
     replay-steps)
         (cd bench && timeout 200 python replay_steps.py --models t5,bert --steps 12 2>&1 | grep "^|") ;;
+    profile-backward)
+        (cd bench && timeout 240 python profile_attention.py --cases causal,plain --backward 2>&1 | grep -E "^\||Error" \
+            | cut -c1-400) ;;
     sweep)
         (cd bench && timeout 150 python flash_sweep.py --chosen 2>&1 | grep "^|") ;;
     sweep-d256)

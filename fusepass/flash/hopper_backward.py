@@ -4,14 +4,16 @@ backward's two kernels take seven.
 
 A program holds a kv block of 128 rows of one kv head, split between two partitions of one warpgroup (64 kv rows
 each), and walks the q blocks of 64 rows of every query head sharing it (under a causal mask, from the block's
-diagonal on). One warp loads Q and dO a q block at a time by TMA into a ring. Per q block a partition computes its
-[q, kv] tiles of scores and dP = dO Vᵀ (a row's statistics two registers a thread), the weights (to shared memory,
-for dV += Pᵀ dO) and dS = P ⊙ (dP - delta) (to shared memory, for dK += dSᵀ Q); each partition then takes half of
-dQ's head dim, dQ = dS K over both partitions' 128 kv rows, and adds it into an fp32 buffer by a TMA reduction
-(`cp.reduce.async.bulk.tensor`), converted to dQ's dtype at the end. delta = rowsum(dO ⊙ O) (with the forward's
-rounding residual) comes first, from a Triton kernel (`backward.row_delta`, the Triton backward's).
+diagonal on). One warp loads Q, dO and the q rows' statistics a q block at a time by TMA into a ring. Per q block a
+partition computes its transposed tiles, [kv, q], of scores and dPᵀ = V dOᵀ, the weights and dSᵀ = Pᵀ ⊙ (dPᵀ -
+delta), which are the left operands of dV += Pᵀ dO and dK += dSᵀ Q from registers (FlashAttention-3's swapped
+products: no weights through shared memory); dSᵀ goes to shared memory for dQ, of which each partition takes half the
+head dim, dQ = dS K over both partitions' 128 kv rows, added into an fp32 buffer by a TMA reduction
+(`cp.reduce.async.bulk.tensor`) and converted to dQ's dtype at the end. A Triton kernel comes first
+(`_stats_kernel`): per q row the weights' exponent offset, 1 / l and delta / l, with delta = rowsum(dO ⊙ O) (with the
+forward's rounding residual; `backward.row_delta`, the Triton backward's).
 
-The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases at head dim 128, with dO
+The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases, with dO
 laid out as rows of one matrix too. The Triton backward runs everything else.
 """
 from __future__ import annotations
@@ -39,8 +41,8 @@ except ImportError:  # a Triton without Gluon's Hopper language: the Triton back
 
 LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two partitions of 64), the ring's depth
-DELTA_BLOCK = 64  # rows a program of the delta kernel
-HEAD_DIMS = (128,)
+STATS_BLOCK = 64  # rows a program of the statistics kernel
+STATS = tl.constexpr(4)  # rows per head of `_stats_kernel`'s output: its three, padded to a TMA box's power of two
 
 if gluon is not None:
     @builtin
@@ -51,12 +53,12 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
-    def _loads(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_free,
-               q_strides, do_strides, b, first_head, k_row, k_col, v_row, v_col, first_block, n_blocks, group,
-               BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-        """The loading warp: the program's K and V once (a half for each partition), then Q and dO a q block at a
-        time into the next free buffer of their ring; `q_free[i]` completes when both partitions are done with
-        step t's buffers, for a t with t % STAGES == i."""
+    def _loads(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, kv_bar,
+               q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row, k_col, v_row, v_col,
+               first_block, n_blocks, group, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """The loading warp: the program's K and V once (a half for each partition), then Q, dO and the q rows'
+        statistics a q block at a time into the next free buffer of their ring; `q_free[i]` completes when both
+        partitions are done with step t's buffers, for a t with t % STAGES == i."""
         half: gl.constexpr = k_smem.shape[1]
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         for part in gl.static_range(2):
@@ -71,75 +73,82 @@ if gluon is not None:
             q_col = (q_base % q_strides[2]).to(gl.int32)
             do_row = (do_base // do_strides[2]).to(gl.int32)
             do_col = (do_base % do_strides[2]).to(gl.int32)
+            stats_row = (b * n_heads + h) * stats_desc.block_type.shape[0]
             for i in range(first_block, n_blocks):
                 slot = t % STAGES
                 # A ring's buffers start free: the first wait on each is for the phase before its first.
                 mbarrier.wait(q_free.index(slot), ((t // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + stats_desc.block_type.nbytes)
                 tma.async_copy_global_to_shared(q_desc, [q_row + i * BLOCK_M, q_col], q_ready.index(slot),
                                                 q_smem.index(slot))
                 tma.async_copy_global_to_shared(do_desc, [do_row + i * BLOCK_M, do_col], q_ready.index(slot),
                                                 do_smem.index(slot))
+                tma.async_copy_global_to_shared(stats_desc, [stats_row, i * BLOCK_M], q_ready.index(slot),
+                                                stats_smem.index(slot))
                 t += 1
 
     @gluon.jit
-    def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem, ds_smem, dq_smem, q_ready, q_free,
-              ds_ready, dq_desc, dq_row, stat_lse, stat_log_sum, stat_delta, kv_start, c, scale, part: gl.constexpr,
-              S_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              MASKED: gl.constexpr):
-        """Step t (q block i of one head): this partition's share of dV, dK and dQ. `stat_*` point at the head's
-        rows of the forward's statistics and delta; c = scale · log2(e), as the forward's.
+    def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_smem, ds_smem, dq_smem, q_ready, q_free,
+              ds_ready, dq_desc, dq_row, kv_start, c, scale, part: gl.constexpr,
+              S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, MASKED: gl.constexpr):
+        """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
+        forward's.
 
         The weights are the forward's, from its statistics (`forward.FlashForwardExtra`, exact mode): 2^(s · c -
         shift) for a row whose max stayed tame (its lse the whole shift), 2^(s · c - m · log2(e)) past that (its lse
         the max m in score units, its log_sum negative), cut toward zero to the inputs' dtype, times 1 / l (|log_sum|)
         for dV; the score gradient p · (dp / l - delta / l) · scale, as the Triton backward's (`_weights_gradient`).
-        The tiles are [q, kv], a row's values two registers a thread; the weights and dS reach the products that
-        take them transposed (dV's, dK's) through shared memory."""
+        The tiles are transposed, [kv, q] (a query row's values sixteen registers a thread, read from the step's
+        statistics in shared memory where they are used: `_stats_kernel`'s offset, 1 / l and delta / l): the
+        weights and dS are then the left operands of dV's and dK's products from registers, and only dS goes through
+        shared memory, for dQ over both partitions' kv rows."""
         dtype: gl.constexpr = q_smem.dtype
         head_dim: gl.constexpr = q_smem.shape[2]
-        cols: gl.constexpr = k_part.shape[0]
         slot = t % STAGES
-        q_rows: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
-        q_at = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_rows)
+        q_cols: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
+        q_at = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_cols)
         mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
         q_s = q_smem.index(slot)
         do_s = do_smem.index(slot)
-        s = warpgroup_mma(q_s, k_part.permute((1, 0)), gl.zeros([BLOCK_M, cols], gl.float32, S_LAYOUT),
-                          use_acc=False, is_async=True)
-        dp = warpgroup_mma(do_s, v_part.permute((1, 0)), gl.zeros([BLOCK_M, cols], gl.float32, S_LAYOUT),
+        rows: gl.constexpr = k_part.shape[0]
+        st = warpgroup_mma(k_part, q_s.permute((1, 0)), gl.zeros([rows, BLOCK_M], gl.float32, S_LAYOUT),
                            use_acc=False, is_async=True)
-        lse = gl.load(stat_lse + q_at)
-        log_sum = gl.load(stat_log_sum + q_at)
-        offset = gl.where(log_sum < 0.0, -lse * LOG2E, -lse)
-        inverse_l = gl.abs(log_sum)
-        s = warpgroup_mma_wait(1, deps=(s,))
+        dpt = warpgroup_mma(v_part, do_s.permute((1, 0)), gl.zeros([rows, BLOCK_M], gl.float32, S_LAYOUT),
+                            use_acc=False, is_async=True)
+        # The TMA's layout (unswizzled) read as plain rows, so that a row is a vector of its own.
+        n_stats: gl.constexpr = stats_smem.shape[1]
+        stats = stats_smem._reinterpret(gl.float32, [stats_smem.shape[0] * n_stats, stats_smem.shape[2]],
+                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        offset = stats.index(slot * n_stats)
+        inverse_l = stats.index(slot * n_stats + 1)
+        scaled_delta = stats.index(slot * n_stats + 2)
+        st = warpgroup_mma_wait(1, deps=(st,))
         if MASKED:
-            kv_at = kv_start + part * cols + gl.arange(0, cols, layout=gl.SliceLayout(0, S_LAYOUT))
-            s = gl.where(q_at[:, None] >= kv_at[None, :], s, float("-inf"))
-        p = truncated(gl.exp2(gl.fma(s, c, offset[:, None])), dtype)  # exact in the inputs' dtype
-        p_smem.store((p * inverse_l[:, None]).to(dtype))
+            kv_at = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, S_LAYOUT))
+            st = gl.where(q_at[None, :] >= kv_at[:, None], st, float("-inf"))
+        p = truncated(gl.exp2(gl.fma(st, c, offset.load(q_cols)[None, :])), dtype)  # exact in the inputs' dtype
+        inverse_l = inverse_l.load(q_cols)
+        weights = gl.convert_layout((p * inverse_l[None, :]).to(dtype), gl.DotOperandLayout(0, KV_LAYOUT, 2))
         p = p.to(dtype)
-        fence_async_shared()
-        dv = warpgroup_mma(p_smem.permute((1, 0)), do_s, dv, is_async=True)
-        scaled_delta = gl.load(stat_delta + q_at) * inverse_l
-        dp = warpgroup_mma_wait(1, deps=(dp,))
-        ds = p.to(gl.float32) * gl.fma(dp, inverse_l[:, None], -scaled_delta[:, None])
-        ds = (ds * scale).to(dtype)  # the scaled score's gradient
+        dv = warpgroup_mma(weights, do_s, dv, is_async=True)
+        dpt = warpgroup_mma_wait(1, deps=(dpt,))
+        ds = p.to(gl.float32) * gl.fma(dpt, inverse_l[None, :], -scaled_delta.load(q_cols)[None, :])
+        ds = (ds * scale).to(dtype)  # the scaled score's gradient, [kv, q]
         # Both partitions' dS, for dQ over all kv rows; its two buffers alternate by step: a partition passes step
         # t + 1's wait only after the other finished step t, so step t + 2 writes over nothing still read.
         ds_slot = t % 2
-        ds_own = ds_smem.index(2 * ds_slot + part)
-        ds_own.store(ds)
+        ds_smem.index(2 * ds_slot + part).store(ds)
+        dk = warpgroup_mma(gl.convert_layout(ds, gl.DotOperandLayout(0, KV_LAYOUT, 2)), q_s, dk, is_async=True)
         fence_async_shared()
         mbarrier.arrive(ds_ready.index(ds_slot))
         mbarrier.wait(ds_ready.index(ds_slot), (t // 2) & 1)
-        dk = warpgroup_mma(ds_own.permute((1, 0)), q_s, dk, is_async=True)
         half: gl.constexpr = head_dim // 2
-        dq = warpgroup_mma(ds_smem.index(2 * ds_slot), k_smem.index(0).slice(part * half, half, 1),
+        dq = warpgroup_mma(ds_smem.index(2 * ds_slot).permute((1, 0)), k_smem.index(0).slice(part * half, half, 1),
                            gl.zeros([BLOCK_M, half], gl.float32, DQ_LAYOUT), use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_smem.index(2 * ds_slot + 1), k_smem.index(1).slice(part * half, half, 1), dq,
-                           is_async=True)
+        dq = warpgroup_mma(ds_smem.index(2 * ds_slot + 1).permute((1, 0)),
+                           k_smem.index(1).slice(part * half, half, 1), dq, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(q_free.index(slot))  # Q and dO of step t read
         tma.store_wait(0)  # step t - 1's addition has read the buffer
@@ -149,15 +158,15 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
-    def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem, k_smem,
-                   v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start,
+    def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem,
+                   dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start,
                    first_head, n_heads, q_len, first_block, n_blocks, group, scale, part: gl.constexpr,
                    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
         """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ."""
         warps: gl.constexpr = gl.num_warps()
         rows: gl.constexpr = k_smem.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                           instr_shape=[16, rows, 16])
+                                                           instr_shape=[16, BLOCK_M, 16])  # [kv, q]
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
@@ -172,18 +181,16 @@ if gluon is not None:
         n_masked = 2 if CAUSAL else 0
         t = 0
         for g in range(group):
-            stats = (b * n_heads + first_head + g).to(gl.int64) * q_len
+            dq_row = (b * n_heads + first_head + g) * q_len
             for i in range(first_block, first_block + n_masked):
-                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem.index(part), ds_smem,
-                               dq_smem, q_ready, q_free, ds_ready, dq_desc, stats.to(gl.int32), lse_ptr + stats,
-                               log_sum_ptr + stats, delta_ptr + stats, kv_start, c, scale, part, s_layout, dq_layout,
-                               BLOCK_M, STAGES, True)
+                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_smem, ds_smem,
+                               dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, c, scale, part, s_layout,
+                               kv_layout, dq_layout, BLOCK_M, STAGES, True)
                 t += 1
             for i in range(first_block + n_masked, n_blocks):
-                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, p_smem.index(part), ds_smem,
-                               dq_smem, q_ready, q_free, ds_ready, dq_desc, stats.to(gl.int32), lse_ptr + stats,
-                               log_sum_ptr + stats, delta_ptr + stats, kv_start, c, scale, part, s_layout, dq_layout,
-                               BLOCK_M, STAGES, False)
+                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_smem, ds_smem,
+                               dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, c, scale, part, s_layout,
+                               kv_layout, dq_layout, BLOCK_M, STAGES, False)
                 t += 1
         row_idx = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, kv_layout))
         col_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
@@ -196,10 +203,10 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _hopper_backward(q_desc, do_desc, k_desc, v_desc, dq_desc, dk_ptr, dv_ptr, lse_ptr, log_sum_ptr, delta_ptr,
-                         q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len,
-                         scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    def _hopper_backward(q_desc, do_desc, k_desc, v_desc, stats_desc, dq_desc, dk_ptr, dv_ptr, q_strides, do_strides,
+                         k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len, scale,
+                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                         STAGES: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in the
         other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its
         rows in the matrix its descriptor covers (`hopper_forward._Rows`)."""
@@ -223,11 +230,11 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], do_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [2, HALF, HEAD_DIM], v_desc.layout)
-        # Per partition its weights for dV, and its dS for dK and both partitions' dQ (two buffers, by step).
-        ps_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HALF], dtype)
-        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HALF], ps_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [4, BLOCK_M, HALF], ps_layout)  # (step's buffer, partition)
+        # Per partition its dS ([kv, q]) for both partitions' dQ, two buffers by step.
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], ds_layout)  # (step's buffer, partition)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)  # per partition
+        stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, STATS, BLOCK_M], stats_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -240,32 +247,42 @@ if gluon is not None:
             mbarrier.init(ds_ready.index(i), count=2)
 
         gl.warp_specialize([
-            (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem,
-                          k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h,
-                          kv_start, first_head, n_heads, q_len, first_block, n_blocks, group, scale, 0, HEAD_DIM,
-                          BLOCK_M, STAGES, CAUSAL)),
-            (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, lse_ptr, log_sum_ptr, delta_ptr, q_smem, do_smem,
-                          k_smem, v_smem, p_smem, ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h,
-                          kv_start, first_head, n_heads, q_len, first_block, n_blocks, group, scale, 1, HEAD_DIM,
-                          BLOCK_M, STAGES, CAUSAL)),
-            (_loads, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_free,
-                      q_strides, do_strides, b, first_head, k_row, (k_base % k_strides[2]).to(gl.int32), v_row,
-                      (v_base % v_strides[2]).to(gl.int32), first_block, n_blocks, group, BLOCK_M, STAGES))],
+            (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
+                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
+                          n_heads, q_len, first_block, n_blocks, group, scale, 0, HEAD_DIM, BLOCK_M, STAGES,
+                          CAUSAL)),
+            (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
+                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
+                          n_heads, q_len, first_block, n_blocks, group, scale, 1, HEAD_DIM, BLOCK_M, STAGES,
+                          CAUSAL)),
+            (_loads, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem,
+                      kv_bar, q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row,
+                      (k_base % k_strides[2]).to(gl.int32), v_row, (v_base % v_strides[2]).to(gl.int32), first_block,
+                      n_blocks, group, BLOCK_M, STAGES))],
             [4, 1], [240, 24])
 
 
 @triton.jit
-def _delta_kernel(Out, Residual, DO, Delta, out_strides, do_strides, Nq, HEAD_DIM: tl.constexpr,
+def _stats_kernel(Out, Residual, DO, Lse, LogSum, Stats, out_strides, do_strides, Nq, HEAD_DIM: tl.constexpr,
                   BLOCK_M: tl.constexpr):
-    """delta of each query row (`backward.row_delta`: O in the inputs' dtype, with its rounding residual), program
+    """Per query row what the backward's steps read of it, as rows of `Stats` ([B · H, STATS, Nq]): the weights'
+    exponent offset (the whole shift while the row's max stayed tame, its max · log2(e) past that: see `_step`), 1 / l,
+    and delta / l (delta `backward.row_delta`'s: O in the inputs' dtype, with its rounding residual). Program
     (q block, head, batch)."""
     q_block, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = b * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    inside = rows < Nq
     out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
     residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
-    tl.store(Delta + bh * Nq + rows, row_delta(out, do, residual, True), mask=rows < Nq)
+    lse = tl.load(Lse + bh * Nq + rows, mask=inside)
+    log_sum = tl.load(LogSum + bh * Nq + rows, mask=inside)
+    inverse_l = tl.abs(log_sum)
+    stats = Stats + bh * STATS * Nq + rows
+    tl.store(stats, tl.where(log_sum < 0.0, -lse * LOG2E, -lse), mask=inside)
+    tl.store(stats + Nq, inverse_l, mask=inside)
+    tl.store(stats + 2 * Nq, row_delta(out, do, residual, True) * inverse_l, mask=inside)
 
 
 def available(device: torch.device) -> bool:
@@ -275,10 +292,9 @@ def available(device: torch.device) -> bool:
 
 def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal]) v for these [B, H, N, D] tensors
-    and dO, and is the faster backward there: where the sm_90 forward serves them (its statistics are the ones read),
-    at head dim 128 (at 64 the Triton backward was faster: bench/NOTES.md), and dO is laid out as rows of one matrix
-    in their dtype."""
-    return (gluon is not None and hopper_forward.serves(q, k, v, causal) and q.shape[3] in HEAD_DIMS
+    and dO (faster than the Triton backward at head dims 64 and 128: bench/NOTES.md): where the sm_90 forward serves
+    them (its statistics are the ones read) and dO is laid out as rows of one matrix in their dtype."""
+    return (gluon is not None and hopper_forward.serves(q, k, v, causal)
             and do.dtype == q.dtype and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0
             and hopper_forward._Rows.of(do) is not None)
 
@@ -295,9 +311,11 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     batch, q_heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq, dk, dv = grads
-    delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
-    _delta_kernel[(triton.cdiv(q_len, DELTA_BLOCK), q_heads, batch)](
-        out, residual, do, delta, out.stride(), do.stride(), q_len, HEAD_DIM=d, BLOCK_M=DELTA_BLOCK)
+    stats = torch.empty(batch * q_heads * STATS.value, q_len, dtype=torch.float32, device=q.device)
+    _stats_kernel[(triton.cdiv(q_len, STATS_BLOCK), q_heads, batch)](
+        out, residual, do, lse, log_sum, stats, out.stride(), do.stride(), q_len, HEAD_DIM=d, BLOCK_M=STATS_BLOCK)
+    stats_described = TensorDescriptor(stats, list(stats.shape), [q_len, 1], [STATS.value, BLOCK_M],
+                                       gl.NVMMASharedLayout.get_default_for([STATS.value, BLOCK_M], gl.float32))
     dq_acc = torch.zeros(batch, q_heads, q_len, d, dtype=torch.float32, device=q.device)
     rows = hopper_forward._Rows
     described = [rows.of(t).described(t, n) for t, n in ((q, BLOCK_M), (do, BLOCK_M), (k, BLOCK_N // 2),
@@ -306,7 +324,7 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dq_described = TensorDescriptor(dq_acc.view(-1, d), [batch * q_heads * q_len, d], [d, 1], [BLOCK_M, d // 2],
                                     dq_layout)
     _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
-        *described, dq_described, dk, dv, lse, log_sum, delta, q.stride()[:3], do.stride()[:3], k.stride()[:3],
+        *described, stats_described, dq_described, dk, dv, q.stride()[:3], do.stride()[:3], k.stride()[:3],
         v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, scale, HEAD_DIM=d,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)
     dq.copy_(dq_acc)

@@ -1,7 +1,7 @@
 """The sm_90 backward (`fusepass.flash.hopper_backward`): dQ, dK and dV after the sm_90 forward's training form against
 float64, at SDPA's distance, at the layouts it serves (contiguous, by position, a fused projection's
-slices, shared K/V heads); where a compiled training step runs it (the report names it); what it does not serve; and
-its delta kernel (Triton, on any device).
+slices, shared K/V heads); where a compiled training step runs it (the report names it); what it does not serve;
+and its statistics kernel (Triton, on any device).
 The kernel runs asynchronous products, TMA rings and TMA reductions: on an sm_90 GPU only; elsewhere `serves` says no."""
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def _distance(got, expected):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
 @pytest.mark.parametrize("n,dtype", [(256, torch.float16), (384, torch.bfloat16), (640, torch.bfloat16)])
-def test_the_kernel_computes_the_gradients(causal, layout, heads, kv_heads, n, dtype):
-    d = 128
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_kernel_computes_the_gradients(causal, layout, heads, kv_heads, n, dtype, d):
     q, k, v, out = laid_out(layout, 2, heads, kv_heads, n, d, dtype)
     lse, log_sum, residual = _training_forward(q, k, v, out, causal)
     do = torch.randn(out.shape, device=DEVICE, dtype=dtype)
@@ -82,25 +82,32 @@ def test_a_compiled_training_step_runs_it(n):
 
 
 def test_it_serves_only_what_it_computes():
-    """What the sm_90 forward does not serve, head dim 64 (the Triton backward's, faster there), and a dO of
-    another dtype or not rows of one matrix: the Triton kernels'."""
+    """What the sm_90 forward does not serve (head dim 96, a length no block divides), and a dO of another dtype
+    or not rows of one matrix: the Triton kernels'."""
     q, k, v = (torch.randn(1, 2, 256, 128, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
     do = torch.randn_like(q)
-    assert not hopper_backward.serves(*(t[..., :64] for t in (do, q, k, v)), True)
+    assert not hopper_backward.serves(*(t[..., :96] for t in (do, q, k, v)), True)
     assert not hopper_backward.serves(do[:, :, :200], q[:, :, :200], k[:, :, :200], v[:, :, :200], False)
     assert not hopper_backward.serves(do.float(), q, k, v, False)
     assert not hopper_backward.serves(do.transpose(2, 3).contiguous().transpose(2, 3), q, k, v, False)
     assert hopper_backward.serves(do, q, k, v, True) == hopper_backward.available(q.device)
 
 
-def test_the_delta_kernel_takes_each_rows_term():
-    """delta = rowsum(dO · (O + residual)), the Triton backward's row term (`backward.row_delta`), at a length no
-    block divides."""
+def test_the_stats_kernel_takes_each_rows_offset_scale_and_term():
+    """Per query row the weights' exponent offset (the whole shift of a tame row, its max · log2(e) past that: a
+    negative log_sum), 1 / l and delta / l with delta = rowsum(dO · (O + residual)), the Triton backward's row term
+    (`backward.row_delta`), at a length no block divides."""
     out = torch.randn(2, 3, 100, 64, device=DEVICE, dtype=torch.bfloat16)
     do = torch.randn_like(out)
     residual = torch.randn_like(out) * 1e-3
-    delta = torch.empty(out.shape[:3], device=DEVICE)
-    hopper_backward._delta_kernel[(2, 3, 2)](out, residual, do, delta, out.stride(), do.stride(), 100, HEAD_DIM=64,
-                                             BLOCK_M=hopper_backward.DELTA_BLOCK)
-    expected = (do.double() * (out.double() + residual.double())).sum(-1)
-    torch.testing.assert_close(delta.double(), expected, rtol=1e-4, atol=1e-3)
+    lse = torch.randn(out.shape[:3], device=DEVICE) * 10
+    log_sum = torch.rand(out.shape[:3], device=DEVICE) * torch.where(torch.rand(out.shape[:3], device=DEVICE) < 0.3,
+                                                                      -1.0, 1.0)
+    stats = torch.full((2 * 3 * hopper_backward.STATS.value, 100), float("nan"), device=DEVICE)
+    hopper_backward._stats_kernel[(2, 3, 2)](out, residual, do, lse, log_sum, stats, out.stride(), do.stride(), 100,
+                                             HEAD_DIM=64, BLOCK_M=hopper_backward.STATS_BLOCK)
+    stats = stats.view(2, 3, hopper_backward.STATS.value, 100)
+    delta = (do.double() * (out.double() + residual.double())).sum(-1)
+    torch.testing.assert_close(stats[:, :, 0], torch.where(log_sum < 0, -lse * math.log2(math.e), -lse))
+    torch.testing.assert_close(stats[:, :, 1], log_sum.abs())
+    torch.testing.assert_close(stats[:, :, 2].double(), delta * log_sum.abs().double(), rtol=1e-4, atol=1e-3)
