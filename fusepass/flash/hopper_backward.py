@@ -89,10 +89,10 @@ if gluon is not None:
                 t += 1
 
     @gluon.jit
-    def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_smem, ds_smem, dq_smem, q_ready, q_free,
-              ds_ready, dq_desc, dq_row, kv_start, c, scale, part: gl.constexpr,
-              S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, MASKED: gl.constexpr):
+    def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free,
+              ds_ready, dq_desc, dq_row, kv_start, c, scale, part: gl.constexpr, S_LAYOUT: gl.constexpr,
+              KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              MASKED: gl.constexpr):
         """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
         forward's.
 
@@ -100,15 +100,15 @@ if gluon is not None:
         shift) for a row whose max stayed tame (its lse the whole shift), 2^(s · c - m · log2(e)) past that (its lse
         the max m in score units, its log_sum negative), cut toward zero to the inputs' dtype, times 1 / l (|log_sum|)
         for dV; the score gradient p · (dp / l - delta / l) · scale, as the Triton backward's (`_weights_gradient`).
-        The tiles are transposed, [kv, q] (a query row's values sixteen registers a thread, read from the step's
-        statistics in shared memory where they are used: `_stats_kernel`'s offset, 1 / l and delta / l): the
+        The tiles are transposed, [kv, q] (a query row's values sixteen registers a thread, read where they are used
+        from `stats_rows`, the ring's statistics as rows: `_stats_kernel`'s offset, 1 / l and delta / l): the
         weights and dS are then the left operands of dV's and dK's products from registers, and only dS goes through
         shared memory, for dQ over both partitions' kv rows."""
         dtype: gl.constexpr = q_smem.dtype
         head_dim: gl.constexpr = q_smem.shape[2]
         slot = t % STAGES
         q_cols: gl.constexpr = gl.SliceLayout(0, S_LAYOUT)
-        q_at = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_cols)
+        q_at = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_cols)  # (the mask's)
         mbarrier.wait(q_ready.index(slot), (t // STAGES) & 1)
         q_s = q_smem.index(slot)
         do_s = do_smem.index(slot)
@@ -117,13 +117,10 @@ if gluon is not None:
                            use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_part, do_s.permute((1, 0)), gl.zeros([rows, BLOCK_M], gl.float32, S_LAYOUT),
                             use_acc=False, is_async=True)
-        # The TMA's layout (unswizzled) read as plain rows, so that a row is a vector of its own.
-        n_stats: gl.constexpr = stats_smem.shape[1]
-        stats = stats_smem._reinterpret(gl.float32, [stats_smem.shape[0] * n_stats, stats_smem.shape[2]],
-                                        gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        offset = stats.index(slot * n_stats)
-        inverse_l = stats.index(slot * n_stats + 1)
-        scaled_delta = stats.index(slot * n_stats + 2)
+        n_stats: gl.constexpr = stats_rows.shape[0] // STAGES
+        offset = stats_rows.index(slot * n_stats)
+        inverse_l = stats_rows.index(slot * n_stats + 1)
+        scaled_delta = stats_rows.index(slot * n_stats + 2)
         st = warpgroup_mma_wait(1, deps=(st,))
         if MASKED:
             kv_at = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, S_LAYOUT))
@@ -176,6 +173,9 @@ if gluon is not None:
         dv = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
         k_part = k_smem.index(part)
         v_part = v_smem.index(part)
+        # The statistics' ring (unswizzled, as the TMA writes it) as plain rows, so that a row is a vector of its own.
+        stats_rows = stats_smem._reinterpret(gl.float32, [stats_smem.shape[0] * stats_smem.shape[1],
+                                                          stats_smem.shape[2]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         mbarrier.wait(kv_bar, 0)
         # Under a causal mask a kv block's first two q blocks cross the diagonal (q blocks of 64, kv blocks of 128).
         n_masked = 2 if CAUSAL else 0
@@ -183,12 +183,12 @@ if gluon is not None:
         for g in range(group):
             dq_row = (b * n_heads + first_head + g) * q_len
             for i in range(first_block, first_block + n_masked):
-                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_smem, ds_smem,
+                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
                                dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, c, scale, part, s_layout,
                                kv_layout, dq_layout, BLOCK_M, STAGES, True)
                 t += 1
             for i in range(first_block + n_masked, n_blocks):
-                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_smem, ds_smem,
+                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
                                dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, c, scale, part, s_layout,
                                kv_layout, dq_layout, BLOCK_M, STAGES, False)
                 t += 1
