@@ -4,12 +4,12 @@ SDPA's (where SDPA can say the case).
     PYTHONPATH=. python bench/profile_attention.py [--cases causal,alibi] [--backward] [--ncu ncu] [--out DIR]
 
 For each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) the script runs itself under
-``ncu --clock-control none --profile-from-start off``: the child compiles the case with fusepass and with
-FlexAttention, runs each (and SDPA) once to compile and fill every cache, then runs one forward of each between
-``cudaProfilerStart`` and ``cudaProfilerStop`` (with ``--backward``, one forward and backward of each, every input
-of the case that can take a gradient needing one). Kept per kernel: duration, issue-slot and pipe utilization
-(tensor, FMA, ALU, XU: the special-function unit exp2 runs on), registers, occupancy and the top warp
-stall reasons. Small kernels (block maps) are left out. Writes ncu's full details beside the table.
+``ncu --clock-control none --profile-from-start off``: the child compiles the case with fusepass (its own
+kernels: the SDPA floor off) and with FlexAttention, runs each (and SDPA) once to compile and fill every cache,
+then runs one forward of each between ``cudaProfilerStart`` and ``cudaProfilerStop`` (with ``--backward``, one
+forward and backward of each, every input of the case that can take a gradient needing one). Kept per kernel:
+duration, issue-slot and pipe utilization (tensor, FMA, ALU, XU: the special-function unit exp2 runs on; L1 and
+shared memory), registers, occupancy and the top warp stall reasons. Small kernels (block maps) are left out. Writes ncu's full details beside the table.
 """
 from __future__ import annotations
 

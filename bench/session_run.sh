@@ -43,7 +43,7 @@
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   rings        bench/gluon_forward.py: the sm_90 forward at K/V tiles of 128 and 64 rows and rings of 2 to 4 (not run yet)
 #                (the small shape's D64 forward trails SDPA), kept as bench/results/gluon-forward-rings-<date>.md
-#   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal and   (not run yet)
+#   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal and   ~50 s (12-07, H100)
 #                plain at both shapes, gradients from float64, kept as bench/results/gluon-backward-<date>.md
 #   latent       bench/latent_attention.py: DeepSeek's latent attention (q·k 192, V 128, causal) beside SDPA   (not run yet)
 #   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
@@ -61,8 +61,8 @@
 #   replay       small-shape calls replayed as CUDA graphs, beside FlexAttention's  (not run yet)
 #   replay-steps bench/replay_steps.py: the sequences replayed per training step of T5 and BERT, and the step   (not run yet)
 #                with replays on and off
-#   profile-backward  bench/profile_attention.py --backward: ncu of causal's and plain's forward+backward kernels   (not run yet)
-#                (the sm_90 backward at D128) beside FlexAttention's and cuDNN's
+#   profile-backward  bench/profile_attention.py --backward: ncu of causal's and plain's forward+backward kernels   ~40 s a case (12-07, H100)
+#                (the sm_90 kernels, the SDPA floor off) beside FlexAttention's and cuDNN's
 #   sweep        the kernels at flash_config's tiles, causal B2 H16 N8192 D128,     (not run yet)
 #                forward and backward beside SDPA's, with registers and spills
 #   sweep-d256   the forward at D256 (Gemma 2's attention: B1 H8, 4 kv heads, N8192, causal) at 64 × 64 and     (not run yet)
