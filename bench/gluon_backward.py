@@ -46,19 +46,12 @@ def sass_counts(causal: bool, head_dim: int) -> dict:
     from triton.runtime import driver
 
     driver.set_active(CompileOnlyDriver())
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     hb = hopper_backward
     x = torch.empty(1, 1, 1024, head_dim, dtype=torch.bfloat16)
     described = [hopper_forward._Rows.of(x).described(x, n) for n in (hb.BLOCK_M, hb.BLOCK_M, hb.BLOCK_N // 2,
                                                                         hb.BLOCK_N // 2)]
-    acc = torch.empty(1024, head_dim)
-    dq_described = TensorDescriptor(acc, [1024, head_dim], [head_dim, 1], [hb.BLOCK_M, head_dim // 2],
-                                    gl.NVMMASharedLayout.get_default_for([hb.BLOCK_M, head_dim // 2], gl.float32))
-    stats = torch.empty(hb.STATS.value, 1024)
-    stats_described = TensorDescriptor(stats, [hb.STATS.value, 1024], [1024, 1], [hb.STATS.value, hb.BLOCK_M],
-                                       gl.NVMMASharedLayout.get_default_for([hb.STATS.value, hb.BLOCK_M], gl.float32))
-    kernel = hb._hopper_backward.warmup(*described, stats_described, dq_described, x, x,
+    fp32 = hb.fp32_described(torch.empty(hb.STATS.value, 1024), torch.empty(1024, head_dim))
+    kernel = hb._hopper_backward.warmup(*described, *fp32, x, x,
                                         *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, 0.125,
                                         HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=causal,
                                         STAGES=hb.STAGES, num_warps=4, grid=(1,))

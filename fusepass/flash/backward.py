@@ -48,7 +48,7 @@ from fusepass.runtime.sizes import cdiv
 
 
 @triton.jit
-def _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS: tl.constexpr):
+def row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS: tl.constexpr):
     """Per query row, (m, a, c) that recompute the forward's weights as 2^((x - m) · log2(e) - a), times c where
     EXACT_WEIGHTS (cut to the inputs' dtype first: `_tile_weights`). Without it m is the row's max and a log2 of its
     denominator, c unused. With it, from the forward's (shift, ±1 / l) (`forward.FlashForwardExtra`): m = 0 and a the
@@ -83,7 +83,7 @@ def _tile_weights(s, stats, like, b, h, bh, rows, cols, block, Nq, Nk, aux, seed
                   SCORE: tl.constexpr, KEEP: tl.constexpr, FILL: tl.constexpr, PARTIAL: tl.constexpr,
                   DROPOUT: tl.constexpr, TRANSPOSED: tl.constexpr, BLOCK: tl.constexpr, TAIL: tl.constexpr,
                   EXACT_WEIGHTS: tl.constexpr):
-    """The weights of one tile from its products s and its rows' `stats` (`_row_statistics`): (p, p_dropped,
+    """The weights of one tile from its products s and its rows' `stats` (`row_statistics`): (p, p_dropped,
     kept, dropped), and the index tiles the score functions saw, (q_idx, kv_idx, kv_in). `kept` (where KEEP held)
     stands in as kv_in on tiles that are not PARTIAL, `dropped` (dropout's kept weights) as kv_in without dropout.
     With EXACT_WEIGHTS, p is the forward's weights times their sum l: cut to `like`'s dtype as their product with V
@@ -170,7 +170,7 @@ def _dkdv_tile(dk, dv, k, v, q_block, Q, Q2, DO, q_strides, do_strides, Lse, Log
                    DESCRIPTORS)
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM_V, BLOCK_M, BLOCK_DV, True, DESCRIPTORS)
     do = do.to(like.dtype)
-    stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
+    stats = row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
     # dV's product takes the weights before dp = dO · Vᵀ is computed: fewer tiles live at once.
     s = parts_scores(k, q)
     p, p_dropped, kept, dropped, q_idx, kv_idx, kv_in = _tile_weights(
@@ -424,7 +424,7 @@ def _flash_backward_dq_kernel(
                              True, DESCRIPTORS)
     delta = row_delta(out, do, residual, DELTA_BY_DOT)
     tl.store(Delta + bh * Nq + rows, delta, mask=rows < Nq)  # for the dK/dV kernel, launched after this one
-    stats = _row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
+    stats = row_statistics(Lse, LogSum, bh, rows, Nq, EXACT_WEIGHTS)
 
     if KEEP is None:
         n_full, full_blocks = Nk // BLOCK_N, None

@@ -250,7 +250,7 @@ class FlashForwardExtra:
 
     Where the forward kept its output's residual (`keeps_residual`, its EXACT_WEIGHTS), the two row statistics
     are instead the ones the backward recomputes the forward's very weights from, P = cut(2^(x · log2(e) - M)) / l
-    with cut to V's dtype toward zero (`tiles.truncated`, `backward._row_statistics`): "lse" holds the row's last
+    with cut to V's dtype toward zero (`tiles.truncated`, `backward.row_statistics`): "lse" holds the row's last
     shift M (a whole number) and "log_sum" 1 / l, l the sum of the cut weights. A block recomputed the exact way holds
     its maxima m in score units and -1 / l, its weights cut(e^(x - m)) / l.
     """

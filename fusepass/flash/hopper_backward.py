@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 
 from fusepass.flash import hopper_forward
-from fusepass.flash.backward import row_delta
+from fusepass.flash.backward import row_delta, row_statistics
+from fusepass.flash.forward import LOG2E
 from fusepass.flash.tiles import load_tile
 
 try:
@@ -39,7 +40,6 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper language: the Triton backward serves
     gluon = None
 
-LOG2E = tl.constexpr(1.4426950408889634)
 BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two partitions of 64), the ring's depth
 STATS_BLOCK = 64  # rows a program of the statistics kernel
 STATS = tl.constexpr(4)  # rows per head of `_stats_kernel`'s output: its three, padded to a TMA box's power of two
@@ -168,7 +168,7 @@ if gluon is not None:
                                                             instr_shape=[16, HEAD_DIM, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                             instr_shape=[16, HEAD_DIM // 2, 16])
-        c = scale * 1.4426950408889634  # as the forward's
+        c = scale * LOG2E  # as the forward's
         dk = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
         k_part = k_smem.index(part)
@@ -273,14 +273,12 @@ def _stats_kernel(Out, Residual, DO, Lse, LogSum, Stats, out_strides, do_strides
     bh = b * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
     inside = rows < Nq
+    max_scaled, shift, inverse_l = row_statistics(Lse, LogSum, bh, rows, Nq, True)  # the Triton backward's
     out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
     residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
-    lse = tl.load(Lse + bh * Nq + rows, mask=inside)
-    log_sum = tl.load(LogSum + bh * Nq + rows, mask=inside)
-    inverse_l = tl.abs(log_sum)
     stats = Stats + bh * STATS * Nq + rows
-    tl.store(stats, tl.where(log_sum < 0.0, -lse * LOG2E, -lse), mask=inside)
+    tl.store(stats, -(max_scaled * LOG2E + shift), mask=inside)
     tl.store(stats + Nq, inverse_l, mask=inside)
     tl.store(stats + 2 * Nq, row_delta(out, do, residual, True) * inverse_l, mask=inside)
 
@@ -302,6 +300,16 @@ def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 DESCRIBED = "the backward ran the sm_90 kernel (warp-specialized, Gluon)"  # in the report, per shape
 
 
+def fp32_described(stats: torch.Tensor, dq_acc: torch.Tensor) -> tuple:
+    """The kernel's descriptors of its fp32 operands: `_stats_kernel`'s rows ([B · H · STATS, Nq]) as the ring's
+    boxes, and dQ's accumulator ([rows, D]) as its partitions' halves of a step's dQ."""
+    d = dq_acc.shape[1]
+    return (TensorDescriptor(stats, list(stats.shape), [stats.shape[1], 1], [STATS.value, BLOCK_M],
+                             gl.NVMMASharedLayout.get_default_for([STATS.value, BLOCK_M], gl.float32)),
+            TensorDescriptor(dq_acc, list(dq_acc.shape), [d, 1], [BLOCK_M, d // 2],
+                             gl.NVMMASharedLayout.get_default_for([BLOCK_M, d // 2], gl.float32)))
+
+
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, log_sum: torch.Tensor, scale: float, causal: bool, grads: tuple,
                     residual: torch.Tensor) -> None:
@@ -314,17 +322,12 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     stats = torch.empty(batch * q_heads * STATS.value, q_len, dtype=torch.float32, device=q.device)
     _stats_kernel[(triton.cdiv(q_len, STATS_BLOCK), q_heads, batch)](
         out, residual, do, lse, log_sum, stats, out.stride(), do.stride(), q_len, HEAD_DIM=d, BLOCK_M=STATS_BLOCK)
-    stats_described = TensorDescriptor(stats, list(stats.shape), [q_len, 1], [STATS.value, BLOCK_M],
-                                       gl.NVMMASharedLayout.get_default_for([STATS.value, BLOCK_M], gl.float32))
     dq_acc = torch.zeros(batch, q_heads, q_len, d, dtype=torch.float32, device=q.device)
     rows = hopper_forward._Rows
     described = [rows.of(t).described(t, n) for t, n in ((q, BLOCK_M), (do, BLOCK_M), (k, BLOCK_N // 2),
                                                            (v, BLOCK_N // 2))]
-    dq_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, d // 2], gl.float32)
-    dq_described = TensorDescriptor(dq_acc.view(-1, d), [batch * q_heads * q_len, d], [d, 1], [BLOCK_M, d // 2],
-                                    dq_layout)
     _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
-        *described, stats_described, dq_described, dk, dv, q.stride()[:3], do.stride()[:3], k.stride()[:3],
+        *described, *fp32_described(stats, dq_acc.view(-1, d)), dk, dv, q.stride()[:3], do.stride()[:3], k.stride()[:3],
         v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, scale, HEAD_DIM=d,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)
     dq.copy_(dq_acc)

@@ -19,10 +19,11 @@ everything else, every other GPU and the interpreter.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
+
+from fusepass.flash.forward import LOG2E
 
 try:
     from triton.experimental import gluon
@@ -33,8 +34,6 @@ try:
 except ImportError:  # a Triton without Gluon's Hopper language: the Triton kernel serves
     gluon = None
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
 PARTS = 2  # partitions of BLOCK_M // PARTS query rows each, out of step
 HEAD_DIMS = (64, 128)
@@ -54,7 +53,7 @@ if gluon is not None:
         the raw products), the weights' (subtracted, shift) and sum. Without EXACT the weights are 2^((s - m) · c)
         (sub and shift unused). With it (`forward.keeps_residual`), the Triton forward's exact weights: while a row's
         max is tame, 2^(s · c - shift) for the whole shift ceil(m · c), every rescale exact; past that, 2^((s - m) · c)
-        (the row's statistics say which, `backward._row_statistics`); each cut toward zero to `dtype` by a bitwise
+        (the row's statistics say which, `backward.row_statistics`); each cut toward zero to `dtype` by a bitwise
         and (`tiles.truncated`), and l their sum."""
         if MASKED:
             s = gl.where(q_pos[:, None] >= k_pos[None, :], s, float("-inf"))
@@ -131,7 +130,7 @@ if gluon is not None:
                                                            instr_shape=[16, HEAD_DIM, 16])
         s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
         o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-        c = scale * 1.4426950408889634
+        c = scale * LOG2E
         q_pos = start_m * BLOCK_M + part * ROWS + gl.arange(0, ROWS, layout=s_rows)
         m_i = gl.full([ROWS], float("-inf"), gl.float32, s_rows)
         l_i = gl.zeros([ROWS], gl.float32, s_rows)
