@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from support import DEVICE, assert_close, check, fused_kernel_count, missed, random_tensor, rewrites, tolerance
+from support import DEVICE, check, compare, fused_kernel_count, missed, random_tensor, rewrites
 
 import fusepass
 
@@ -103,7 +103,11 @@ def test_a_logit_softcaps_backward_divides_in_the_kernel_before_it():
         dy = random_tensor((2, length, 97), torch.bfloat16)
         got = torch.autograd.grad(compiled(h, w), (h, w), dy)
         want = torch.autograd.grad(softcapped(h, w), (h, w), dy)
-        assert_close(got, want, **tolerance(torch.bfloat16))
+        wide = [x.detach().double().requires_grad_() for x in (h, w)]
+        # judged against float64 with eager's own distance as the bar: cuBLAS rounds the matmul of the kernel's
+        # float32 gradient otherwise than of eager's, rounded to bfloat16 between ops
+        compare(list(got), list(want), lambda: list(torch.autograd.grad(softcapped(*wide), wide, dy.double())),
+                low=True)
 
 
 def test_zero_dim_tensors_and_scalars():
