@@ -31,7 +31,7 @@ from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 from fusepass.report import profile
 from fusepass.report.records import KERNEL, SDPA
 from fusepass.runtime.replay import attention_replays
-from fusepass.runtime.timing import random_like
+from fusepass.runtime.timing import random_like, timing_generator
 
 # out, lse, log_sum, the fallback rows, the output's rounding residual (`keeps_residual`; empty where none), the map
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]
@@ -320,7 +320,8 @@ class AttentionCall:
         run = SdpaRun(self.sdpa, causal)
         q, k, v = (random_like(x) for x in (q4, k4, v4))
         out_strides = self._out_strides()
-        grad_out = torch.empty_strided(s.out_shape, out_strides, dtype=q.dtype, device=q.device).normal_()
+        grad_out = torch.empty_strided(s.out_shape, out_strides, dtype=q.dtype, device=q.device) \
+            .normal_(generator=timing_generator(q.device))
         grads = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for x in (q, k, v))
 
         def sdpa_step() -> None:

@@ -151,6 +151,20 @@ def test_a_kernel_failing_while_timed_runs_the_replaced_ops(times, monkeypatch):
         check(causal, *qkv(), backward=True)
 
 
+def test_the_timed_steps_leave_the_users_random_stream_alone(times):
+    """The decision's random operands come from fusepass's own generator: after a compiled first call the user's
+    stream draws what it would after eager's (and no other thread's CUDA graph capture, which holds the default
+    generator, refuses the draws)."""
+    times["steps run"] = True
+    compiled = torch.compile(plain, backend="fusepass")
+    q, k, v = qkv()
+    state = torch.cuda.get_rng_state if DEVICE == "cuda" else torch.get_rng_state
+    before = state()
+    compiled(q, k, v)
+    assert last_attention().sdpa is not None
+    assert torch.equal(state(), before)
+
+
 def test_the_fused_kernels_run_where_sdpa_is_slower(times, sdpa_calls):
     times["sdpa"] = 3.0
     report = check(causal, *qkv(), backward=True)
