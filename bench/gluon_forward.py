@@ -5,7 +5,8 @@ its sm_90 build's counts offline:
     PYTHONPATH=DIR:. python bench/gluon_forward.py --sass  (any machine, DIR holding triton 3.6: the sm_90 build's
                                                             registers, barriers and wgmma waits)
     --rings 128,2;64,3   the kernel also at other K/V tiles and ring depths (BLOCK_N,STAGES each; the first is
-                         `hopper_forward`'s own): timed beside it, or compiled with --sass
+                         `hopper_forward`'s own): timed beside it, or compiled with --sass; a third field 1 or 0:
+                         its partitions taking turns at issuing their products or not (`hopper_forward.TURNS`)
 
 The variants measured before the kernel became fusepass's (one partition of two warpgroups, K/V tiles of 64 rows)
 are in bench/results/gluon-forward-2026-12-05-1200.md; the kernel kept is the fastest of them.
@@ -33,18 +34,19 @@ def sdpa_form_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return out, lse
 
 
-def ring(block_n: int, stages: int):
-    """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages` (restored on leaving)."""
+def ring(block_n: int, stages: int, turns: bool):
+    """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages`, its partitions taking `turns`
+    (restored on leaving)."""
     import contextlib
 
     @contextlib.contextmanager
     def setting():
-        kept = hopper_forward.BLOCK_N, hopper_forward.STAGES
-        hopper_forward.BLOCK_N, hopper_forward.STAGES = block_n, stages
+        kept = hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS
+        hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS = block_n, stages, turns
         try:
             yield
         finally:
-            hopper_forward.BLOCK_N, hopper_forward.STAGES = kept
+            hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS = kept
     return setting()
 
 
@@ -77,7 +79,7 @@ def sass_counts(causal: bool, head_dim: int, exact: bool) -> dict:
     lse = torch.empty(1, 1, 1024)
     kernel = hf._hopper_forward.warmup(*described, lse, lse, lse, *[x.stride()[:3]] * 4, 1, 1, 1024, 1024, 0.125,
                                        HEAD_DIM=head_dim, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, CAUSAL=causal,
-                                       STAGES=hf.STAGES, EXACT=exact, num_warps=4, grid=(1,))
+                                       STAGES=hf.STAGES, EXACT=exact, TURNS=hf.TURNS, num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2")}
     serialized = re.findall(r"\(C75\d\d\)[^\n]*serialized due to ([^\n]*) in the function", notes)
@@ -88,18 +90,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
     parser.add_argument("--shapes", default="2,16,8192,128;8,16,2048,64")
-    parser.add_argument("--rings", default=f"{hopper_forward.BLOCK_N},{hopper_forward.STAGES}")
+    parser.add_argument("--rings", default=f"{hopper_forward.BLOCK_N},{hopper_forward.STAGES},"
+                                               f"{int(hopper_forward.TURNS)}")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
-    rings = [tuple(map(int, r.split(","))) for r in args.rings.split(";")]
+    rings = [(*map(int, r.split(",")[:2]), r.split(",")[2:] == ["1"]) for r in args.rings.split(";")]
     if args.sass:
-        for block_n, stages in rings:
+        for block_n, stages, turns in rings:
             for causal in (True, False):
                 for head_dim in sorted({s[3] for s in shapes}):
                     for exact in (False, True):
-                        with ring(block_n, stages):
-                            print(f"K/V {block_n} x {stages} causal={causal} exact={exact} D{head_dim}:",
-                                  sass_counts(causal, head_dim, exact))
+                        with ring(block_n, stages, turns):
+                            print(f"K/V {block_n} x {stages} turns={turns} causal={causal} exact={exact} "
+                                  f"D{head_dim}:", sass_counts(causal, head_dim, exact))
         return
     import triton.testing
     from attention import CASES
@@ -120,13 +123,14 @@ def main() -> None:
 
             fused = torch.compile(case.fn, backend=fusepass.backend(strict=True, sdpa=False, graphs=False))
             timed = {}
-            for block_n, stages in rings:
-                label = "sm_90 kernel" + ("" if (block_n, stages) == rings[0] else f" K/V {block_n} x {stages}")
+            for block_n, stages, turns in rings:
+                label = "sm_90 kernel" + ("" if (block_n, stages, turns) == rings[0] else
+                                          f" K/V {block_n} x {stages}" + (", turns" if turns else ""))
 
-                def kernel(block_n=block_n, stages=stages, *tensors):
-                    with ring(block_n, stages):
+                def kernel(block_n=block_n, stages=stages, turns=turns, *tensors):
+                    with ring(block_n, stages, turns):
                         return sdpa_form_attention(*(tensors or (q, k, v)), causal)
-                timed[label] = (kernel, distance(kernel(block_n, stages, *head)[0]))
+                timed[label] = (kernel, distance(kernel(block_n, stages, turns, *head)[0]))
             timed["SDPA"] = (lambda: case.sdpa(q, k, v), distance(case.sdpa(*head)))
             serves = hopper_forward.serves
             hopper_forward.serves = lambda *_: False  # fusepass's Triton forward

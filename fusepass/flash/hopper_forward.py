@@ -36,6 +36,9 @@ except ImportError:  # a Triton without Gluon's Hopper language: the Triton kern
 
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
 PARTS = 2  # partitions of BLOCK_M // PARTS query rows each, out of step
+# Whether the partitions take turns at issuing a step's two products (FlashAttention-3's ping-pong: one's softmax
+# always beside the other's products) rather than being kept out of step by the rings alone (bench/NOTES.md)
+TURNS = False
 HEAD_DIMS = (64, 128)
 
 if gluon is not None:
@@ -94,18 +97,26 @@ if gluon is not None:
 
     @gluon.jit
     def _step(j, p_prev, alpha_prev, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready,
-              v_ready, done, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, MASKED: gl.constexpr, EXACT: gl.constexpr):
+              v_ready, done, my_turn, their_turn, first, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, EXACT: gl.constexpr,
+              TURNS: gl.constexpr):
         """Tile j's scores, then tile j - 1's product with V beside tile j's softmax (neither the accumulator nor
-        the weights' registers are touched while a product that reads them runs)."""
+        the weights' registers are touched while a product that reads them runs). With TURNS, the two products
+        are issued in this partition's turn (`my_turn`, granted by the other partition's issue; `first`: the
+        partition whose turn comes first: 1, else 0), and issuing them grants the other its turn."""
         slot = j % STAGES
         before = (j + STAGES - 1) % STAGES
+        if TURNS:
+            # The first partition's first wait is for the phase before the barrier's first, which passes.
+            mbarrier.wait(my_turn, ((j - 1) & 1) ^ first)
         mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
                           gl.zeros([q_pos.shape[0], BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, O_LAYOUT))[:, None]
         mbarrier.wait(v_ready.index(before), ((j - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(before), acc, is_async=True)
+        if TURNS:
+            mbarrier.arrive(their_turn)
         s = warpgroup_mma_wait(1, deps=(s,))
         k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         p, alpha, m_i, sub_i, shift_i, l_i = _tile_weights(s, m_i, sub_i, shift_i, l_i, c, q_pos, k_pos,
@@ -118,9 +129,9 @@ if gluon is not None:
 
     @gluon.jit
     def _partition(o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
-                   v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, scale, part, HEAD_DIM: gl.constexpr,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                   ROWS: gl.constexpr, EXACT: gl.constexpr):
+                   v_ready, done, my_turn, their_turn, o_row, o_col, stat_row, start_m, n_tiles, scale, part,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                   STAGES: gl.constexpr, ROWS: gl.constexpr, EXACT: gl.constexpr, TURNS: gl.constexpr):
         """A computing partition (one warpgroup): its `ROWS` query rows' products and softmax, then their output
         (by TMA, staged where its Q was), lse and log_sum."""
         warps: gl.constexpr = gl.num_warps()
@@ -152,11 +163,11 @@ if gluon is not None:
         for j in range(1, n_full):
             p, alpha, acc, m_i, sub_i, shift_i, l_i = _step(
                 j, p, alpha, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready, done,
-                s_layout, o_layout, BLOCK_N, STAGES, False, EXACT)
+                my_turn, their_turn, 1 - part, s_layout, o_layout, BLOCK_N, STAGES, False, EXACT, TURNS)
         for j in range(gl.maximum(n_full, 1), n_tiles):
             p, alpha, acc, m_i, sub_i, shift_i, l_i = _step(
                 j, p, alpha, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready, done,
-                s_layout, o_layout, BLOCK_N, STAGES, CAUSAL, EXACT)
+                my_turn, their_turn, 1 - part, s_layout, o_layout, BLOCK_N, STAGES, CAUSAL, EXACT, TURNS)
         last = n_tiles - 1
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -195,7 +206,7 @@ if gluon is not None:
     def _hopper_forward(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_strides,
                         k_strides, v_strides, o_strides, n_heads, group, q_len, kv_len, scale, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        EXACT: gl.constexpr):
+                        EXACT: gl.constexpr, TURNS: gl.constexpr):
         """Program (q block, batch · head). Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
         in the matrix its descriptor covers (`_Rows`)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -224,8 +235,10 @@ if gluon is not None:
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [PARTS, 1], mbarrier.MBarrierLayout())  # with TURNS
         for i in gl.static_range(PARTS):
             mbarrier.init(q_bars.index(i), count=1)
+            mbarrier.init(turns.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
@@ -235,11 +248,13 @@ if gluon is not None:
         o_col = (o_base % o_strides[2]).to(gl.int32)
         gl.warp_specialize([
             (_partition, (o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(0), k_smem, v_smem,
-                          q_bars.index(0), k_ready, v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, scale, 0,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS, EXACT)),
+                          q_bars.index(0), k_ready, v_ready, done, turns.index(0), turns.index(1), o_row, o_col,
+                          stat_row, start_m, n_tiles, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS,
+                          EXACT, TURNS)),
             (_partition, (o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(1), k_smem, v_smem,
-                          q_bars.index(1), k_ready, v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, scale, 1,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS, EXACT)),
+                          q_bars.index(1), k_ready, v_ready, done, turns.index(1), turns.index(0), o_row, o_col,
+                          stat_row, start_m, n_tiles, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS,
+                          EXACT, TURNS)),
             (_loads, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, done, q_row,
                       (q_base % q_strides[2]).to(gl.int32), k_row, (k_base % k_strides[2]).to(gl.int32), v_row,
                       (v_base % v_strides[2]).to(gl.int32), n_tiles, BLOCK_N, STAGES, PARTS))], [4, 1], [240, 24])
@@ -318,4 +333,4 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     _hopper_forward[(q_len // BLOCK_M, batch * q_heads)](
         *described, residual_described, lse, log_sum, fallback_rows, *strides, q_heads, q_heads // k.shape[1],
         q_len, k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
-        EXACT=residual is not None, num_warps=4)
+        EXACT=residual is not None, TURNS=TURNS, num_warps=4)

@@ -30,7 +30,9 @@ def _reference(q, k, v, causal):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
 @pytest.mark.parametrize("d,n,dtype", [(64, 384, torch.bfloat16), (128, 256, torch.float16), (128, 640, torch.bfloat16)])
-def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype):
+@pytest.mark.parametrize("turns", [False, True], ids=["out-of-step", "turns"])
+def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype, turns, monkeypatch):
+    monkeypatch.setattr(hopper_forward, "TURNS", turns)  # the partitions taking turns at their products, or not
     q, k, v, out = laid_out(layout, 2, heads, kv_heads, n, d, dtype)
     lse = torch.empty(q.shape[:3], device=DEVICE)
     log_sum, fallback = torch.empty_like(lse), torch.ones(q.shape[:3], device=DEVICE, dtype=torch.int8)
