@@ -133,8 +133,8 @@ for part in $parts; do
     turns)
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
         PYTHONPATH=/tmp/site:$PWD timeout 150 python -m pytest -o addopts="--import-mode=importlib" -q -n 8 \
-            -p no:cacheprovider tests/flash/test_hopper_forward.py > "$OUT_DIR/gpu-tests.log" 2>&1
-        tail -1 "$OUT_DIR/gpu-tests.log"
+            -p no:cacheprovider tests/flash/test_hopper_forward.py > "$OUT_DIR/gpu-tests-turns.log" 2>&1
+        tail -1 "$OUT_DIR/gpu-tests-turns.log"
         kept=bench/results/gluon-forward-turns-$(date -u +%Y-%m-%d-%H%M).md
         timeout 200 python bench/gluon_forward.py --rings "128,2,0;128,2,1" > "$kept" 2>&1
         grep -E "^\||Error" "$kept" ;;
