@@ -2,7 +2,7 @@
 language modelling, by --mask): what ``flash_config`` should choose.
 
     PYTHONPATH=. python bench/flash_sweep.py [--head-dim 128] [--head-dim-v 128] [--seq 8192] [--batch 2] [--heads 16]
-        [--kv-heads 4] [--forward-only] [--chosen] [--mask causal|plain|packed|packed-bound|softcap|softcap-window]
+        [--kv-heads 4] [--forward-only] [--chosen] [--mask causal|plain|window|packed|packed-bound|softcap|softcap-window]
         [--dkdv 32,64,4,3 64,64,4,3 ...]   (these dK/dV tiles beside flash_config's dQ tiles, no forward sweep)
         [--dkdv-apart]                     (each --dkdv config with dK and dV in launches of their own)
         [--dq 64,64,4,3 ...]               (these dQ tiles beside flash_config's dK/dV tiles, no forward sweep)
@@ -98,12 +98,20 @@ def window_keep(b, h, q_idx, kv_idx, aux):
     return (q_idx >= kv_idx) & (q_idx - kv_idx < 4096)
 
 
+@triton.jit
+def window_1024_keep(b, h, q_idx, kv_idx, aux):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+
+
 # Gemma 2's global layers: causal, the scores capped (no scale to fold: its folded twin is itself). SDPA has no cap:
 # its outputs are a reference for the timing only, the errors printed are the cap's.
 SOFTCAP = replace(CAUSAL, name="sweep_softcap", score=softcapped, score_grad=softcapped_grad)
 # Its local layers: the same in a causal window of 4096 keys.
 SOFTCAP_WINDOW = replace(SOFTCAP, name="sweep_softcap_window", keep=window_keep)
+# The attention suite's sliding window: causal, 1024 keys.
+WINDOW = replace(CAUSAL, name="sweep_window", keep=window_1024_keep)
 MASKS = {"causal": (CAUSAL, CAUSAL_LINEAR), "softcap": (SOFTCAP, SOFTCAP),
+         "window": (WINDOW, replace(WINDOW, name="sweep_window_linear", linear_scale=SCALE)),
          "softcap-window": (SOFTCAP_WINDOW, SOFTCAP_WINDOW), "plain": (PLAIN, PLAIN_LINEAR),
          "packed": (PACKED, PACKED_LINEAR),
          "packed-bound": (PACKED_BOUND, replace(PACKED_BOUND, name="sweep_packed_bound_linear", linear_scale=SCALE))}

@@ -67,6 +67,8 @@
 #                (the sm_90 kernels, the SDPA floor off) beside FlexAttention's and cuDNN's
 #   sweep        the kernels at flash_config's tiles, causal B2 H16 N8192 D128,     (not run yet)
 #                forward and backward beside SDPA's, with registers and spills
+#   sweep-window the backward's tiles on the attention suite's sliding window (causal, 1024 keys; large shape):     (not run yet)
+#                dK/dV, then dQ, each beside flash_config's other kernel (the masked tiles were chosen on causal)
 #   sweep-d256   the forward at D256 (Gemma 2's attention: B1 H8, 4 kv heads, N8192, causal) at 64 × 64 and     (not run yet)
 #                128 × 64 / 128 × 32 tiles, 8 warps (and 64 × 64 at 4); dK/dV together at 32 × 64, then
 #                apart at 32 × 128 (BackwardConfigs.apart), causal and as Gemma 2's local layers (capped, window 4096);
@@ -220,6 +222,11 @@ for part in $parts; do
             | cut -c1-400) ;;
     sweep)
         (cd bench && timeout 150 python flash_sweep.py --chosen 2>&1 | grep "^|") ;;
+    sweep-window)
+        (cd bench && timeout 280 python flash_sweep.py --mask window --dkdv 64,64,4,2 32,64,4,3 32,128,4,3 64,128,8,2 \
+            2>&1 | grep "^|"
+            timeout 250 python flash_sweep.py --mask window --dq 128,64,8,3 64,64,4,3 64,128,4,3 128,128,8,2 \
+            2>&1 | grep "^|") ;;
     sweep-d256)
         (cd bench && d256="--head-dim 256 --seq 8192 --batch 1 --heads 8 --kv-heads 4"
             timeout 150 python flash_sweep.py $d256 --forward 64,64,8,2 128,64,8,2 128,32,8,2 64,64,4,2 --forward-only \
