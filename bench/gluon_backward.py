@@ -1,5 +1,6 @@
 """The sm_90 backward (`fusepass.flash.hopper_backward`, Gluon, one kernel) beside fusepass's Triton backward (two
-kernels) and SDPA's (cuDNN's), after the sm_90 forward's training form (its exact weights and residual), or its sm_90
+kernels) and SDPA's (cuDNN's), after the sm_90 forward's training form (its exact weights and residual); on a sliding
+window of 1024 keys (`hopper_backward.WINDOWS`) after the Triton forward's, beside the Triton backward; or its sm_90
 build's counts offline:
 
     PYTHONPATH=. python bench/gluon_backward.py             (on the GPU machine: gradients against float64, then time)
@@ -37,9 +38,13 @@ def scaled_grad(s, ds, b, h, q_idx, kv_idx, aux, aux_grad):
 PLAIN = ScoreMod(name="gluon_backward_plain", score=scaled, score_grad=scaled_grad)
 CAUSAL = ScoreMod(name="gluon_backward_causal", score=scaled, score_grad=scaled_grad, keep=flash_sweep.CAUSAL.keep,
                   fill=flash_sweep.CAUSAL.fill)
+WINDOW_KEYS = 1024  # the attention suite's window
+WINDOW = ScoreMod(name="gluon_backward_window", score=scaled, score_grad=scaled_grad,
+                  keep=flash_sweep.window_1024_keep, fill=flash_sweep.CAUSAL.fill)
+CASES = ("causal", "plain", "window")
 
 
-def sass_counts(causal: bool, head_dim: int) -> dict:
+def sass_counts(case: str, head_dim: int) -> dict:
     """Registers, spills, and the instructions that order the loop and add dQ, from the sm_90 build (no GPU)."""
     from gluon_forward import sm90_build
     from kernel_resources import CompileOnlyDriver, resources
@@ -52,9 +57,10 @@ def sass_counts(causal: bool, head_dim: int) -> dict:
                                                                         hb.BLOCK_N // 2)]
     fp32 = hb.fp32_described(torch.empty(hb.STATS.value, 1024), torch.empty(1024, head_dim))
     kernel = hb._hopper_backward.warmup(*described, *fp32, x, x,
-                                        *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, 0.125,
-                                        HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=causal,
-                                        STAGES=hb.STAGES, num_warps=4, grid=(1,))
+                                        *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, WINDOW_KEYS,
+                                        0.125, HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N,
+                                        CAUSAL=case != "plain", STAGES=hb.STAGES, WINDOWED=case == "window",
+                                        num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2",
                                                              "REDG", "UBLKRED|UTMAREDG")}
@@ -62,40 +68,51 @@ def sass_counts(causal: bool, head_dim: int) -> dict:
     return {**resources(kernel), **counts, "wgmma serialized": "; ".join(serialized) or "no"}
 
 
-def training_forward(q, k, v, causal):
-    """The sm_90 forward as a training step runs it: out, lse, log_sum and the output's rounding residual."""
+def training_forward(q, k, v, case):
+    """The forward as a training step runs it: out, lse and the backward's extra (log_sum, the output's rounding
+    residual): the sm_90 forward's, or the Triton forward's for the window."""
+    from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs
+
+    scale = 1 / math.sqrt(q.shape[3])
+    if case == "window":
+        out, lse, extra = flash_attention_forward(q, k, v, WINDOW, (scale,),
+                                                  outputs=forward_outputs(q, WINDOW, q.dtype, q.device, backward=True))
+        return out, lse, extra
     out, residual = torch.empty_like(q), torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
     log_sum = torch.empty_like(lse)
-    hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, None, 1 / math.sqrt(q.shape[3]), causal, residual)
-    return out, lse, log_sum, residual
+    hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, None, scale, case == "causal", residual)
+    fallback = torch.zeros(q.shape[:3], device=q.device, dtype=torch.int8) if case == "causal" else None  # none
+    return out, lse, FlashForwardExtra(log_sum, fallback, None, residual)
 
 
-def backwards(q, k, v, do, causal):
+def backwards(q, k, v, do, case):
     """{label: a call writing (dq, dk, dv) into new tensors} for the sm_90 backward, the Triton backward (both after the
-    sm_90 forward's training form) and SDPA's backward (after its own forward)."""
+    same training forward) and, but for the window, SDPA's backward (after its own forward)."""
     from fusepass.flash.backward import flash_attention_backward
-    from fusepass.flash.forward import FlashForwardExtra
 
-    out, lse, log_sum, residual = training_forward(q, k, v, causal)
+    out, lse, extra = training_forward(q, k, v, case)
     scale = 1 / math.sqrt(q.shape[3])
-    mod = CAUSAL if causal else PLAIN
-    fallback = torch.zeros(q.shape[:3], device=q.device, dtype=torch.int8) if causal else None  # none recomputed
+    mod = {"causal": CAUSAL, "plain": PLAIN, "window": WINDOW}[case]
+    window = WINDOW_KEYS if case == "window" else None
 
     def grads():
         return tuple(torch.empty_like(t) for t in (q, k, v))
 
     def sm90():
         g = grads()
-        hopper_backward.hopper_backward(do, q, k, v, out, lse, log_sum, scale, causal, g, residual)
+        hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale, case != "plain", g,
+                                        extra.residual, window)
         return g
 
     def triton_backward():
         g = grads()
-        flash_attention_backward(do, q, k, v, out, lse, FlashForwardExtra(log_sum, fallback, None, residual), mod,
-                                 (scale,), None, grads=g)
+        flash_attention_backward(do, q, k, v, out, lse, extra, mod, (scale,), None, grads=g)
         return g
 
+    if case == "window":
+        return {"sm_90 kernel": sm90, "Triton": triton_backward}
+    causal = case == "causal"
     group = q.shape[1] // k.shape[1]
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
     sdpa_out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal,
@@ -106,14 +123,17 @@ def backwards(q, k, v, do, causal):
     return {"sm_90 kernel": sm90, "Triton": triton_backward, "SDPA": sdpa}
 
 
-def reference(q, k, v, do, causal):
+def reference(q, k, v, do, case):
     """(dq, dk, dv) in float64."""
     group = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[3])
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if case != "plain":
+        i = torch.arange(s.shape[-1], device=s.device)
+        past = i[None, :] > i[:, None]
+        if case == "window":
+            past |= i[:, None] - i[None, :] >= WINDOW_KEYS
+        s = s.masked_fill(past, float("-inf"))
     out = torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)
     return torch.autograd.grad(out, (q64, k64, v64), do.double())
 
@@ -125,9 +145,9 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
     if args.sass:
-        for causal in (True, False):
+        for case in CASES:
             for head_dim in sorted({s[3] for s in shapes}):
-                print(f"causal={causal} D{head_dim}:", sass_counts(causal, head_dim))
+                print(f"{case} D{head_dim}:", sass_counts(case, head_dim))
         return
     from harness import environment
     env = environment()
@@ -136,22 +156,26 @@ def main() -> None:
     print("| shape | case | kernel | dq error | dk error | dv error | ms | TFLOP/s | vs SDPA | vs Triton |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for b, h, n, d in shapes:
-        for causal in (True, False):
-            # errors from float64 at B1 H4 (2 kv heads) N1024, times at the shape
-            small = [torch.randn(1, heads, 1024, d, device="cuda", dtype=torch.bfloat16) for heads in (4, 2, 2, 4)]
-            expected = reference(*small, causal)
+        for case in CASES:
+            # errors from float64 at B1 H4 (2 kv heads) N2048 (past the window), times at the shape
+            small = [torch.randn(1, heads, 2048, d, device="cuda", dtype=torch.bfloat16) for heads in (4, 2, 2, 4)]
+            expected = reference(*small, case)
             errors = {label: [((g.double() - e).norm() / e.norm()).item() for g, e in zip(fn(), expected)]
-                      for label, fn in backwards(*small, causal).items()}
+                      for label, fn in backwards(*small, case).items()}
             q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            timed = backwards(q, k, v, do, causal)
+            timed = backwards(q, k, v, do, case)
             ms = {label: triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
                   for label, fn in timed.items()}
-            flops = 2.5 * 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+            # the scores computed: all, the causal half, or the window's band
+            kept = {"plain": n * n, "causal": n * (n + 1) / 2,
+                    "window": WINDOW_KEYS * n - WINDOW_KEYS * (WINDOW_KEYS - 1) / 2}[case]
+            flops = 2.5 * 4 * b * h * kept * d
             for label in timed:
                 e = errors[label]
-                print(f"| B{b} H{h} N{n} D{d} | {'causal' if causal else 'plain'} | {label} | {e[0]:.2e} | "
-                      f"{e[1]:.2e} | {e[2]:.2e} | {ms[label]:.3f} | {flops / ms[label] / 1e9:.0f} | "
-                      f"{ms['SDPA'] / ms[label]:.3f} | {ms['Triton'] / ms[label]:.3f} |")
+                versus_sdpa = f"{ms['SDPA'] / ms[label]:.3f}" if "SDPA" in ms else "—"
+                print(f"| B{b} H{h} N{n} D{d} | {case} | {label} | {e[0]:.2e} | {e[1]:.2e} | {e[2]:.2e} | "
+                      f"{ms[label]:.3f} | {flops / ms[label] / 1e9:.0f} | {versus_sdpa} | "
+                      f"{ms['Triton'] / ms[label]:.3f} |")
             del q, k, v, do, timed
 
 

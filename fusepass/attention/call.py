@@ -17,8 +17,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from fusepass.attention import sdpa_floor
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
-from fusepass.attention.sdpa_floor import (Decision, SdpaRun, decision, in_a_backward, layout_class, sdpa_causal,
-                                           sdpa_form, shape_named)
+from fusepass.attention.sdpa_floor import (Decision, SdpaRun, causal_band, decision, in_a_backward, layout_class,
+                                           sdpa_causal, sdpa_form, shape_named)
 from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
 from fusepass.flash.ahead import compile_attention_ahead
@@ -44,7 +44,8 @@ class AttentionCall:
         self.guards = tuple(guards)  # of the buffers the score functions compute in place of reading them
         self.compiled_ahead = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
         self.sdpa = sdpa_form(spec)  # the SDPA call that computes the attention, if one does (`sdpa_floor`)
-        self._choices: dict[tuple, tuple[SdpaRun | None, bool | None]] = {}  # per layout and dtype of q, k, v
+        # per layout and dtype of q, k, v: `_choice`'s
+        self._choices: dict[tuple, tuple[SdpaRun | None, bool | None, int | None]] = {}
         self._mod: ScoreMod | None = None
         self._passed_maps: dict[tuple[torch.dtype, torch.device], tuple] = {}
 
@@ -138,7 +139,7 @@ class AttentionCall:
         q4, k4, v4 = self.views(q, k, v, aux)
         read = tuple(aux[:len(s.aux_strides)])
         try:
-            sdpa, hopper = (None, None) if self.sdpa is None else self._choice(q4, k4, v4)
+            sdpa, hopper, _ = (None, None, None) if self.sdpa is None else self._choice(q4, k4, v4)
         except Exception as error:  # the floor's timing runs the kernels: one that fails must not break the model
             unfused.fail(error, "forward")
             return self._unfused_forward((q, k, v, *aux), seed)
@@ -207,9 +208,9 @@ class AttentionCall:
             extra = FlashForwardExtra(log_sum, fallback if fallback.numel() else None,
                                       self.block_map(block_map[0], q) if block_map else None,
                                       residual if residual.numel() else None)
-            hopper = self._choices.get(self._layouts(q4, k4, v4), (None, None))[1] if self.sdpa is not None else None
+            _, hopper, window = self._choices.get(self._layouts(q4, k4, v4), (None, None, None))
             self._fused_backward(grad_out, q4, k4, v4, out, lse, extra, s.kernel_aux(read), s.kernel_aux_grad(aux_grad),
-                                 (s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])), hopper, seed)
+                                 (s.q.view(grads[0]), s.k.view(grads[1]), s.v.view(grads[2])), hopper, seed, window)
 
         aux_grad = new_aux_grad()
         try:
@@ -260,12 +261,16 @@ class AttentionCall:
 
     def _fused_backward(self, grad_out: torch.Tensor, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, extra: FlashForwardExtra, aux: tuple,
-                        aux_grad: tuple | None, grads: tuple, hopper: bool | None, seed: torch.Tensor | None) -> None:
+                        aux_grad: tuple | None, grads: tuple, hopper: bool | None, seed: torch.Tensor | None,
+                        window: int | None = None) -> None:
         """The fused backward into `grads`: the sm_90 kernel's where the forward was the sm_90 kernel's (`hopper`, as
-        `_choice` gives it) with its exact weights and `hopper_backward.serves`, else the Triton kernels'."""
-        if hopper is not None and extra.residual is not None and hopper_backward.serves(grad_out, q4, k4, v4, hopper):
-            hopper_backward.hopper_backward(grad_out, q4, k4, v4, out, lse, extra.log_sum, self.sdpa.scale, hopper,
-                                            grads, extra.residual)
+        `_choice` gives it) or the mask is a sliding window's band (`window`, after the Triton forward), with the
+        exact weights and `hopper_backward.serves`, else the Triton kernels'."""
+        causal = True if window is not None else hopper
+        if causal is not None and extra.residual is not None and \
+                hopper_backward.serves(grad_out, q4, k4, v4, causal, window):
+            hopper_backward.hopper_backward(grad_out, q4, k4, v4, out, lse, extra.log_sum, self.sdpa.scale, causal,
+                                            grads, extra.residual, window)
             record = self.unfused.backward_record
             if record is not None:
                 record.detail.setdefault(KERNEL, {})[shape_named(q4)] = hopper_backward.DESCRIBED
@@ -279,19 +284,25 @@ class AttentionCall:
         """What `_choice` decides by: q's, k's and v's shapes, strides, dtype and device."""
         return q4.shape, q4.stride(), k4.shape, k4.stride(), v4.shape, v4.stride(), q4.dtype, q4.device
 
-    def _choice(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple[SdpaRun | None, bool | None]:
+    def _choice(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor
+                ) -> tuple[SdpaRun | None, bool | None, int | None]:
         """(SDPA in place of the fused kernels or None; whether the fused forward is the sm_90 kernel's and causal,
-        or None where it is the Triton kernel's) for an attention SDPA computes (`self.sdpa`): SDPA where the floor
-        is on, its mask is checked to be what SDPA computes at each layout, and it was measured faster
-        (`sdpa_floor`, timed once per class of layouts); the sm_90 kernel where `hopper_forward.serves`. Asked on
-        every call, decided once per layout."""
+        or None where it is the Triton kernel's; the width of the sliding window whose backward is the sm_90
+        kernel's, or None) for an attention of the form SDPA computes (`self.sdpa`): SDPA where the floor is on, its
+        mask is checked to be what SDPA computes at each layout, and it was measured faster (`sdpa_floor`, timed once
+        per class of layouts); the sm_90 kernel where `hopper_forward.serves`; a window where its mask is checked to
+        be a causal band (`sdpa_floor.causal_band`) and `hopper_backward.serves` it. Asked on every call, decided
+        once per layout."""
         layouts = self._layouts(q4, k4, v4)
         if layouts not in self._choices:
-            run, hopper = None, None
+            run, hopper, window = None, None, None
             s = self.spec
             if sdpa_floor.can_time(q4.device) and q4.dtype == s.out_dtype:
                 causal = self.sdpa.masked and sdpa_causal(self.mod.keep, s.kernel_aux(()), q4.shape[2],
                                                           k4.shape[2], q4.device)
+                if causal is None and hopper_backward.WINDOWS and hopper_backward.available(q4.device) and \
+                        hopper_forward.serves(q4, k4, v4, True):
+                    window = causal_band(self.mod.keep, s.kernel_aux(()), q4.shape[2], k4.shape[2], q4.device)
                 if causal is not None:
                     where = shape_named(q4)
                     # The forward's map, where the op returns it, is the Triton forward's to build.
@@ -308,7 +319,7 @@ class AttentionCall:
                     if hopper is not None and run is None:
                         self.unfused.forward_record.detail.setdefault(KERNEL, {})[where] = \
                             hopper_forward.DESCRIBED
-            self._choices[layouts] = run, hopper
+            self._choices[layouts] = run, hopper, window
         return self._choices[layouts]
 
     def _sdpa_decision(self, causal: bool, hopper: bool | None, q4: torch.Tensor, k4: torch.Tensor,

@@ -5,7 +5,8 @@ SDPA computes ``softmax(q·kᵀ · scale [causal: -inf above the diagonal]) · v
 groups of query heads (``enable_gqa``). An attention is that function where its lifted chain is the scores times
 a positive constant (`ScoreMod.linear_scale`), it reads no tensor, drops nothing, writes the inputs' dtype and
 is either unmasked or masked with -inf by a mask of the positions alone over equal lengths; whether that mask
-is SDPA's causal one is checked at each shape on the device, element by element (`_mask_kernel`). Then the
+is SDPA's causal one (or a sliding window's band, which the sm_90 backward computes: `causal_band`) is checked at
+each shape on the device, element by element (`_mask_kernel`). Then the
 op's forward (and backward, where gradients flow) is timed on the running GPU both ways, once per class of
 layouts (`layout_class`: batch and length rounded up to a power of two) and dtype, and SDPA runs where it takes
 at most `FASTER` of the fused kernels' time. The rewrite's report record says so per shape, with both times.
@@ -56,27 +57,45 @@ def sdpa_form(spec: AttentionSpec) -> SdpaForm | None:
     return SdpaForm(lifted.linear_scale, masked, spec.k.group > 1)
 
 
-@triton.jit(do_not_specialize=["q_len", "kv_len"])  # (as blockmap.BY_LENGTH)
-def _mask_kernel(Differ, q_len, kv_len, aux, KEEP: tl.constexpr, BLOCK: tl.constexpr):
-    """Counts where KEEP differs from SDPA's causal mask (Differ[0]) and from keeping everything (Differ[1])."""
+@triton.jit(do_not_specialize=["q_len", "kv_len", "window"])  # (as blockmap.BY_LENGTH)
+def _mask_kernel(Differ, q_len, kv_len, window, aux, KEEP: tl.constexpr, BLOCK: tl.constexpr):
+    """Counts where KEEP differs from a causal band of `window` keys, the query's own and those before it
+    (Differ[0]; SDPA's causal mask where `window` ≥ kv_len), and from keeping everything (Differ[1]), and the keys
+    the last query row keeps (Differ[2])."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     q_idx = tl.minimum(rows, q_len - 1)[:, None]
     kv_idx = tl.minimum(cols, kv_len - 1)[None, :]
     inside = (rows < q_len)[:, None] & (cols < kv_len)[None, :]
     kept = KEEP(0, 0, q_idx, kv_idx, aux) & inside  # a mask of one side broadcasts
-    causal = (kv_idx <= q_idx) & inside
-    tl.atomic_add(Differ, tl.sum((kept != causal).to(tl.int32)))
+    band = (kv_idx <= q_idx) & (q_idx - kv_idx < window) & inside
+    tl.atomic_add(Differ, tl.sum((kept != band).to(tl.int32)))
     tl.atomic_add(Differ + 1, tl.sum((kept != inside).to(tl.int32)))
+    tl.atomic_add(Differ + 2, tl.sum((kept & (rows == q_len - 1)[:, None]).to(tl.int32)))
+
+
+def _differences(keep, aux: tuple, q_len: int, kv_len: int, window: int, device: torch.device) -> list[int]:
+    """`_mask_kernel`'s counts."""
+    differ = torch.zeros(3, dtype=torch.int32, device=device)
+    launch(_mask_kernel, (triton.cdiv(q_len, _BLOCK), triton.cdiv(kv_len, _BLOCK)), differ, q_len, kv_len, window,
+           aux, KEEP=keep, BLOCK=_BLOCK)
+    return differ.tolist()
 
 
 def sdpa_causal(keep, aux: tuple, q_len: int, kv_len: int, device: torch.device) -> bool | None:
     """Whether `keep` at these lengths is SDPA's causal mask (True), keeps everything (False), or neither."""
-    differ = torch.zeros(2, dtype=torch.int32, device=device)
-    launch(_mask_kernel, (triton.cdiv(q_len, _BLOCK), triton.cdiv(kv_len, _BLOCK)), differ, q_len, kv_len, aux,
-           KEEP=keep, BLOCK=_BLOCK)
-    as_causal, as_unmasked = differ.tolist()
+    as_causal, as_unmasked, _ = _differences(keep, aux, q_len, kv_len, kv_len, device)
     return True if as_causal == 0 else False if as_unmasked == 0 else None
+
+
+def causal_band(keep, aux: tuple, q_len: int, kv_len: int, device: torch.device) -> int | None:
+    """The width w where `keep` at these lengths (equal) is a sliding window, each query keeping itself and the w - 1
+    keys before it, with 1 ≤ w < the length; else None (a causal mask, which keeps them all, among the others). The
+    last row keeps w keys of a band: the band of that width is then checked element by element."""
+    *_, width = _differences(keep, aux, q_len, kv_len, kv_len, device)
+    if not 0 < width < kv_len or q_len != kv_len:
+        return None
+    return width if _differences(keep, aux, q_len, kv_len, width, device)[0] == 0 else None
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,10 @@ head dim, dQ = dS K over both partitions' 128 kv rows, added into an fp32 buffer
 forward's rounding residual; `backward.row_delta`, the Triton backward's).
 
 The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases, with dO
-laid out as rows of one matrix too. The Triton backward runs everything else.
+laid out as rows of one matrix too; with `WINDOWS`, a sliding window's band at those layouts after the Triton
+forward's training form, whose statistics are the same (on the tiles that forward masks it takes the scores times
+the scale rounded, then times log2(e), where this kernel multiplies by their product: a weight there may come out an
+ulp of the inputs' dtype apart). The Triton backward runs everything else.
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ except ImportError:  # a Triton without Gluon's Hopper language: the Triton back
     gluon = None
 
 BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two partitions of 64), the ring's depth
+# Whether the kernel also serves a sliding window (a causal band of keys, `sdpa_floor.causal_band`) after the Triton
+# forward's training form, whose statistics are the sm_90 forward's (bench/NOTES.md)
+WINDOWS = False
 STATS_BLOCK = 64  # rows a program of the statistics kernel
 STATS = tl.constexpr(4)  # rows per head of `_stats_kernel`'s output: its three, padded to a TMA box's power of two
 
@@ -90,11 +96,11 @@ if gluon is not None:
 
     @gluon.jit
     def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free,
-              ds_ready, dq_desc, dq_row, kv_start, c, scale, part: gl.constexpr, S_LAYOUT: gl.constexpr,
+              ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part: gl.constexpr, S_LAYOUT: gl.constexpr,
               KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              MASKED: gl.constexpr):
+              MASKED: gl.constexpr, WINDOWED: gl.constexpr):
         """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
-        forward's.
+        forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
 
         The weights are the forward's, from its statistics (`forward.FlashForwardExtra`, exact mode): 2^(s · c -
         shift) for a row whose max stayed tame (its lse the whole shift), 2^(s · c - m · log2(e)) past that (its lse
@@ -124,7 +130,10 @@ if gluon is not None:
         st = warpgroup_mma_wait(1, deps=(st,))
         if MASKED:
             kv_at = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, S_LAYOUT))
-            st = gl.where(q_at[None, :] >= kv_at[:, None], st, float("-inf"))
+            kept = q_at[None, :] >= kv_at[:, None]
+            if WINDOWED:
+                kept = kept & (q_at[None, :] - kv_at[:, None] < window)
+            st = gl.where(kept, st, float("-inf"))
         p = truncated(gl.exp2(gl.fma(st, c, offset.load(q_cols)[None, :])), dtype)  # exact in the inputs' dtype
         inverse_l = inverse_l.load(q_cols)
         weights = gl.convert_layout((p * inverse_l[None, :]).to(dtype), gl.DotOperandLayout(0, KV_LAYOUT, 2))
@@ -157,9 +166,13 @@ if gluon is not None:
     @gluon.jit
     def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem,
                    dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start,
-                   first_head, n_heads, q_len, first_block, n_blocks, group, scale, part: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-        """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ."""
+                   first_head, n_heads, q_len, first_block, n_blocks, window, group, scale,
+                   part: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   CAUSAL: gl.constexpr, WINDOWED: gl.constexpr):
+        """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ. Its q
+        blocks: [first_block, n_blocks), the causal mask on the first two, or with WINDOWED the band's on every one
+        (a band's blocks are few, and a loop apart for the unmasked ones between its edges spilled 104 stack bytes
+        at D128, offline, against 24)."""
         warps: gl.constexpr = gl.num_warps()
         rows: gl.constexpr = k_smem.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
@@ -182,16 +195,23 @@ if gluon is not None:
         t = 0
         for g in range(group):
             dq_row = (b * n_heads + first_head + g) * q_len
-            for i in range(first_block, first_block + n_masked):
-                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
-                               dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, c, scale, part, s_layout,
-                               kv_layout, dq_layout, BLOCK_M, STAGES, True)
-                t += 1
-            for i in range(first_block + n_masked, n_blocks):
-                dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
-                               dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, c, scale, part, s_layout,
-                               kv_layout, dq_layout, BLOCK_M, STAGES, False)
-                t += 1
+            if WINDOWED:
+                for i in range(first_block, n_blocks):
+                    dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
+                                   dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale,
+                                   part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True)
+                    t += 1
+            else:
+                for i in range(first_block, first_block + n_masked):
+                    dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
+                                   dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale,
+                                   part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False)
+                    t += 1
+                for i in range(first_block + n_masked, n_blocks):
+                    dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
+                                   dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale,
+                                   part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False)
+                    t += 1
         row_idx = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, kv_layout))
         col_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         dk_at = (dk_ptr + b.to(gl.int64) * dk_strides[0] + kv_h.to(gl.int64) * dk_strides[1]
@@ -204,9 +224,9 @@ if gluon is not None:
 
     @gluon.jit
     def _hopper_backward(q_desc, do_desc, k_desc, v_desc, stats_desc, dq_desc, dk_ptr, dv_ptr, q_strides, do_strides,
-                         k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len, scale,
+                         k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len, window, scale,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         STAGES: gl.constexpr):
+                         STAGES: gl.constexpr, WINDOWED: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in the
         other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its
         rows in the matrix its descriptor covers (`hopper_forward._Rows`)."""
@@ -224,6 +244,8 @@ if gluon is not None:
         v_row = (v_base // v_strides[2]).to(gl.int32) + kv_start
         first_block = kv_start // BLOCK_M if CAUSAL else 0
         n_blocks = q_len // BLOCK_M
+        if WINDOWED:  # the queries that keep a key of this block end at kv_start + BLOCK_N - 2 + window
+            n_blocks = gl.minimum(n_blocks, (kv_start + BLOCK_N - 2 + window) // BLOCK_M + 1)
         first_head = kv_h * group
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -249,12 +271,12 @@ if gluon is not None:
         gl.warp_specialize([
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
-                          n_heads, q_len, first_block, n_blocks, group, scale, 0, HEAD_DIM, BLOCK_M, STAGES,
-                          CAUSAL)),
+                          n_heads, q_len, first_block, n_blocks, window, group, scale, 0, HEAD_DIM,
+                          BLOCK_M, STAGES, CAUSAL, WINDOWED)),
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
-                          n_heads, q_len, first_block, n_blocks, group, scale, 1, HEAD_DIM, BLOCK_M, STAGES,
-                          CAUSAL)),
+                          n_heads, q_len, first_block, n_blocks, window, group, scale, 1, HEAD_DIM,
+                          BLOCK_M, STAGES, CAUSAL, WINDOWED)),
             (_loads, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem,
                       kv_bar, q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row,
                       (k_base % k_strides[2]).to(gl.int32), v_row, (v_base % v_strides[2]).to(gl.int32), first_block,
@@ -288,11 +310,13 @@ def available(device: torch.device) -> bool:
     return gluon is not None and hopper_forward.available(device)
 
 
-def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
-    """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal]) v for these [B, H, N, D] tensors
-    and dO (faster than the Triton backward at head dims 64 and 128: bench/NOTES.md): where the sm_90 forward serves
-    them (its statistics are the ones read) and dO is laid out as rows of one matrix in their dtype."""
-    return (gluon is not None and hopper_forward.serves(q, k, v, causal)
+def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+           window: int | None = None) -> bool:
+    """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal, in a band of `window` keys]) v for
+    these [B, H, N, D] tensors and dO (faster than the Triton backward at head dims 64 and 128: bench/NOTES.md):
+    where the sm_90 forward serves them unmasked or causal (its statistics, or the Triton forward's alike, are the
+    ones read) and dO is laid out as rows of one matrix in their dtype; a window where `WINDOWS` says so."""
+    return (gluon is not None and hopper_forward.serves(q, k, v, causal) and (window is None or WINDOWS and causal)
             and do.dtype == q.dtype and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0
             and hopper_forward._Rows.of(do) is not None)
 
@@ -312,10 +336,11 @@ def fp32_described(stats: torch.Tensor, dq_acc: torch.Tensor) -> tuple:
 
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, log_sum: torch.Tensor, scale: float, causal: bool, grads: tuple,
-                    residual: torch.Tensor) -> None:
+                    residual: torch.Tensor, window: int | None = None) -> None:
     """dQ, dK, dV into `grads` (tensors of q's, k's and v's shapes, any strides; dK and dV summed over the query
-    heads sharing a kv head), where `serves`, after the sm_90 forward's training form: `lse`, `log_sum` its exact
-    weights' statistics ([B, H, N] contiguous fp32), `residual` the output's rounding residual."""
+    heads sharing a kv head), where `serves`, after the sm_90 forward's training form (or the Triton forward's, for a
+    `window`): `lse`, `log_sum` its exact weights' statistics ([B, H, N] contiguous fp32), `residual` the output's
+    rounding residual."""
     batch, q_heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq, dk, dv = grads
@@ -328,6 +353,7 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                                                            (v, BLOCK_N // 2))]
     _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
         *described, *fp32_described(stats, dq_acc.view(-1, d)), dk, dv, q.stride()[:3], do.stride()[:3], k.stride()[:3],
-        v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, scale, HEAD_DIM=d,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, num_warps=4)
+        v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, window or 0, scale,
+        HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, WINDOWED=window is not None,
+        num_warps=4)
     dq.copy_(dq_acc)

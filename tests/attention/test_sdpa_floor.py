@@ -12,11 +12,13 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from support import DEVICE, check, last_attention, random_tensor
 
 import fusepass
 from fusepass.attention import kept_forwards, sdpa_floor
-from fusepass.attention.sdpa_floor import SdpaRun
+from fusepass.attention.sdpa_floor import SdpaRun, causal_band
+from fusepass.flash import hopper_backward, hopper_forward
 from fusepass.report.records import SDPA
 
 # what a graph's ops do call by call, which a whole-graph replay does not run
@@ -188,6 +190,62 @@ def test_a_mask_of_positions_other_than_causal_is_not_sdpas(times, sdpa_calls, f
     report = check(fn, *qkv(), backward=True)
     assert last_attention().sdpa is not None  # a mask of positions: checked at the shape
     assert not sdpa_calls and not ran(report)
+
+
+@triton.jit
+def _band_of_5(b, h, q_idx, kv_idx, aux):
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < 5)
+
+
+@triton.jit
+def _diagonal(b, h, q_idx, kv_idx, aux):
+    return kv_idx == q_idx
+
+
+@triton.jit
+def _causal(b, h, q_idx, kv_idx, aux):
+    return kv_idx <= q_idx
+
+
+@triton.jit
+def _everything(b, h, q_idx, kv_idx, aux):
+    return (kv_idx >= 0) & (q_idx >= 0)
+
+
+@triton.jit
+def _band_with_a_sink(b, h, q_idx, kv_idx, aux):  # the first key kept by every query too
+    return ((kv_idx <= q_idx) & (q_idx - kv_idx < 5)) | (kv_idx == 0)
+
+
+@triton.jit
+def _every_other(b, h, q_idx, kv_idx, aux):  # as many keys in the last row as a band of 19, not a band
+    return (kv_idx <= q_idx) & ((q_idx - kv_idx) % 2 == 0)
+
+
+@pytest.mark.parametrize("keep, width", [(_band_of_5, 5), (_diagonal, 1), (_causal, None), (_everything, None),
+                                         (_band_with_a_sink, None), (_every_other, None)],
+                         ids=["band", "diagonal", "causal", "everything", "sink", "every-other"])
+def test_a_sliding_windows_band_is_found_element_by_element(keep, width):
+    assert causal_band(keep, (), 37, 37, torch.device(DEVICE)) == width
+
+
+def test_a_sliding_windows_band_takes_the_sm90_backward_where_it_serves(times, monkeypatch):
+    """A mask checked to be a window's band at the shape sends the backward to the sm_90 kernel with the band's
+    width (here a stand-in that fails: the replaced ops run, with a warning, and compute eager's gradients)."""
+    widths = []
+
+    def stand_in(*args):
+        widths.append(args[-1])
+        raise RuntimeError("the sm_90 backward's stand-in")
+
+    monkeypatch.setattr(hopper_backward, "WINDOWS", True)
+    monkeypatch.setattr(hopper_backward, "available", lambda device: True)
+    monkeypatch.setattr(hopper_forward, "serves", lambda *args: True)
+    monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
+    monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
+    with pytest.warns(RuntimeWarning, match="stand-in"):
+        check(window, *qkv(dtype=torch.float16), backward=True)
+    assert widths == [8]
 
 
 def finite_fill(q, k, v):  # a row's scores near the fill would weigh it: not SDPA's -inf

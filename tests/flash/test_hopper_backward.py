@@ -1,7 +1,7 @@
 """The sm_90 backward (`fusepass.flash.hopper_backward`): dQ, dK and dV after the sm_90 forward's training form against
 float64, at SDPA's distance, at the layouts it serves (contiguous, by position, a fused projection's
-slices, shared K/V heads); where a compiled training step runs it (the report names it); what it does not serve;
-and its statistics kernel (Triton, on any device).
+slices, shared K/V heads); where a compiled training step runs it (the report names it), a sliding window's after the
+Triton forward too; what it does not serve; and its statistics kernel (Triton, on any device).
 The kernel runs asynchronous products, TMA rings and TMA reductions: on an sm_90 GPU only; elsewhere `serves` says no."""
 from __future__ import annotations
 
@@ -81,6 +81,35 @@ def test_a_compiled_training_step_runs_it(n):
     assert "backward ran the sm_90" in str(report)
 
 
+def windowed_attention(x, wq, wk, wv, heads, window):
+    """Causal attention in a sliding window of `window` keys over 256 features in `heads` heads."""
+    b, n, _ = x.shape
+    d = 256 // heads
+    q, k, v = ((x @ w).view(b, n, heads, d).transpose(1, 2) for w in (wq, wk, wv))
+    i = torch.arange(n, device=x.device)
+    keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    s = (q @ k.transpose(-1, -2) / d ** 0.5).masked_fill(~keep, float("-inf"))
+    return (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, n, 256)
+
+
+@on_hopper
+@pytest.mark.parametrize("window", [1, 100, 300])
+@pytest.mark.parametrize("n,heads", [(384, 2), (640, 4)], ids=["d128", "d64"])
+def test_a_sliding_windows_training_step_runs_it_after_the_triton_forward(window, n, heads, monkeypatch):
+    """A window's band (`WINDOWS`): the Triton forward's training form, then the kernel over the band's q blocks,
+    eager's gradients for every weight (`check`), the report naming the kernel of the backward alone."""
+    monkeypatch.setattr(hopper_backward, "WINDOWS", True)
+    x = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
+    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
+
+    def attention(x, wq, wk, wv):
+        return windowed_attention(x, wq, wk, wv, heads, window)
+    check(attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
+    unfused = last_attention().unfused
+    assert KERNEL not in unfused.forward_record.detail
+    assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
+
+
 def test_it_serves_only_what_it_computes():
     """What the sm_90 forward does not serve (head dim 96, a length no block divides), and a dO of another dtype
     or not rows of one matrix: the Triton kernels'."""
@@ -91,6 +120,7 @@ def test_it_serves_only_what_it_computes():
     assert not hopper_backward.serves(do.float(), q, k, v, False)
     assert not hopper_backward.serves(do.transpose(2, 3).contiguous().transpose(2, 3), q, k, v, False)
     assert hopper_backward.serves(do, q, k, v, True) == hopper_backward.available(q.device)
+    assert not hopper_backward.serves(do, q, k, v, False, 100)  # a window is a causal band
 
 
 def test_the_stats_kernel_takes_each_rows_offset_scale_and_term():
