@@ -39,8 +39,16 @@ PLAIN = ScoreMod(name="gluon_backward_plain", score=scaled, score_grad=scaled_gr
 CAUSAL = ScoreMod(name="gluon_backward_causal", score=scaled, score_grad=scaled_grad, keep=flash_sweep.CAUSAL.keep,
                   fill=flash_sweep.CAUSAL.fill)
 WINDOW_KEYS = 1024  # the attention suite's window
-WINDOW = ScoreMod(name="gluon_backward_window", score=scaled, score_grad=scaled_grad,
-                  keep=flash_sweep.window_1024_keep, fill=flash_sweep.CAUSAL.fill)
+
+
+def window_mod(head_dim: int) -> ScoreMod:
+    """The window as the attention pass lifts it, its scale declared (`ScoreMod.linear_scale`): the form the sm_90
+    backward is served after."""
+    return ScoreMod(name=f"gluon_backward_window_d{head_dim}", score=scaled, score_grad=scaled_grad,
+                    keep=flash_sweep.window_1024_keep, fill=flash_sweep.CAUSAL.fill,
+                    linear_scale=1 / math.sqrt(head_dim))
+
+
 CASES = ("causal", "plain", "window")
 
 
@@ -58,9 +66,9 @@ def sass_counts(case: str, head_dim: int) -> dict:
     fp32 = hb.fp32_described(torch.empty(hb.STATS.value, 1024), torch.empty(1024, head_dim))
     kernel = hb._hopper_backward.warmup(*described, *fp32, x, x,
                                         *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, WINDOW_KEYS,
-                                        0.125, HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N,
-                                        CAUSAL=case != "plain", STAGES=hb.STAGES, WINDOWED=case == "window",
-                                        num_warps=4, grid=(1,))
+                                        0.125, 0.125 * 1.4426950408889634, HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M,
+                                        BLOCK_N=hb.BLOCK_N, CAUSAL=case != "plain", STAGES=hb.STAGES,
+                                        WINDOWED=case == "window", num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2",
                                                              "REDG", "UBLKRED|UTMAREDG")}
@@ -75,8 +83,9 @@ def training_forward(q, k, v, case):
 
     scale = 1 / math.sqrt(q.shape[3])
     if case == "window":
-        out, lse, extra = flash_attention_forward(q, k, v, WINDOW, (scale,),
-                                                  outputs=forward_outputs(q, WINDOW, q.dtype, q.device, backward=True))
+        mod = window_mod(q.shape[3])
+        out, lse, extra = flash_attention_forward(q, k, v, mod, (scale,),
+                                                  outputs=forward_outputs(q, mod, q.dtype, q.device, backward=True))
         return out, lse, extra
     out, residual = torch.empty_like(q), torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
@@ -93,7 +102,7 @@ def backwards(q, k, v, do, case):
 
     out, lse, extra = training_forward(q, k, v, case)
     scale = 1 / math.sqrt(q.shape[3])
-    mod = {"causal": CAUSAL, "plain": PLAIN, "window": WINDOW}[case]
+    mod = {"causal": CAUSAL, "plain": PLAIN, "window": window_mod(q.shape[3])}[case]
     window = WINDOW_KEYS if case == "window" else None
 
     def grads():

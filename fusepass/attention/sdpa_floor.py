@@ -60,8 +60,9 @@ def sdpa_form(spec: AttentionSpec) -> SdpaForm | None:
 @triton.jit(do_not_specialize=["q_len", "kv_len", "window"])  # (as blockmap.BY_LENGTH)
 def _mask_kernel(Differ, q_len, kv_len, window, aux, KEEP: tl.constexpr, BLOCK: tl.constexpr):
     """Counts where KEEP differs from a causal band of `window` keys, the query's own and those before it
-    (Differ[0]; SDPA's causal mask where `window` ≥ kv_len), and from keeping everything (Differ[1]), and the keys
-    the last query row keeps (Differ[2])."""
+    (Differ[0]; SDPA's causal mask where `window` ≥ q_len), and from keeping everything (Differ[1]), and the keys
+    the last query row keeps (Differ[2]). The counts are int64: at lengths past 2^16 an int32 count of differences
+    could wrap to 0."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     q_idx = tl.minimum(rows, q_len - 1)[:, None]
@@ -69,14 +70,14 @@ def _mask_kernel(Differ, q_len, kv_len, window, aux, KEEP: tl.constexpr, BLOCK: 
     inside = (rows < q_len)[:, None] & (cols < kv_len)[None, :]
     kept = KEEP(0, 0, q_idx, kv_idx, aux) & inside  # a mask of one side broadcasts
     band = (kv_idx <= q_idx) & (q_idx - kv_idx < window) & inside
-    tl.atomic_add(Differ, tl.sum((kept != band).to(tl.int32)))
-    tl.atomic_add(Differ + 1, tl.sum((kept != inside).to(tl.int32)))
-    tl.atomic_add(Differ + 2, tl.sum((kept & (rows == q_len - 1)[:, None]).to(tl.int32)))
+    tl.atomic_add(Differ, tl.sum((kept != band).to(tl.int64)))
+    tl.atomic_add(Differ + 1, tl.sum((kept != inside).to(tl.int64)))
+    tl.atomic_add(Differ + 2, tl.sum((kept & (rows == q_len - 1)[:, None]).to(tl.int64)))
 
 
 def _differences(keep, aux: tuple, q_len: int, kv_len: int, window: int, device: torch.device) -> list[int]:
     """`_mask_kernel`'s counts."""
-    differ = torch.zeros(3, dtype=torch.int32, device=device)
+    differ = torch.zeros(3, dtype=torch.int64, device=device)
     launch(_mask_kernel, (triton.cdiv(q_len, _BLOCK), triton.cdiv(kv_len, _BLOCK)), differ, q_len, kv_len, window,
            aux, KEEP=keep, BLOCK=_BLOCK)
     return differ.tolist()
@@ -84,7 +85,7 @@ def _differences(keep, aux: tuple, q_len: int, kv_len: int, window: int, device:
 
 def sdpa_causal(keep, aux: tuple, q_len: int, kv_len: int, device: torch.device) -> bool | None:
     """Whether `keep` at these lengths is SDPA's causal mask (True), keeps everything (False), or neither."""
-    as_causal, as_unmasked, _ = _differences(keep, aux, q_len, kv_len, kv_len, device)
+    as_causal, as_unmasked, _ = _differences(keep, aux, q_len, kv_len, q_len, device)
     return True if as_causal == 0 else False if as_unmasked == 0 else None
 
 
@@ -92,7 +93,7 @@ def causal_band(keep, aux: tuple, q_len: int, kv_len: int, device: torch.device)
     """The width w where `keep` at these lengths (equal) is a sliding window, each query keeping itself and the w - 1
     keys before it, with 1 ≤ w < the length; else None (a causal mask, which keeps them all, among the others). The
     last row keeps w keys of a band: the band of that width is then checked element by element."""
-    *_, width = _differences(keep, aux, q_len, kv_len, kv_len, device)
+    *_, width = _differences(keep, aux, q_len, kv_len, q_len, device)
     if not 0 < width < kv_len or q_len != kv_len:
         return None
     return width if _differences(keep, aux, q_len, kv_len, width, device)[0] == 0 else None

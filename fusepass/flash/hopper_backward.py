@@ -166,7 +166,7 @@ if gluon is not None:
     @gluon.jit
     def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem,
                    dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start,
-                   first_head, n_heads, q_len, first_block, n_blocks, window, group, scale,
+                   first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c,
                    part: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOWED: gl.constexpr):
         """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ. Its q
@@ -175,13 +175,14 @@ if gluon is not None:
         at D128, offline, against 24)."""
         warps: gl.constexpr = gl.num_warps()
         rows: gl.constexpr = k_smem.shape[1]
+        if not WINDOWED:  # after the sm_90 forward: its exponent scale, the fp32 scale times log2(e) in fp32
+            c = scale * LOG2E
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # [kv, q]
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                             instr_shape=[16, HEAD_DIM, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                             instr_shape=[16, HEAD_DIM // 2, 16])
-        c = scale * LOG2E  # as the forward's
         dk = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
         dv = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
         k_part = k_smem.index(part)
@@ -224,12 +225,14 @@ if gluon is not None:
 
     @gluon.jit
     def _hopper_backward(q_desc, do_desc, k_desc, v_desc, stats_desc, dq_desc, dk_ptr, dv_ptr, q_strides, do_strides,
-                         k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len, window, scale,
+                         k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len, window, scale, c,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
                          STAGES: gl.constexpr, WINDOWED: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in the
         other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its
-        rows in the matrix its descriptor covers (`hopper_forward._Rows`)."""
+        rows in the matrix its descriptor covers (`hopper_forward._Rows`). c: scale · log2(e) from the host, the
+        weights' exponent scale after the Triton forward (a window's), which folds the product of its constants, in
+        fp64, into its kernel (`forward._attend_tile`); the sm_90 forward's is taken in fp32 (see `_partition`)."""
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
         kv_block = gl.program_id(0)  # the first kv blocks first: under a causal mask they walk the most q blocks
@@ -271,11 +274,11 @@ if gluon is not None:
         gl.warp_specialize([
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
-                          n_heads, q_len, first_block, n_blocks, window, group, scale, 0, HEAD_DIM,
+                          n_heads, q_len, first_block, n_blocks, window, group, scale, c, 0, HEAD_DIM,
                           BLOCK_M, STAGES, CAUSAL, WINDOWED)),
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
-                          n_heads, q_len, first_block, n_blocks, window, group, scale, 1, HEAD_DIM,
+                          n_heads, q_len, first_block, n_blocks, window, group, scale, c, 1, HEAD_DIM,
                           BLOCK_M, STAGES, CAUSAL, WINDOWED)),
             (_loads, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem,
                       kv_bar, q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row,
@@ -354,6 +357,6 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
         *described, *fp32_described(stats, dq_acc.view(-1, d)), dk, dv, q.stride()[:3], do.stride()[:3], k.stride()[:3],
         v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, window or 0, scale,
-        HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, WINDOWED=window is not None,
-        num_warps=4)
+        scale * LOG2E.value, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
+        WINDOWED=window is not None, num_warps=4)
     dq.copy_(dq_acc)

@@ -92,18 +92,53 @@ def windowed_attention(x, wq, wk, wv, heads, window):
     return (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, n, 256)
 
 
+def _windowed(q, k, v, window):
+    """softmax(q kᵀ / √D) v in a causal window of `window` keys, K and V heads repeated for their groups."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    i = torch.arange(q.shape[2], device=q.device)
+    keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
 @on_hopper
-@pytest.mark.parametrize("window", [1, 100, 300])
-@pytest.mark.parametrize("n,heads", [(384, 2), (640, 4)], ids=["d128", "d64"])
-def test_a_sliding_windows_training_step_runs_it_after_the_triton_forward(window, n, heads, monkeypatch):
+@pytest.mark.parametrize("window", [2, 63, 65, 130, 383])  # a band ending in a block's first or last row, or 1 short
+@pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_windows_gradients_are_as_far_from_float64_as_the_triton_backwards(window, layout, heads, kv_heads, d,
+                                                                            monkeypatch):
+    """The kernel over a window's band (`WINDOWS`) after the Triton forward, each gradient within 1.5 times the
+    Triton backward's distance from float64 after the same forward, at the layouts it serves."""
+    q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
+    do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(_windowed(q64, k64, v64, window), (q64, k64, v64), do.double())
+    grads = {}
+    for windows in (True, False):
+        monkeypatch.setattr(hopper_backward, "WINDOWS", windows)
+        fusepass.reset()
+        torch._dynamo.reset()
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # the layouts' strides kept
+        compiled = torch.compile(lambda q, k, v: _windowed(q, k, v, window), backend=fusepass.backend(sdpa=False))
+        grads[windows] = torch.autograd.grad(compiled(*leaves), leaves, do)
+        ran = list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values())
+        assert ran == ([hopper_backward.DESCRIBED] if windows else [])
+    for name, got, bar, e in zip("qkv", grads[True], grads[False], expected):
+        assert _distance(got, e) <= 1.5 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
+
+
+@on_hopper
+def test_a_sliding_windows_training_step_runs_it_after_the_triton_forward(monkeypatch):
     """A window's band (`WINDOWS`): the Triton forward's training form, then the kernel over the band's q blocks,
     eager's gradients for every weight (`check`), the report naming the kernel of the backward alone."""
     monkeypatch.setattr(hopper_backward, "WINDOWS", True)
-    x = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.randn(2, 384, 256, device=DEVICE, dtype=torch.bfloat16)
     weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
 
     def attention(x, wq, wk, wv):
-        return windowed_attention(x, wq, wk, wv, heads, window)
+        return windowed_attention(x, wq, wk, wv, heads=2, window=100)
     check(attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
     unfused = last_attention().unfused
     assert KERNEL not in unfused.forward_record.detail
