@@ -229,6 +229,17 @@ def test_a_sliding_windows_band_is_found_element_by_element(keep, width):
     assert causal_band(keep, (), 37, 37, torch.device(DEVICE)) == width
 
 
+@triton.jit
+def _band_of_aux(b, h, q_idx, kv_idx, aux):  # aux: (the width,)
+    return (kv_idx <= q_idx) & (q_idx - kv_idx < aux[0])
+
+
+@pytest.mark.parametrize("width", [63, 64, 65, 129])
+def test_a_band_across_the_check_kernels_programs(width):
+    """At 130 positions the check runs over 3 × 3 programs: the band's edges cross them."""
+    assert causal_band(_band_of_aux, (width,), 130, 130, torch.device(DEVICE)) == width
+
+
 def test_a_sliding_windows_band_takes_the_sm90_backward_where_it_serves(times, monkeypatch):
     """A mask checked to be a window's band at the shape sends the backward to the sm_90 kernel with the band's
     width (here a stand-in that fails: the replaced ops run, with a warning, and compute eager's gradients)."""
