@@ -19,6 +19,7 @@ import triton
 import triton.testing
 
 from fusepass.flash import hopper_backward, hopper_forward
+from fusepass.flash.forward import LOG2E
 from fusepass.flash.score_mod import ScoreMod
 
 SHAPES = "2,16,8192,128;8,16,2048,64"
@@ -66,7 +67,7 @@ def sass_counts(case: str, head_dim: int) -> dict:
     fp32 = hb.fp32_described(torch.empty(hb.STATS.value, 1024), torch.empty(1024, head_dim))
     kernel = hb._hopper_backward.warmup(*described, *fp32, x, x,
                                         *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, WINDOW_KEYS,
-                                        0.125, 0.125 * 1.4426950408889634, HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M,
+                                        0.125, 0.125 * LOG2E.value, HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M,
                                         BLOCK_N=hb.BLOCK_N, CAUSAL=case != "plain", STAGES=hb.STAGES,
                                         WINDOWED=case == "window", num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)

@@ -81,17 +81,6 @@ def test_a_compiled_training_step_runs_it(n):
     assert "backward ran the sm_90" in str(report)
 
 
-def windowed_attention(x, wq, wk, wv, heads, window):
-    """Causal attention in a sliding window of `window` keys over 256 features in `heads` heads."""
-    b, n, _ = x.shape
-    d = 256 // heads
-    q, k, v = ((x @ w).view(b, n, heads, d).transpose(1, 2) for w in (wq, wk, wv))
-    i = torch.arange(n, device=x.device)
-    keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-    s = (q @ k.transpose(-1, -2) / d ** 0.5).masked_fill(~keep, float("-inf"))
-    return (torch.softmax(s, -1) @ v).transpose(1, 2).reshape(b, n, 256)
-
-
 def _windowed(q, k, v, window):
     """softmax(q kᵀ / √D) v in a causal window of `window` keys, K and V heads repeated for their groups."""
     group = q.shape[1] // k.shape[1]
@@ -127,6 +116,13 @@ def test_a_windows_gradients_are_as_far_from_float64_as_the_triton_backwards(win
         assert ran == ([hopper_backward.DESCRIBED] if windows else [])
     for name, got, bar, e in zip("qkv", grads[True], grads[False], expected):
         assert _distance(got, e) <= 1.5 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
+
+
+def windowed_attention(x, wq, wk, wv, heads, window):
+    """`_windowed` over 256 features in `heads` heads, from their projections."""
+    b, n, _ = x.shape
+    q, k, v = ((x @ w).view(b, n, heads, 256 // heads).transpose(1, 2) for w in (wq, wk, wv))
+    return _windowed(q, k, v, window).transpose(1, 2).reshape(b, n, 256)
 
 
 @on_hopper
