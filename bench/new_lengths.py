@@ -2,7 +2,7 @@
 attention, its `tril` buffer) or a BERT layer (a padding mask the kernels load, its strides and bounds run-time
 values under symbolic sizes) trained at lengths one after another, fusepass beside Inductor, in one process.
 
-    PYTHONPATH=. python bench/new_lengths.py [--model gpt2|bert] [--lengths 1024,1536,2048,3000,4096,1536]
+    PYTHONPATH=. python bench/new_lengths.py [--model gpt2|bert] [--lengths 1024,1536,2048,3000,3008,1040,4096,1536]
         [--batch 4] [--layers 1] [--profile-planning] [--kernels 12]
 
 Per backend and length: the first step's seconds, the step's median after it (ms), the first step's seconds
@@ -152,7 +152,7 @@ def _inputs(name: str, batch: int, n: int, width: int, device: str) -> tuple[tor
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=("gpt2", "bert"), default="gpt2")
-    parser.add_argument("--lengths", default="1024,1536,2048,3000,4096,1536")
+    parser.add_argument("--lengths", default="1024,1536,2048,3000,3008,1040,4096,1536")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--width", type=int, default=768, help="12 heads of width/12 (a smaller one to try it on the CPU)")
     parser.add_argument("--layers", type=int, default=1)

@@ -6,7 +6,7 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from fusepass.attention.other_lengths import AtLengths, other_lengths, size_at
+from fusepass.attention.other_lengths import KINDS, AtLengths, kind, other_lengths, size_at
 
 
 def _symbolic(env: ShapeEnv, name: str, hint: int) -> torch.SymInt:
@@ -14,9 +14,11 @@ def _symbolic(env: ShapeEnv, name: str, hint: int) -> torch.SymInt:
 
 
 @pytest.mark.parametrize("seen, expected", [
-    (1536, [1535]),  # a multiple of the tiles: one that is no multiple of 16
-    (1500, [1408]),  # neither: a multiple of the tiles
-    (1040, [1024, 1039]),  # a multiple of 16 the tiles do not divide: both
+    # a multiple of the longest tile: one that is no multiple of 16, and of 64, 32 and 16 but no larger tile
+    (1536, [1535, 1472, 1504, 1520]),
+    (1500, [1408, 1344, 1376, 1392]),  # no multiple of 16: the four kinds of multiples
+    (1040, [1024, 1039, 960, 992]),  # a multiple of 16 no tile divides: the others
+    (3008, [2944, 3007, 2912, 2928]),  # a multiple of 64, not of 128
     (200, []),  # no longer than two of the longest tiles: a batch or a head count as likely
 ])
 def test_one_length_of_each_other_kind(seen, expected):
@@ -24,8 +26,10 @@ def test_one_length_of_each_other_kind(seen, expected):
     length, window = _symbolic(env, "T", seen), _symbolic(env, "W", 1024)
     with FakeTensorMode(shape_env=env):
         q = torch.empty(2, 4, length, 64)
-    kinds = other_lengths([q])
-    assert [size_at(length, kind) for kind in kinds] == expected
+    lengths = other_lengths([q])
+    assert [size_at(length, at) for at in lengths] == expected
+    if expected:  # every kind once, the one seen among them
+        assert sorted(map(kind, [seen, *expected]), key=str) == sorted((k for k, _ in KINDS), key=str)
     # A symbolic int read beside the tensors (a window size) keeps the value seen; strides follow the length.
-    assert all(size_at(window, kind) == 1024 for kind in kinds)
-    assert [AtLengths(q, kind).stride() for kind in kinds] == [(4 * n * 64, n * 64, 64, 1) for n in expected]
+    assert all(size_at(window, at) == 1024 for at in lengths)
+    assert [AtLengths(q, at).stride() for at in lengths] == [(4 * n * 64, n * 64, 64, 1) for n in expected]
