@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from hopper_layouts import causal_attention, laid_out, scores64
-from support import DEVICE, check, last_attention
+from support import DEVICE, check, compare, last_attention
 
 import fusepass
 from fusepass.flash import hopper_backward, hopper_forward
@@ -139,6 +139,19 @@ def test_a_sliding_windows_training_step_runs_it_after_the_triton_forward(monkey
     unfused = last_attention().unfused
     assert KERNEL not in unfused.forward_record.detail
     assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
+    # one compile called at a second length (symbolic sizes): every input's gradient still at eager's distance
+    compiled = torch.compile(attention, backend=fusepass.backend(sdpa=False))
+    for n in (384, 512):
+        inputs = [torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16), *weights]
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        dy = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
+        got = torch.autograd.grad(compiled(*leaves), leaves, dy)
+        want = torch.autograd.grad(attention(*leaves), leaves, dy)
+        wide = [t.detach().double().requires_grad_() for t in inputs]
+        compare(list(got), list(want), lambda: list(torch.autograd.grad(attention(*wide), wide, dy.double())),
+                low=True)
+    assert list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values()) == \
+        [hopper_backward.DESCRIBED]
 
 
 def test_it_serves_only_what_it_computes():
