@@ -53,7 +53,7 @@ def window_mod(head_dim: int) -> ScoreMod:
 CASES = ("causal", "plain", "window")
 
 
-def sass_counts(case: str, head_dim: int) -> dict:
+def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
     """Registers, spills, and the instructions that order the loop and add dQ, from the sm_90 build (no GPU)."""
     from gluon_forward import sm90_build
     from kernel_resources import CompileOnlyDriver, resources
@@ -69,7 +69,8 @@ def sass_counts(case: str, head_dim: int) -> dict:
                                         *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, WINDOW_KEYS,
                                         0.125, 0.125 * LOG2E.value, HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M,
                                         BLOCK_N=hb.BLOCK_N, CAUSAL=case != "plain", STAGES=hb.STAGES,
-                                        WINDOWED=case == "window", num_warps=4, grid=(1,))
+                                        WINDOWED=case == "window", DEFER=deferred,
+                                        num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2",
                                                              "REDG", "UBLKRED|UTMAREDG")}
@@ -109,10 +110,14 @@ def backwards(q, k, v, do, case):
     def grads():
         return tuple(torch.empty_like(t) for t in (q, k, v))
 
-    def sm90():
+    def sm90(deferred=False):
         g = grads()
-        hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale, case != "plain", g,
-                                        extra.residual, window)
+        kept, hopper_backward.DEFERRED_DQ = hopper_backward.DEFERRED_DQ, deferred
+        try:
+            hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale, case != "plain", g,
+                                            extra.residual, window)
+        finally:
+            hopper_backward.DEFERRED_DQ = kept
         return g
 
     def triton_backward():
@@ -120,8 +125,11 @@ def backwards(q, k, v, do, case):
         flash_attention_backward(do, q, k, v, out, lse, extra, mod, (scale,), None, grads=g)
         return g
 
+    kernels = {"sm_90 kernel": sm90}
+    if q.shape[3] == 64:  # each step adding the step before's dQ (`hopper_backward.DEFERRED_DQ`)
+        kernels["sm_90, dQ a step later"] = lambda: sm90(True)
     if case == "window":
-        return {"sm_90 kernel": sm90, "Triton": triton_backward}
+        return {**kernels, "Triton": triton_backward}
     causal = case == "causal"
     group = q.shape[1] // k.shape[1]
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
@@ -130,7 +138,7 @@ def backwards(q, k, v, do, case):
 
     def sdpa():
         return torch.autograd.grad(sdpa_out, (qs, ks, vs), do, retain_graph=True)
-    return {"sm_90 kernel": sm90, "Triton": triton_backward, "SDPA": sdpa}
+    return {**kernels, "Triton": triton_backward, "SDPA": sdpa}
 
 
 def reference(q, k, v, do, case):
@@ -157,7 +165,9 @@ def main() -> None:
     if args.sass:
         for case in CASES:
             for head_dim in sorted({s[3] for s in shapes}):
-                print(f"{case} D{head_dim}:", sass_counts(case, head_dim))
+                for deferred in (False, True) if head_dim == 64 else (False,):
+                    print(f"{case} D{head_dim}{', dQ a step later' if deferred else ''}:",
+                          sass_counts(case, head_dim, deferred))
         return
     from harness import environment
     env = environment()

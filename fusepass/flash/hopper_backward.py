@@ -47,6 +47,10 @@ BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two p
 # Whether the kernel also serves a sliding window (a causal band of keys, `sdpa_floor.causal_band`) after the Triton
 # forward's training form, whose statistics are the sm_90 forward's (bench/NOTES.md)
 WINDOWS = False
+# Whether, at head dim 64, a step adds the step before's dQ into the fp32 buffer while its own first two products run,
+# rather than its own after its last: the tensor cores idle through that addition otherwise (bench/NOTES.md). Its
+# registers held over the step: 16 a thread at head dim 64, 32 at 128, where dK and dV take twice as many.
+DEFERRED_DQ = False
 STATS_BLOCK = 64  # rows a program of the statistics kernel
 STATS = tl.constexpr(4)  # rows per head of `_stats_kernel`'s output: its three, padded to a TMA box's power of two
 
@@ -95,12 +99,24 @@ if gluon is not None:
                 t += 1
 
     @gluon.jit
-    def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free,
-              ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part: gl.constexpr, S_LAYOUT: gl.constexpr,
-              KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              MASKED: gl.constexpr, WINDOWED: gl.constexpr):
+    def _add_dq(dq, row, part: gl.constexpr, dq_smem, dq_desc):
+        """This partition's share of a step's dQ added into the fp32 buffer at q row `row` by a TMA reduction, staged
+        in the partition's buffer once the addition before has read it."""
+        half: gl.constexpr = dq.shape[1]
+        tma.store_wait(0)
+        dq_smem.index(part).store(dq)
+        fence_async_shared()
+        _tma_add(dq_desc, [row, part * half], dq_smem.index(part))
+
+    @gluon.jit
+    def _step(t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
+              dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part: gl.constexpr,
+              S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
+              STAGES: gl.constexpr, MASKED: gl.constexpr, WINDOWED: gl.constexpr, DEFER: gl.constexpr):
         """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
         forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
+        With DEFER, the step before's dQ (`dq_before`, for q row `row_before`; none where it is negative) is added
+        while this step's first two products run, and this step's is returned for the next to add.
 
         The weights are the forward's, from its statistics (`forward.FlashForwardExtra`, exact mode): 2^(s · c -
         shift) for a row whose max stayed tame (its lse the whole shift), 2^(s · c - m · log2(e)) past that (its lse
@@ -123,6 +139,9 @@ if gluon is not None:
                            use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_part, do_s.permute((1, 0)), gl.zeros([rows, BLOCK_M], gl.float32, S_LAYOUT),
                             use_acc=False, is_async=True)
+        if DEFER:
+            if row_before >= 0:
+                _add_dq(dq_before, row_before, part, dq_smem, dq_desc)
         n_stats: gl.constexpr = stats_rows.shape[0] // STAGES
         offset = stats_rows.index(slot * n_stats)
         inverse_l = stats_rows.index(slot * n_stats + 1)
@@ -157,18 +176,19 @@ if gluon is not None:
                            k_smem.index(1).slice(part * half, half, 1), dq, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(q_free.index(slot))  # Q and dO of step t read
-        tma.store_wait(0)  # step t - 1's addition has read the buffer
-        dq_smem.index(part).store(dq)
-        fence_async_shared()
-        _tma_add(dq_desc, [dq_row + i * BLOCK_M, part * half], dq_smem.index(part))
-        return dk, dv
+        if DEFER:
+            dq_before = dq
+            row_before = dq_row + i * BLOCK_M
+        else:
+            _add_dq(dq, dq_row + i * BLOCK_M, part, dq_smem, dq_desc)
+        return dk, dv, dq_before, row_before
 
     @gluon.jit
     def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem,
                    dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start,
                    first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c,
                    part: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, WINDOWED: gl.constexpr):
+                   CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DEFER: gl.constexpr):
         """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ. Its q
         blocks: [first_block, n_blocks), the causal mask on the first two, or with WINDOWED the band's on every one
         (a band's blocks are few, and a loop apart for the unmasked ones between its edges spilled 104 stack bytes
@@ -193,26 +213,35 @@ if gluon is not None:
         mbarrier.wait(kv_bar, 0)
         # Under a causal mask a kv block's first two q blocks cross the diagonal (q blocks of 64, kv blocks of 128).
         n_masked = 2 if CAUSAL else 0
+        # With DEFER, the step before's dQ and its q row (none yet)
+        dq_before = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout) if DEFER else 0
+        row_before = -1
         t = 0
         for g in range(group):
             dq_row = (b * n_heads + first_head + g) * q_len
             if WINDOWED:
                 for i in range(first_block, n_blocks):
-                    dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
-                                   dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale,
-                                   part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True)
+                    dk, dv, dq_before, row_before = _step(
+                        t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part,
+                        s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True, DEFER)
                     t += 1
             else:
                 for i in range(first_block, first_block + n_masked):
-                    dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
-                                   dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale,
-                                   part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False)
+                    dk, dv, dq_before, row_before = _step(
+                        t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part,
+                        s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False, DEFER)
                     t += 1
                 for i in range(first_block + n_masked, n_blocks):
-                    dk, dv = _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
-                                   dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale,
-                                   part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False)
+                    dk, dv, dq_before, row_before = _step(
+                        t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part,
+                        s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False, DEFER)
                     t += 1
+        if DEFER:
+            if row_before >= 0:
+                _add_dq(dq_before, row_before, part, dq_smem, dq_desc)
         row_idx = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, kv_layout))
         col_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         dk_at = (dk_ptr + b.to(gl.int64) * dk_strides[0] + kv_h.to(gl.int64) * dk_strides[1]
@@ -227,7 +256,7 @@ if gluon is not None:
     def _hopper_backward(q_desc, do_desc, k_desc, v_desc, stats_desc, dq_desc, dk_ptr, dv_ptr, q_strides, do_strides,
                          k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len, window, scale, c,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         STAGES: gl.constexpr, WINDOWED: gl.constexpr):
+                         STAGES: gl.constexpr, WINDOWED: gl.constexpr, DEFER: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in the
         other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its
         rows in the matrix its descriptor covers (`hopper_forward._Rows`). c: scale · log2(e) from the host, the
@@ -275,11 +304,11 @@ if gluon is not None:
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
                           n_heads, q_len, first_block, n_blocks, window, group, scale, c, 0, HEAD_DIM,
-                          BLOCK_M, STAGES, CAUSAL, WINDOWED)),
+                          BLOCK_M, STAGES, CAUSAL, WINDOWED, DEFER)),
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
                           n_heads, q_len, first_block, n_blocks, window, group, scale, c, 1, HEAD_DIM,
-                          BLOCK_M, STAGES, CAUSAL, WINDOWED)),
+                          BLOCK_M, STAGES, CAUSAL, WINDOWED, DEFER)),
             (_loads, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem,
                       kv_bar, q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row,
                       (k_base % k_strides[2]).to(gl.int32), v_row, (v_base % v_strides[2]).to(gl.int32), first_block,
@@ -358,5 +387,5 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         *described, *fp32_described(stats, dq_acc.view(-1, d)), dk, dv, q.stride()[:3], do.stride()[:3], k.stride()[:3],
         v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, window or 0, scale,
         scale * LOG2E.value, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
-        WINDOWED=window is not None, num_warps=4)
+        WINDOWED=window is not None, DEFER=DEFERRED_DQ and d == 64, num_warps=4)
     dq.copy_(dq_acc)

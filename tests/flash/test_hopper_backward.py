@@ -46,7 +46,11 @@ def _distance(got, expected):
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
 @pytest.mark.parametrize("n,dtype", [(256, torch.float16), (384, torch.bfloat16), (640, torch.bfloat16)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_the_kernel_computes_the_gradients(causal, layout, heads, kv_heads, n, dtype, d):
+@pytest.mark.parametrize("deferred", [False, True], ids=["dq-in-its-step", "dq-a-step-later"])
+def test_the_kernel_computes_the_gradients(causal, layout, heads, kv_heads, n, dtype, d, deferred, monkeypatch):
+    if deferred and d != 64:
+        pytest.skip("dQ added a step later at head dim 64 only")
+    monkeypatch.setattr(hopper_backward, "DEFERRED_DQ", deferred)
     q, k, v, out = laid_out(layout, 2, heads, kv_heads, n, d, dtype)
     lse, log_sum, residual = _training_forward(q, k, v, out, causal)
     do = torch.randn(out.shape, device=DEVICE, dtype=dtype)
