@@ -6,9 +6,7 @@ its sm_90 build's counts offline:
                                                             registers, barriers and wgmma waits)
     --rings 128,2;64,3   the kernel also at other K/V tiles and ring depths (BLOCK_N,STAGES each; the first is
                          `hopper_forward`'s own): timed beside it, or compiled with --sass; a third field 1 or 0:
-                         its partitions taking turns at issuing their products or not (`hopper_forward.TURNS`); a
-                         fourth, a computing warp's registers (`hopper_forward.CONSUMER_REGISTERS`: 120 lets two
-                         programs share a multiprocessor at head dim 64 with K/V tiles of 64)
+                         its partitions taking turns at issuing their products or not (`hopper_forward.TURNS`)
 
 The variants measured before the kernel became fusepass's (one partition of two warpgroups, K/V tiles of 64 rows)
 are in bench/results/gluon-forward-2026-12-05-1200.md; the kernel kept is the fastest of them.
@@ -36,40 +34,20 @@ def sdpa_form_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return out, lse
 
 
-SETTINGS = ("BLOCK_N", "STAGES", "TURNS", "CONSUMER_REGISTERS")  # a ring's fields, as `hopper_forward` names them
-
-
-def ring(*values):
-    """`hopper_forward` set to a ring's `SETTINGS` (K/V tiles of so many rows in a ring of so many, its partitions
-    taking turns or not, a computing warp's registers), restored on leaving."""
+def ring(block_n: int, stages: int, turns: bool):
+    """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages`, its partitions taking `turns`
+    (restored on leaving)."""
     import contextlib
 
     @contextlib.contextmanager
     def setting():
-        kept = [getattr(hopper_forward, name) for name in SETTINGS]
-        for name, value in zip(SETTINGS, values):
-            setattr(hopper_forward, name, value)
+        kept = hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS
+        hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS = block_n, stages, turns
         try:
             yield
         finally:
-            for name, value in zip(SETTINGS, kept):
-                setattr(hopper_forward, name, value)
+            hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS = kept
     return setting()
-
-
-def describe_ring(settings: tuple) -> str:
-    block_n, stages, turns, registers = settings
-    return f"K/V {block_n} x {stages}" + (", turns" if turns else "") + \
-        ("" if registers == 240 else f", {registers} registers")
-
-
-def parse_ring(text: str) -> tuple:
-    """BLOCK_N,STAGES[,TURNS 0 or 1[,CONSUMER_REGISTERS]]: the unnamed fields `hopper_forward`'s own."""
-    fields = [int(f) for f in text.split(",")]
-    block_n, stages = fields[:2]
-    turns = bool(fields[2]) if len(fields) > 2 else hopper_forward.TURNS
-    registers = fields[3] if len(fields) > 3 else hopper_forward.CONSUMER_REGISTERS
-    return block_n, stages, turns, registers
 
 
 def sm90_build(kernel) -> tuple[str, str]:
@@ -101,8 +79,7 @@ def sass_counts(causal: bool, head_dim: int, exact: bool) -> dict:
     lse = torch.empty(1, 1, 1024)
     kernel = hf._hopper_forward.warmup(*described, lse, lse, lse, *[x.stride()[:3]] * 4, 1, 1, 1024, 1024, 0.125,
                                        HEAD_DIM=head_dim, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, CAUSAL=causal,
-                                       STAGES=hf.STAGES, EXACT=exact, TURNS=hf.TURNS, grid=(1,),
-                                       **hf.launch_registers())
+                                       STAGES=hf.STAGES, EXACT=exact, TURNS=hf.TURNS, num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2")}
     serialized = re.findall(r"\(C75\d\d\)[^\n]*serialized due to ([^\n]*) in the function", notes)
@@ -113,18 +90,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
     parser.add_argument("--shapes", default="2,16,8192,128;8,16,2048,64")
-    parser.add_argument("--rings", default=f"{hopper_forward.BLOCK_N},{hopper_forward.STAGES}")
+    parser.add_argument("--rings", default=f"{hopper_forward.BLOCK_N},{hopper_forward.STAGES},"
+                                               f"{int(hopper_forward.TURNS)}")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
-    rings = [parse_ring(r) for r in args.rings.split(";")]
+    rings = [(*map(int, r.split(",")[:2]), r.split(",")[2:] == ["1"]) for r in args.rings.split(";")]
     if args.sass:
-        for settings in rings:
+        for block_n, stages, turns in rings:
             for causal in (True, False):
                 for head_dim in sorted({s[3] for s in shapes}):
                     for exact in (False, True):
-                        with ring(*settings):
-                            print(f"{describe_ring(settings)} causal={causal} exact={exact} D{head_dim}:",
-                                  sass_counts(causal, head_dim, exact))
+                        with ring(block_n, stages, turns):
+                            print(f"K/V {block_n} x {stages} turns={turns} causal={causal} exact={exact} "
+                                  f"D{head_dim}:", sass_counts(causal, head_dim, exact))
         return
     import triton.testing
     from attention import CASES
@@ -145,13 +123,14 @@ def main() -> None:
 
             fused = torch.compile(case.fn, backend=fusepass.backend(strict=True, sdpa=False, graphs=False))
             timed = {}
-            for settings in rings:
-                label = "sm_90 kernel" + ("" if settings == rings[0] else " " + describe_ring(settings))
+            for block_n, stages, turns in rings:
+                label = "sm_90 kernel" + ("" if (block_n, stages, turns) == rings[0] else
+                                          f" K/V {block_n} x {stages}" + (", turns" if turns else ""))
 
-                def kernel(settings=settings, *tensors):
-                    with ring(*settings):
+                def kernel(block_n=block_n, stages=stages, turns=turns, *tensors):
+                    with ring(block_n, stages, turns):
                         return sdpa_form_attention(*(tensors or (q, k, v)), causal)
-                timed[label] = (kernel, distance(kernel(settings, *head)[0]))
+                timed[label] = (kernel, distance(kernel(block_n, stages, turns, *head)[0]))
             timed["SDPA"] = (lambda: case.sdpa(q, k, v), distance(case.sdpa(*head)))
             serves = hopper_forward.serves
             hopper_forward.serves = lambda *_: False  # fusepass's Triton forward

@@ -39,10 +39,6 @@ PARTS = 2  # partitions of BLOCK_M // PARTS query rows each, out of step
 # Whether the partitions take turns at issuing a step's two products (FlashAttention-3's ping-pong: one's softmax
 # always beside the other's products) rather than being kept out of step by the rings alone (bench/NOTES.md)
 TURNS = False
-# Registers a computing warp holds (`setmaxnreg`; the loading warp 24). Below 240 the kernel launches at 8 fewer a
-# warp, so that two programs share a multiprocessor's 64K where their shared memory allows: at head dim 64 with K/V
-# tiles of 64 rows, 120 spill nothing (offline, sm_90) and two programs take 50 KB each (bench/NOTES.md)
-CONSUMER_REGISTERS = 240
 HEAD_DIMS = (64, 128)
 
 if gluon is not None:
@@ -210,7 +206,7 @@ if gluon is not None:
     def _hopper_forward(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_strides,
                         k_strides, v_strides, o_strides, n_heads, group, q_len, kv_len, scale, HEAD_DIM: gl.constexpr,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        EXACT: gl.constexpr, TURNS: gl.constexpr, CONSUMER_REGISTERS: gl.constexpr):
+                        EXACT: gl.constexpr, TURNS: gl.constexpr):
         """Program (q block, batch · head). Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
         in the matrix its descriptor covers (`_Rows`)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -261,8 +257,7 @@ if gluon is not None:
                           EXACT, TURNS)),
             (_loads, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, done, q_row,
                       (q_base % q_strides[2]).to(gl.int32), k_row, (k_base % k_strides[2]).to(gl.int32), v_row,
-                      (v_base % v_strides[2]).to(gl.int32), n_tiles, BLOCK_N, STAGES, PARTS))], [4, 1],
-            [CONSUMER_REGISTERS, 24])
+                      (v_base % v_strides[2]).to(gl.int32), n_tiles, BLOCK_N, STAGES, PARTS))], [4, 1], [240, 24])
 
 
 @dataclass(frozen=True)
@@ -338,11 +333,4 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     _hopper_forward[(q_len // BLOCK_M, batch * q_heads)](
         *described, residual_described, lse, log_sum, fallback_rows, *strides, q_heads, q_heads // k.shape[1],
         q_len, k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
-        EXACT=residual is not None, TURNS=TURNS, **launch_registers())
-
-
-def launch_registers() -> dict:
-    """The launch's warps, and below `CONSUMER_REGISTERS` of 240 its registers a thread (`maxnreg`): 8 fewer than a
-    computing warp's, so that its eight warps' and the loading warp's fit nine warps' share."""
-    return {"num_warps": 4, "CONSUMER_REGISTERS": CONSUMER_REGISTERS,
-            **({"maxnreg": CONSUMER_REGISTERS - 8} if CONSUMER_REGISTERS < 240 else {})}
+        EXACT=residual is not None, TURNS=TURNS, num_warps=4)

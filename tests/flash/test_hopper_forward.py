@@ -20,11 +20,6 @@ on_hopper = pytest.mark.skipif(not hopper_forward.available(torch.device(DEVICE)
                                reason="the sm_90 kernel needs an sm_90 GPU and Gluon")
 
 
-# The kernel as set, and its settings not yet its own: its partitions taking turns at their products; two programs a
-# multiprocessor (K/V tiles of 64 rows, 120 registers a computing warp)
-VARIANTS = {"as set": {}, "turns": {"TURNS": True}, "two programs": {"BLOCK_N": 64, "CONSUMER_REGISTERS": 120}}
-
-
 def _reference(q, k, v, causal):
     """softmax(q kᵀ / √D [causal]) v and each row's log-sum-exp, in float64, K/V heads repeated for their groups."""
     s = scores64(q, k, causal)
@@ -35,12 +30,9 @@ def _reference(q, k, v, causal):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
 @pytest.mark.parametrize("d,n,dtype", [(64, 384, torch.bfloat16), (128, 256, torch.float16), (128, 640, torch.bfloat16)])
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype, variant, monkeypatch):
-    if variant == "two programs" and d != 64:
-        pytest.skip("two programs a multiprocessor at head dim 64 only")
-    for name, value in VARIANTS[variant].items():
-        monkeypatch.setattr(hopper_forward, name, value)
+@pytest.mark.parametrize("turns", [False, True], ids=["out-of-step", "turns"])
+def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype, turns, monkeypatch):
+    monkeypatch.setattr(hopper_forward, "TURNS", turns)  # the partitions taking turns at their products, or not
     q, k, v, out = laid_out(layout, 2, heads, kv_heads, n, d, dtype)
     lse = torch.empty(q.shape[:3], device=DEVICE)
     log_sum, fallback = torch.empty_like(lse), torch.ones(q.shape[:3], device=DEVICE, dtype=torch.int8)
@@ -85,12 +77,9 @@ def test_a_compiled_attention_without_gradients_runs_it(n):
 
 
 @on_hopper
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_a_training_forward_runs_it_with_the_exact_weights(variant, monkeypatch):
+def test_a_training_forward_runs_it_with_the_exact_weights():
     """A half-precision forward with a backward keeps its output's residual and the weights the backward recomputes
-    (`forward.keeps_residual`): the kernel writes both, and the gradients are eager's (`check`). Heads of 64."""
-    for name, value in VARIANTS[variant].items():
-        monkeypatch.setattr(hopper_forward, name, value)
+    (`forward.keeps_residual`): the kernel writes both, and the gradients are eager's (`check`)."""
     x = torch.randn(2, 256, 256, device=DEVICE, dtype=torch.bfloat16)
     weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
     check(causal_attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
