@@ -44,8 +44,8 @@
 #   rings        bench/gluon_forward.py: the sm_90 forward at K/V tiles of 128 and 64 rows and rings of 2 to 4 (not run yet)
 #                (the small shape's D64 forward trails SDPA), kept as bench/results/gluon-forward-rings-<date>.md
 #   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py with its partitions out of step and  (not run yet)
-#                taking turns (`hopper_forward.TURNS`) at both shapes, and at head dim 64 with two programs a
-#                multiprocessor (K/V tiles of 64, `CONSUMER_REGISTERS` 120), kept as gluon-forward-settings-<date>.md
+#                taking turns (`hopper_forward.TURNS`) at both shapes, and at head dim 64 with K/V tiles of 64 in rings
+#                of 2 and 3 too, kept as bench/results/gluon-forward-settings-<date>.md
 #   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal,      ~50 s (12-07, H100; before the window)
 #                plain and a window of 1024 (after the Triton forward) at both shapes, gradients from float64, kept as
 #                bench/results/gluon-backward-<date>.md
@@ -142,7 +142,7 @@ for part in $parts; do
         kept=bench/results/gluon-forward-settings-$(date -u +%Y-%m-%d-%H%M).md
         timeout 120 python bench/gluon_forward.py --shapes "2,16,8192,128" --rings "128,2,0;128,2,1" > "$kept" 2>&1
         timeout 150 python bench/gluon_forward.py --shapes "8,16,2048,64" \
-            --rings "128,2,0;128,2,1;64,2,0,120;64,3,0,120;64,2,1,120" >> "$kept" 2>&1
+            --rings "128,2,0;128,2,1;64,2,0;64,3,0" >> "$kept" 2>&1
         grep -E "^\||Error" "$kept" ;;
     gluon-backward)
         kept=bench/results/gluon-backward-$(date -u +%Y-%m-%d-%H%M).md
