@@ -99,11 +99,13 @@ def _windowed(q, k, v, window):
 @on_hopper
 @pytest.mark.parametrize("window", [2, 63, 65, 130, 383])  # a band ending in a block's first or last row, or 1 short
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d,deferred", [(64, False), (64, True), (128, False)],
+                         ids=["d64", "d64-dq-a-step-later", "d128"])
 def test_a_windows_gradients_are_as_far_from_float64_as_the_triton_backwards(window, layout, heads, kv_heads, d,
-                                                                            monkeypatch):
+                                                                            deferred, monkeypatch):
     """The kernel over a window's band (`WINDOWS`) after the Triton forward, each gradient within 1.5 times the
     Triton backward's distance from float64 after the same forward, at the layouts it serves."""
+    monkeypatch.setattr(hopper_backward, "DEFERRED_DQ", deferred)
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
