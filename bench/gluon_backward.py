@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from unittest import mock
 
 import flash_sweep
 import torch
@@ -112,12 +113,9 @@ def backwards(q, k, v, do, case):
 
     def sm90(deferred=False):
         g = grads()
-        kept, hopper_backward.DEFERRED_DQ = hopper_backward.DEFERRED_DQ, deferred
-        try:
+        with mock.patch.object(hopper_backward, "DEFERRED_DQ", deferred):
             hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale, case != "plain", g,
                                             extra.residual, window)
-        finally:
-            hopper_backward.DEFERRED_DQ = kept
         return g
 
     def triton_backward():

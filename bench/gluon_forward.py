@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import tempfile
+from unittest import mock
 
 import torch
 
@@ -37,17 +38,7 @@ def sdpa_form_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 def ring(block_n: int, stages: int, turns: bool):
     """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages`, its partitions taking `turns`
     (restored on leaving)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def setting():
-        kept = hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS
-        hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS = block_n, stages, turns
-        try:
-            yield
-        finally:
-            hopper_forward.BLOCK_N, hopper_forward.STAGES, hopper_forward.TURNS = kept
-    return setting()
+    return mock.patch.multiple(hopper_forward, BLOCK_N=block_n, STAGES=stages, TURNS=turns)
 
 
 def sm90_build(kernel) -> tuple[str, str]:

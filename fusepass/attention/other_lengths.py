@@ -19,10 +19,10 @@ import torch
 
 LONGEST_TILE = 128  # the flash kernels' longest tile along either axis (`flash.config`)
 SPECIALIZED_MULTIPLE = 16  # Triton compiles apart an int argument that is a multiple of this
-# A length's kind, by the largest of these dividing it (none: no multiple of 16), each with the step below a multiple
-# of LONGEST_TILE to the kind's length below a seen one: the tiles' lengths, then Triton's multiple. The kinds most
-# lengths are come first (their kernels compile first).
-KINDS = ((LONGEST_TILE, 0), (None, 1), (64, 64), (32, 32), (SPECIALIZED_MULTIPLE, SPECIALIZED_MULTIPLE))
+# A length's kind, by the largest of these dividing it (None: no multiple of 16), each with the step below a multiple
+# of LONGEST_TILE to the kind's length below a seen one (None's: the length seen, less one where it is a multiple of
+# 16): the tiles' lengths, then Triton's multiple. The kinds most lengths are come first (their kernels compile first).
+KINDS = ((LONGEST_TILE, 0), (None, None), (64, 64), (32, 32), (SPECIALIZED_MULTIPLE, SPECIALIZED_MULTIPLE))
 
 
 def hint(value: Any) -> int:
@@ -77,7 +77,7 @@ def other_lengths(tensors: list[torch.Tensor]) -> list[dict[sympy.Symbol, int]]:
     for multiple, step in KINDS:
         if all(kind(n) == multiple for n in lengths.values()):
             continue
-        if multiple is None:  # the length seen less one, where that is no multiple of 16
+        if step is None:  # the length seen less one, where that is no multiple of 16
             kinds.append({s: n if kind(n) is None else n - 1 for s, n in lengths.items()})
         else:
             kinds.append({s: n - n % LONGEST_TILE - step for s, n in lengths.items()})
