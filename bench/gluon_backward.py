@@ -1,7 +1,8 @@
 """The sm_90 backward (`fusepass.flash.hopper_backward`, Gluon, one kernel) beside fusepass's Triton backward (two
 kernels) and SDPA's (cuDNN's), after the sm_90 forward's training form (its exact weights and residual); on a sliding
-window of 1024 keys (`hopper_backward.WINDOWS`) after the Triton forward's, beside the Triton backward; or its sm_90
-build's counts offline:
+window of 1024 keys (`hopper_backward.WINDOWS`) and on the attention suite's padding (each batch's keys past a length
+drawn from [N/2, N] masked: `hopper_backward.KEY_MASKS`) after the Triton forward's, beside the Triton backward; or its
+sm_90 build's counts offline:
 
     PYTHONPATH=. python bench/gluon_backward.py             (on the GPU machine: gradients against float64, then time)
     PYTHONPATH=DIR:. python bench/gluon_backward.py --sass  (any machine, DIR holding triton 3.6: the sm_90 build's
@@ -17,8 +18,10 @@ from unittest import mock
 import flash_sweep
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 
+from fusepass.attention.key_mask import kept_keys
 from fusepass.flash import hopper_backward, hopper_forward
 from fusepass.flash.forward import LOG2E
 from fusepass.flash.score_mod import ScoreMod
@@ -51,7 +54,20 @@ def window_mod(head_dim: int) -> ScoreMod:
                     linear_scale=1 / math.sqrt(head_dim))
 
 
-CASES = ("causal", "plain", "window")
+@triton.jit
+def padding_keep(b, h, q_idx, kv_idx, aux):
+    return kv_idx < tl.load(aux[1] + b)  # aux: (the scale, each batch's length)
+
+
+def padding_mod(head_dim: int) -> ScoreMod:
+    """The suite's padding as the attention pass lifts it, its scale declared."""
+    return ScoreMod(name=f"gluon_backward_padding_d{head_dim}", score=scaled, score_grad=scaled_grad,
+                    keep=padding_keep, fill=flash_sweep.CAUSAL.fill, keep_uses_batch=True, keep_reads_aux=True,
+                    linear_scale=1 / math.sqrt(head_dim))
+
+
+CASES = ("causal", "plain", "window", "padding")
+AFTER_TRITON = ("window", "padding")  # the cases whose forward is the Triton kernel's
 
 
 def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
@@ -67,11 +83,12 @@ def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
                                                                         hb.BLOCK_N // 2)]
     fp32 = hb.fp32_described(torch.empty(hb.STATS.value, 1024), torch.empty(1024, head_dim))
     kernel = hb._hopper_backward.warmup(*described, *fp32, x, x,
-                                        *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1, 1, 1024, WINDOW_KEYS,
-                                        0.125, 0.125 * LOG2E.value, HEAD_DIM=head_dim, BLOCK_M=hb.BLOCK_M,
-                                        BLOCK_N=hb.BLOCK_N, CAUSAL=case != "plain", STAGES=hb.STAGES,
-                                        WINDOWED=case == "window", DEFER=deferred,
-                                        num_warps=4, grid=(1,))
+                                        *[torch.empty(1, 1024, dtype=torch.int8) if case == "padding" else None] * 2,
+                                        *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1024, 1, 1, 1024,
+                                        WINDOW_KEYS, 0.125, 0.125 * LOG2E.value, HEAD_DIM=head_dim,
+                                        BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=case in ("causal", "window"),
+                                        STAGES=hb.STAGES, WINDOWED=case == "window", KEYED=case == "padding",
+                                        DEFER=deferred, num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2",
                                                              "REDG", "UBLKRED|UTMAREDG")}
@@ -79,15 +96,20 @@ def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
     return {**resources(kernel), **counts, "wgmma serialized": "; ".join(serialized) or "no"}
 
 
-def training_forward(q, k, v, case):
+def triton_mod(case: str, head_dim: int) -> ScoreMod:
+    """The Triton kernels' score functions of `case`."""
+    return {"causal": CAUSAL, "plain": PLAIN, "window": window_mod(head_dim), "padding": padding_mod(head_dim)}[case]
+
+
+def training_forward(q, k, v, case, aux):
     """The forward as a training step runs it: out, lse and the backward's extra (log_sum, the output's rounding
-    residual): the sm_90 forward's, or the Triton forward's for the window."""
+    residual): the sm_90 forward's, or the Triton forward's for the window and padding (`aux` its score functions')."""
     from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs
 
     scale = 1 / math.sqrt(q.shape[3])
-    if case == "window":
-        mod = window_mod(q.shape[3])
-        out, lse, extra = flash_attention_forward(q, k, v, mod, (scale,),
+    if case in AFTER_TRITON:
+        mod = triton_mod(case, q.shape[3])
+        out, lse, extra = flash_attention_forward(q, k, v, mod, aux,
                                                   outputs=forward_outputs(q, mod, q.dtype, q.device, backward=True))
         return out, lse, extra
     out, residual = torch.empty_like(q), torch.empty_like(q)
@@ -98,14 +120,16 @@ def training_forward(q, k, v, case):
     return out, lse, FlashForwardExtra(log_sum, fallback, None, residual)
 
 
-def backwards(q, k, v, do, case):
+def backwards(q, k, v, do, case, lengths):
     """{label: a call writing (dq, dk, dv) into new tensors} for the sm_90 backward, the Triton backward (both after the
-    same training forward) and, but for the window, SDPA's backward (after its own forward)."""
+    same training forward) and, but for the window and padding, SDPA's backward (after its own forward). `lengths`:
+    padding's, each batch's keys kept."""
     from fusepass.flash.backward import flash_attention_backward
 
-    out, lse, extra = training_forward(q, k, v, case)
     scale = 1 / math.sqrt(q.shape[3])
-    mod = {"causal": CAUSAL, "plain": PLAIN, "window": window_mod(q.shape[3])}[case]
+    aux = (scale, lengths)
+    out, lse, extra = training_forward(q, k, v, case, aux)
+    mod = triton_mod(case, q.shape[3])
     window = WINDOW_KEYS if case == "window" else None
 
     def grads():
@@ -114,19 +138,22 @@ def backwards(q, k, v, do, case):
     def sm90(deferred=False):
         g = grads()
         with mock.patch.object(hopper_backward, "DEFERRED_DQ", deferred):
-            hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale, case != "plain", g,
-                                            extra.residual, window)
+            # padding's keep per key, as a compiled call's backward takes it
+            kept = kept_keys(mod.keep, aux, q.shape[0], k.shape[2], hopper_backward.BLOCK_N, q.device) \
+                if case == "padding" else None
+            hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale,
+                                            case in ("causal", "window"), g, extra.residual, window, kept)
         return g
 
     def triton_backward():
         g = grads()
-        flash_attention_backward(do, q, k, v, out, lse, extra, mod, (scale,), None, grads=g)
+        flash_attention_backward(do, q, k, v, out, lse, extra, mod, aux, None, grads=g)
         return g
 
     kernels = {"sm_90 kernel": sm90}
     if q.shape[3] == 64:  # each step adding the step before's dQ (`hopper_backward.DEFERRED_DQ`)
         kernels["sm_90, dQ a step later"] = lambda: sm90(True)
-    if case == "window":
+    if case in AFTER_TRITON:
         return {**kernels, "Triton": triton_backward}
     causal = case == "causal"
     group = q.shape[1] // k.shape[1]
@@ -139,17 +166,20 @@ def backwards(q, k, v, do, case):
     return {**kernels, "Triton": triton_backward, "SDPA": sdpa}
 
 
-def reference(q, k, v, do, case):
+def reference(q, k, v, do, case, lengths):
     """(dq, dk, dv) in float64."""
     group = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[3])
-    if case != "plain":
+    if case in ("causal", "window"):
         i = torch.arange(s.shape[-1], device=s.device)
         past = i[None, :] > i[:, None]
         if case == "window":
             past |= i[:, None] - i[None, :] >= WINDOW_KEYS
         s = s.masked_fill(past, float("-inf"))
+    if case == "padding":
+        i = torch.arange(s.shape[-1], device=s.device)
+        s = s.masked_fill((i[None, :] >= lengths[:, None])[:, None, None, :], float("-inf"))
     out = torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)
     return torch.autograd.grad(out, (q64, k64, v64), do.double())
 
@@ -177,16 +207,19 @@ def main() -> None:
         for case in CASES:
             # errors from float64 at B1 H4 (2 kv heads) N2048 (past the window), times at the shape
             small = [torch.randn(1, heads, 2048, d, device="cuda", dtype=torch.bfloat16) for heads in (4, 2, 2, 4)]
-            expected = reference(*small, case)
+            small_lengths = torch.randint(1024, 2049, (1,), device="cuda")  # (padding's, as the suite draws them)
+            expected = reference(*small, case, small_lengths)
             errors = {label: [((g.double() - e).norm() / e.norm()).item() for g, e in zip(fn(), expected)]
-                      for label, fn in backwards(*small, case).items()}
+                      for label, fn in backwards(*small, case, small_lengths).items()}
             q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            timed = backwards(q, k, v, do, case)
+            lengths = torch.randint(n // 2, n + 1, (b,), device="cuda")
+            timed = backwards(q, k, v, do, case, lengths)
             ms = {label: triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
                   for label, fn in timed.items()}
             # the scores computed: all, the causal half, or the window's band
             kept = {"plain": n * n, "causal": n * (n + 1) / 2,
-                    "window": WINDOW_KEYS * n - WINDOW_KEYS * (WINDOW_KEYS - 1) / 2}[case]
+                    "window": WINDOW_KEYS * n - WINDOW_KEYS * (WINDOW_KEYS - 1) / 2,
+                    "padding": n * lengths.sum().item() / b}[case]
             flops = 2.5 * 4 * b * h * kept * d
             for label in timed:
                 e = errors[label]

@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusepass.attention import sdpa_floor
+from fusepass.attention.key_mask import kept_keys, key_masked
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
 from fusepass.attention.sdpa_floor import (Decision, SdpaRun, causal_band, decision, in_a_backward, layout_class,
@@ -44,6 +45,7 @@ class AttentionCall:
         self.guards = tuple(guards)  # of the buffers the score functions compute in place of reading them
         self.compiled_ahead = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
         self.sdpa = sdpa_form(spec)  # the SDPA call that computes the attention, if one does (`sdpa_floor`)
+        self.key_masked = key_masked(spec)  # whether its mask is of the keys alone (`key_mask`)
         # per layout and dtype of q, k, v: `_choice`'s
         self._choices: dict[tuple, tuple[SdpaRun | None, bool | None, int | None]] = {}
         self._mod: ScoreMod | None = None
@@ -264,18 +266,24 @@ class AttentionCall:
                         aux_grad: tuple | None, grads: tuple, hopper: bool | None, seed: torch.Tensor | None,
                         window: int | None = None) -> None:
         """The fused backward into `grads`: the sm_90 kernel's where the forward was the sm_90 kernel's (`hopper`, as
-        `_choice` gives it) or the mask is a sliding window's band (`window`, after the Triton forward), with the
-        exact weights and `hopper_backward.serves`, else the Triton kernels'."""
+        `_choice` gives it), or after the Triton forward where the mask is a sliding window's band (`window`) or of the
+        keys alone (`key_mask`), with the exact weights and `hopper_backward.serves`, else the Triton kernels'."""
+        s = self.spec
         causal = True if window is not None else hopper
+        keyed = causal is None and self.key_masked and s.out_dtype == q4.dtype
+        if keyed:
+            causal = False
         if causal is not None and extra.residual is not None and \
-                hopper_backward.serves(grad_out, q4, k4, v4, causal, window):
-            hopper_backward.hopper_backward(grad_out, q4, k4, v4, out, lse, extra.log_sum, self.sdpa.scale, causal,
-                                            grads, extra.residual, window)
+                hopper_backward.serves(grad_out, q4, k4, v4, causal, window, keyed):
+            mod = self.mod
+            kept = kept_keys(mod.keep, aux, q4.shape[0] if mod.keep_uses_batch else 1, k4.shape[2],
+                             hopper_backward.BLOCK_N, q4.device) if keyed else None
+            hopper_backward.hopper_backward(grad_out, q4, k4, v4, out, lse, extra.log_sum, s.lifted.linear_scale,
+                                            causal, grads, extra.residual, window=window, kept=kept)
             record = self.unfused.backward_record
             if record is not None:
                 record.detail.setdefault(KERNEL, {})[shape_named(q4)] = hopper_backward.DESCRIBED
             return
-        s = self.spec
         flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, aux, aux_grad, dropout_p=s.dropout_p,
                                  seed=seed, grads=grads)
 

@@ -51,6 +51,9 @@ WINDOWS = False
 # rather than its own after its last: the tensor cores idle through that addition otherwise (bench/NOTES.md). Its
 # registers held over the step: 16 a thread at head dim 64, 32 at 128, where dK and dV take twice as many.
 DEFERRED_DQ = False
+# Whether the kernel also serves a mask of the keys alone (padding: `attention.key_mask`) after the Triton forward's
+# training form, as it serves a window (bench/NOTES.md)
+KEY_MASKS = False
 STATS_BLOCK = 64  # rows a program of the statistics kernel
 STATS = tl.constexpr(4)  # rows per head of `_stats_kernel`'s output: its three, padded to a TMA box's power of two
 
@@ -110,12 +113,13 @@ if gluon is not None:
 
     @gluon.jit
     def _step(t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
-              dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part: gl.constexpr,
-              S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr,
-              STAGES: gl.constexpr, MASKED: gl.constexpr, WINDOWED: gl.constexpr, DEFER: gl.constexpr):
+              dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, c, scale,
+              part: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, WINDOWED: gl.constexpr,
+              KEYED: gl.constexpr, DEFER: gl.constexpr):
         """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
         forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
-        With DEFER, the step before's dQ (`dq_before`, for q row `row_before`; none where it is negative) is added
+        KEYED: the keep of the partition's keys (`kept`, one per kv row). With DEFER, the step before's dQ (`dq_before`, for q row `row_before`; none where it is negative) is added
         while this step's first two products run, and this step's is returned for the next to add.
 
         The weights are the forward's, from its statistics (`forward.FlashForwardExtra`, exact mode): 2^(s · c -
@@ -149,10 +153,12 @@ if gluon is not None:
         st = warpgroup_mma_wait(1, deps=(st,))
         if MASKED:
             kv_at = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, S_LAYOUT))
-            kept = q_at[None, :] >= kv_at[:, None]
+            in_band = q_at[None, :] >= kv_at[:, None]
             if WINDOWED:
-                kept = kept & (q_at[None, :] - kv_at[:, None] < window)
-            st = gl.where(kept, st, float("-inf"))
+                in_band = in_band & (q_at[None, :] - kv_at[:, None] < window)
+            st = gl.where(in_band, st, float("-inf"))
+        if KEYED:
+            st = gl.where(kept[:, None], st, float("-inf"))
         p = truncated(gl.exp2(gl.fma(st, c, offset.load(q_cols)[None, :])), dtype)  # exact in the inputs' dtype
         inverse_l = inverse_l.load(q_cols)
         weights = gl.convert_layout((p * inverse_l[None, :]).to(dtype), gl.DotOperandLayout(0, KV_LAYOUT, 2))
@@ -185,18 +191,19 @@ if gluon is not None:
 
     @gluon.jit
     def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem,
-                   dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start,
+                   dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch, b, kv_h, kv_start,
                    first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c,
                    part: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, DEFER: gl.constexpr):
+                   CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, KEYED: gl.constexpr, DEFER: gl.constexpr):
         """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ. Its q
         blocks: [first_block, n_blocks), the causal mask on the first two, or with WINDOWED the band's on every one
         (a band's blocks are few, and a loop apart for the unmasked ones between its edges spilled 104 stack bytes
-        at D128, offline, against 24)."""
+        at D128, offline, against 24); with KEYED its kv rows' keep (bytes at `kept_ptr`, a batch's `kept_batch`
+        apart) on every one."""
         warps: gl.constexpr = gl.num_warps()
         rows: gl.constexpr = k_smem.shape[1]
-        if not WINDOWED:  # after the sm_90 forward: its exponent scale, the fp32 scale times log2(e) in fp32
-            c = scale * LOG2E
+        if not WINDOWED and not KEYED:  # after the sm_90 forward: its exponent scale, the fp32 scale times log2(e)
+            c = scale * LOG2E  # in fp32
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # [kv, q]
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
@@ -207,6 +214,9 @@ if gluon is not None:
         dv = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
         k_part = k_smem.index(part)
         v_part = v_smem.index(part)
+        # With KEYED, the keep of the partition's kv rows
+        kept = (gl.load(kept_ptr + b.to(gl.int64) * kept_batch + kv_start + part * rows
+                        + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))) != 0) if KEYED else 0
         # The statistics' ring (unswizzled, as the TMA writes it) as plain rows, so that a row is a vector of its own.
         stats_rows = stats_smem._reinterpret(gl.float32, [stats_smem.shape[0] * stats_smem.shape[1],
                                                           stats_smem.shape[2]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -223,21 +233,21 @@ if gluon is not None:
                 for i in range(first_block, n_blocks):
                     dk, dv, dq_before, row_before = _step(
                         t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part,
-                        s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True, DEFER)
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, c, scale,
+                        part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True, False, DEFER)
                     t += 1
             else:
                 for i in range(first_block, first_block + n_masked):
                     dk, dv, dq_before, row_before = _step(
                         t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part,
-                        s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False, DEFER)
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, c, scale,
+                        part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False, False, DEFER)
                     t += 1
                 for i in range(first_block + n_masked, n_blocks):
                     dk, dv, dq_before, row_before = _step(
                         t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, c, scale, part,
-                        s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False, DEFER)
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, c, scale,
+                        part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False, KEYED, DEFER)
                     t += 1
         if DEFER:
             if row_before >= 0:
@@ -253,14 +263,17 @@ if gluon is not None:
         tma.store_wait(0)
 
     @gluon.jit
-    def _hopper_backward(q_desc, do_desc, k_desc, v_desc, stats_desc, dq_desc, dk_ptr, dv_ptr, q_strides, do_strides,
-                         k_strides, v_strides, dk_strides, dv_strides, n_heads, group, q_len, window, scale, c,
-                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                         STAGES: gl.constexpr, WINDOWED: gl.constexpr, DEFER: gl.constexpr):
+    def _hopper_backward(q_desc, do_desc, k_desc, v_desc, stats_desc, dq_desc, dk_ptr, dv_ptr, kept_ptr, walks_ptr,
+                         q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides, kept_batch, n_heads, group, q_len,
+                         window, scale, c, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, WINDOWED: gl.constexpr, KEYED: gl.constexpr,
+                         DEFER: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in the
         other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its
-        rows in the matrix its descriptor covers (`hopper_forward._Rows`). c: scale · log2(e) from the host, the
-        weights' exponent scale after the Triton forward (a window's), which folds the product of its constants, in
+        rows in the matrix its descriptor covers (`hopper_forward._Rows`). KEYED: the keys' keep, [B or 1, Nk] bytes
+        at `kept_ptr` (a batch's `kept_batch` apart), and per kv block whether to walk its q blocks at `walks_ptr`
+        (`attention.key_mask.kept_keys`). c: scale · log2(e) from the host, the weights' exponent scale
+        after the Triton forward (a window's, a key mask's), which folds the product of its constants, in
         fp64, into its kernel (`forward._attend_tile`); the sm_90 forward's is taken in fp32 (see `_partition`)."""
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
@@ -278,6 +291,8 @@ if gluon is not None:
         n_blocks = q_len // BLOCK_M
         if WINDOWED:  # the queries that keep a key of this block end at kv_start + BLOCK_N - 2 + window
             n_blocks = gl.minimum(n_blocks, (kv_start + BLOCK_N - 2 + window) // BLOCK_M + 1)
+        if KEYED:  # a block that keeps no key adds nothing: none walked, its dK and dV zeros
+            n_blocks = n_blocks * (gl.load(walks_ptr + b * (kept_batch // BLOCK_N) + kv_block) != 0).to(gl.int32)
         first_head = kv_h * group
 
         q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
@@ -302,13 +317,13 @@ if gluon is not None:
 
         gl.warp_specialize([
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
-                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
-                          n_heads, q_len, first_block, n_blocks, window, group, scale, c, 0, HEAD_DIM,
-                          BLOCK_M, STAGES, CAUSAL, WINDOWED, DEFER)),
+                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch, b, kv_h,
+                          kv_start, first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c, 0,
+                          HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED, DEFER)),
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
-                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, b, kv_h, kv_start, first_head,
-                          n_heads, q_len, first_block, n_blocks, window, group, scale, c, 1, HEAD_DIM,
-                          BLOCK_M, STAGES, CAUSAL, WINDOWED, DEFER)),
+                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch, b, kv_h,
+                          kv_start, first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c, 1,
+                          HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED, DEFER)),
             (_loads, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem,
                       kv_bar, q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row,
                       (k_base % k_strides[2]).to(gl.int32), v_row, (v_base % v_strides[2]).to(gl.int32), first_block,
@@ -343,12 +358,14 @@ def available(device: torch.device) -> bool:
 
 
 def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-           window: int | None = None) -> bool:
-    """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal, in a band of `window` keys]) v for
-    these [B, H, N, D] tensors and dO (faster than the Triton backward at head dims 64 and 128: bench/NOTES.md):
-    where the sm_90 forward serves them unmasked or causal (its statistics, or the Triton forward's alike, are the
-    ones read) and dO is laid out as rows of one matrix in their dtype; a window where `WINDOWS` says so."""
+           window: int | None = None, keyed: bool = False) -> bool:
+    """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal, in a band of `window` keys, or
+    where a keep of the keys holds with `keyed`]) v for these [B, H, N, D] tensors and dO (faster than the Triton
+    backward at head dims 64 and 128: bench/NOTES.md): where the sm_90 forward serves them unmasked or causal (its
+    statistics, or the Triton forward's alike, are the ones read) and dO is laid out as rows of one matrix in their
+    dtype; a window where `WINDOWS` says so, a keep of the keys (unmasked otherwise) where `KEY_MASKS` does."""
     return (gluon is not None and hopper_forward.serves(q, k, v, causal) and (window is None or WINDOWS and causal)
+            and (not keyed or KEY_MASKS and not causal and window is None)
             and do.dtype == q.dtype and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0
             and hopper_forward._Rows.of(do) is not None)
 
@@ -368,11 +385,12 @@ def fp32_described(stats: torch.Tensor, dq_acc: torch.Tensor) -> tuple:
 
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, log_sum: torch.Tensor, scale: float, causal: bool, grads: tuple,
-                    residual: torch.Tensor, window: int | None = None) -> None:
+                    residual: torch.Tensor, window: int | None = None,
+                    kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """dQ, dK, dV into `grads` (tensors of q's, k's and v's shapes, any strides; dK and dV summed over the query
     heads sharing a kv head), where `serves`, after the sm_90 forward's training form (or the Triton forward's, for a
-    `window`): `lse`, `log_sum` its exact weights' statistics ([B, H, N] contiguous fp32), `residual` the output's
-    rounding residual."""
+    `window` or the keys' keep `kept`, `key_mask.kept_keys`'s at blocks of `BLOCK_N`): `lse`, `log_sum` its exact weights' statistics
+    ([B, H, N] contiguous fp32), `residual` the output's rounding residual."""
     batch, q_heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq, dk, dv = grads
@@ -384,8 +402,10 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     described = [rows.of(t).described(t, n) for t, n in ((q, BLOCK_M), (do, BLOCK_M), (k, BLOCK_N // 2),
                                                            (v, BLOCK_N // 2))]
     _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
-        *described, *fp32_described(stats, dq_acc.view(-1, d)), dk, dv, q.stride()[:3], do.stride()[:3], k.stride()[:3],
-        v.stride()[:3], dk.stride(), dv.stride(), q_heads, q_heads // kv_heads, q_len, window or 0, scale,
-        scale * LOG2E.value, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
-        WINDOWED=window is not None, DEFER=DEFERRED_DQ and d == 64, num_warps=4)
+        *described, *fp32_described(stats, dq_acc.view(-1, d)), dk, dv, *(kept or (None, None)), q.stride()[:3],
+        do.stride()[:3], k.stride()[:3], v.stride()[:3], dk.stride(), dv.stride(),
+        0 if kept is None or kept[0].shape[0] == 1 else kv_len,
+        q_heads, q_heads // kv_heads, q_len, window or 0, scale, scale * LOG2E.value, HEAD_DIM=d, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, WINDOWED=window is not None, KEYED=kept is not None,
+        DEFER=DEFERRED_DQ and d == 64, num_warps=4)
     dq.copy_(dq_acc)

@@ -245,8 +245,8 @@ def test_a_sliding_windows_band_takes_the_sm90_backward_where_it_serves(times, m
     width (here a stand-in that fails: the replaced ops run, with a warning, and compute eager's gradients)."""
     widths = []
 
-    def stand_in(*args):
-        widths.append(args[-1])
+    def stand_in(*args, window, kept):
+        widths.append(window)
         raise RuntimeError("the sm_90 backward's stand-in")
 
     monkeypatch.setattr(hopper_backward, "WINDOWS", True)

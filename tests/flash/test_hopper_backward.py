@@ -1,7 +1,7 @@
 """The sm_90 backward (`fusepass.flash.hopper_backward`): dQ, dK and dV after the sm_90 forward's training form against
 float64, at SDPA's distance, at the layouts it serves (contiguous, by position, a fused projection's
-slices, shared K/V heads); where a compiled training step runs it (the report names it), a sliding window's after the
-Triton forward too; what it does not serve; and its statistics kernel (Triton, on any device).
+slices, shared K/V heads); where a compiled training step runs it (the report names it), a sliding window's and a
+padding mask's after the Triton forward too; what it does not serve; and its statistics kernel (Triton, on any device).
 The kernel runs asynchronous products, TMA rings and TMA reductions: on an sm_90 GPU only; elsewhere `serves` says no."""
 from __future__ import annotations
 
@@ -160,6 +160,87 @@ def test_a_sliding_windows_training_step_runs_it_after_the_triton_forward(monkey
         [hopper_backward.DESCRIBED]
 
 
+def _padded(q, k, v, lengths):
+    """softmax(q kᵀ / √D) v over each batch's first `lengths[b]` keys, K and V heads repeated for their groups."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    keep = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]
+    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~keep[:, None, None, :], float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+@on_hopper
+@pytest.mark.parametrize("lengths", [(384, 200), (1, 129), (0, 300), (128, 256)],
+                         ids=["long", "one-key", "no-key", "on-block-edges"])
+@pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
+@pytest.mark.parametrize("d,deferred", [(64, False), (64, True), (128, False)],
+                         ids=["d64", "d64-dq-a-step-later", "d128"])
+def test_a_key_masks_gradients_are_as_far_from_float64_as_the_triton_backwards(lengths, layout, heads, kv_heads, d,
+                                                                              deferred, monkeypatch):
+    """The kernel on a padding mask (`KEY_MASKS`) after the Triton forward, skipping the kv blocks that keep no key:
+    each gradient within 1.5 times the Triton backward's distance from float64 after the same forward, at the layouts
+    it serves; a batch keeping no key NaN throughout, as eager's (its blocks walked all the same)."""
+    monkeypatch.setattr(hopper_backward, "DEFERRED_DQ", deferred)
+    q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
+    do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
+    lengths = torch.tensor(lengths, device=DEVICE)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(_padded(q64, k64, v64, lengths), (q64, k64, v64), do.double())
+    grads = {}
+    for keyed in (True, False):
+        monkeypatch.setattr(hopper_backward, "KEY_MASKS", keyed)
+        fusepass.reset()
+        torch._dynamo.reset()
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # the layouts' strides kept
+        compiled = torch.compile(_padded, backend=fusepass.backend(sdpa=False))
+        grads[keyed] = torch.autograd.grad(compiled(*leaves, lengths), leaves, do)
+        ran = list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values())
+        assert ran == ([hopper_backward.DESCRIBED] if keyed else [])
+    for name, got, bar, e in zip("qkv", grads[True], grads[False], expected):
+        assert torch.equal(got.isnan(), e.isnan()), name
+        finite = ~e.isnan()
+        got, bar, e = got[finite], bar[finite], e[finite]
+        assert _distance(got, e) <= 1.5 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
+
+
+def padded_attention(x, wq, wk, wv, lengths, heads):
+    """`_padded` over 256 features in `heads` heads, from their projections."""
+    b, n, _ = x.shape
+    q, k, v = ((x @ w).view(b, n, heads, 256 // heads).transpose(1, 2) for w in (wq, wk, wv))
+    return _padded(q, k, v, lengths).transpose(1, 2).reshape(b, n, 256)
+
+
+@on_hopper
+def test_a_padded_training_step_runs_it_after_the_triton_forward(monkeypatch):
+    """A padding mask (`KEY_MASKS`): the Triton forward's training form, then the kernel, eager's gradients for every
+    weight (`check`), the report naming the kernel of the backward alone; one compile at a second length."""
+    monkeypatch.setattr(hopper_backward, "KEY_MASKS", True)
+    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
+
+    def attention(x, wq, wk, wv, lengths):
+        return padded_attention(x, wq, wk, wv, lengths, heads=2)
+    x = torch.randn(3, 384, 256, device=DEVICE, dtype=torch.bfloat16)
+    check(attention, x, *weights, torch.tensor([384, 100, 257], device=DEVICE), backward=True,
+          backend=fusepass.backend(sdpa=False))
+    unfused = last_attention().unfused
+    assert KERNEL not in unfused.forward_record.detail
+    assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
+    compiled = torch.compile(attention, backend=fusepass.backend(sdpa=False))
+    for n in (384, 512):
+        inputs = [torch.randn(3, n, 256, device=DEVICE, dtype=torch.bfloat16), *weights]
+        lengths = torch.randint(1, n + 1, (3,), device=DEVICE)
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        dy = torch.randn(3, n, 256, device=DEVICE, dtype=torch.bfloat16)
+        got = torch.autograd.grad(compiled(*leaves, lengths), leaves, dy)
+        want = torch.autograd.grad(attention(*leaves, lengths), leaves, dy)
+        wide = [t.detach().double().requires_grad_() for t in inputs]
+        compare(list(got), list(want),
+                lambda: list(torch.autograd.grad(attention(*wide, lengths), wide, dy.double())), low=True)
+    assert list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values()) == \
+        [hopper_backward.DESCRIBED]
+
+
 def test_it_serves_only_what_it_computes():
     """What the sm_90 forward does not serve (head dim 96, a length no block divides), and a dO of another dtype
     or not rows of one matrix: the Triton kernels'."""
@@ -171,6 +252,7 @@ def test_it_serves_only_what_it_computes():
     assert not hopper_backward.serves(do.transpose(2, 3).contiguous().transpose(2, 3), q, k, v, False)
     assert hopper_backward.serves(do, q, k, v, True) == hopper_backward.available(q.device)
     assert not hopper_backward.serves(do, q, k, v, False, 100)  # a window is a causal band
+    assert not hopper_backward.serves(do, q, k, v, True, None, True)  # a key mask alone, after the Triton forward
 
 
 def test_the_stats_kernel_takes_each_rows_offset_scale_and_term():
