@@ -46,7 +46,7 @@ except ImportError:  # a Triton without Gluon's Hopper language: the Triton back
 BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two partitions of 64), the ring's depth
 # Whether the kernel also serves a sliding window (a causal band of keys, `sdpa_floor.causal_band`) after the Triton
 # forward's training form, whose statistics are the sm_90 forward's (bench/NOTES.md)
-WINDOWS = False
+WINDOWS = True
 # Whether, at head dim 64, a step adds the step before's dQ into the fp32 buffer while its own first two products run,
 # rather than its own after its last: the tensor cores idle through that addition otherwise (bench/NOTES.md). Its
 # registers held over the step: 16 a thread at head dim 64, 32 at 128, where dK and dV take twice as many.
@@ -166,6 +166,8 @@ if gluon is not None:
         dv = warpgroup_mma(weights, do_s, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=(dpt,))
         ds = p.to(gl.float32) * gl.fma(dpt, inverse_l[None, :], -scaled_delta.load(q_cols)[None, :])
+        if KEYED:  # masked_fill passes no gradient to a masked score: 0 there, where a row that keeps no key has NaN
+            ds = gl.where(kept[:, None], ds, 0.0)  # weights (eager's softmax of -inf alone: its dV NaN, dQ and dK not)
         ds = (ds * scale).to(dtype)  # the scaled score's gradient, [kv, q]
         # Both partitions' dS, for dQ over all kv rows; its two buffers alternate by step: a partition passes step
         # t + 1's wait only after the other finished step t, so step t + 2 writes over nothing still read.

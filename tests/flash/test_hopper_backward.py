@@ -180,7 +180,8 @@ def test_a_key_masks_gradients_are_as_far_from_float64_as_the_triton_backwards(l
                                                                               deferred, monkeypatch):
     """The kernel on a padding mask (`KEY_MASKS`) after the Triton forward, skipping the kv blocks that keep no key:
     each gradient within 1.5 times the Triton backward's distance from float64 after the same forward, at the layouts
-    it serves; a batch keeping no key NaN throughout, as eager's (its blocks walked all the same)."""
+    it serves; a batch keeping no key has eager's gradients there: dV NaN (its weights are), dQ and dK 0 (masked_fill
+    passes no gradient to a masked score), its blocks walked all the same."""
     monkeypatch.setattr(hopper_backward, "DEFERRED_DQ", deferred)
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
