@@ -13,11 +13,12 @@ head dim, dQ = dS K over both partitions' 128 kv rows, added into an fp32 buffer
 (`_stats_kernel`): per q row the weights' exponent offset, 1 / l and delta / l, with delta = rowsum(dO ⊙ O) (with the
 forward's rounding residual; `backward.row_delta`, the Triton backward's).
 
-The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases, with dO
-laid out as rows of one matrix too; with `WINDOWS`, a sliding window's band at those layouts after the Triton
-forward's training form, whose statistics are the same (on the tiles that forward masks it takes the scores times
-the scale rounded, then times log2(e), where this kernel multiplies by their product: a weight there may come out an
-ulp of the inputs' dtype apart). The Triton backward runs everything else.
+The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases, with dO laid out as rows
+of one matrix too; with `WINDOWS`, a sliding window's band, and with `KEY_MASKS` a mask of the keys alone
+(`attention.key_mask`), at those layouts after the Triton forward's training form, whose statistics are the same (on
+the tiles that forward masks it takes the scores times the scale rounded, then times log2(e), where this kernel
+multiplies by their product: a weight there may come out an ulp of the inputs' dtype apart). The Triton backward runs
+everything else.
 """
 from __future__ import annotations
 
@@ -119,8 +120,9 @@ if gluon is not None:
               KEYED: gl.constexpr, DEFER: gl.constexpr):
         """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
         forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
-        KEYED: the keep of the partition's keys (`kept`, one per kv row). With DEFER, the step before's dQ (`dq_before`, for q row `row_before`; none where it is negative) is added
-        while this step's first two products run, and this step's is returned for the next to add.
+        KEYED: the keep of the partition's keys (`kept`, one per kv row). With DEFER, the step before's dQ
+        (`dq_before`, for q row `row_before`; none where it is negative) is added while this step's first two
+        products run, and this step's is returned for the next to add.
 
         The weights are the forward's, from its statistics (`forward.FlashForwardExtra`, exact mode): 2^(s · c -
         shift) for a row whose max stayed tame (its lse the whole shift), 2^(s · c - m · log2(e)) past that (its lse
@@ -266,17 +268,17 @@ if gluon is not None:
 
     @gluon.jit
     def _hopper_backward(q_desc, do_desc, k_desc, v_desc, stats_desc, dq_desc, dk_ptr, dv_ptr, kept_ptr, walks_ptr,
-                         q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides, kept_batch, n_heads, group, q_len,
-                         window, scale, c, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, WINDOWED: gl.constexpr, KEYED: gl.constexpr,
-                         DEFER: gl.constexpr):
-        """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in the
-        other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place its
-        rows in the matrix its descriptor covers (`hopper_forward._Rows`). KEYED: the keys' keep, [B or 1, Nk] bytes
-        at `kept_ptr` (a batch's `kept_batch` apart), and per kv block whether to walk its q blocks at `walks_ptr`
-        (`attention.key_mask.kept_keys`). c: scale · log2(e) from the host, the weights' exponent scale
-        after the Triton forward (a window's, a key mask's), which folds the product of its constants, in
-        fp64, into its kernel (`forward._attend_tile`); the sm_90 forward's is taken in fp32 (see `_partition`)."""
+                         q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides, kept_batch, n_heads,
+                         group, q_len, window, scale, c, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, WINDOWED: gl.constexpr,
+                         KEYED: gl.constexpr, DEFER: gl.constexpr):
+        """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in
+        the other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place
+        its rows in the matrix its descriptor covers (`hopper_forward._Rows`). KEYED: the keys' keep, [B or 1, Nk]
+        bytes at `kept_ptr` (a batch's `kept_batch` apart), and per kv block whether to walk its q blocks at
+        `walks_ptr` (`attention.key_mask.kept_keys`). c: scale · log2(e) from the host, the weights' exponent scale
+        after the Triton forward (a window's, a key mask's), which folds the product of its constants, in fp64, into
+        its kernel (`forward._attend_tile`); the sm_90 forward's is taken in fp32 (see `_partition`)."""
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
         kv_block = gl.program_id(0)  # the first kv blocks first: under a causal mask they walk the most q blocks
@@ -391,8 +393,8 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                     kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """dQ, dK, dV into `grads` (tensors of q's, k's and v's shapes, any strides; dK and dV summed over the query
     heads sharing a kv head), where `serves`, after the sm_90 forward's training form (or the Triton forward's, for a
-    `window` or the keys' keep `kept`, `key_mask.kept_keys`'s at blocks of `BLOCK_N`): `lse`, `log_sum` its exact weights' statistics
-    ([B, H, N] contiguous fp32), `residual` the output's rounding residual."""
+    `window` or the keys' keep `kept`, `key_mask.kept_keys`'s at blocks of `BLOCK_N`): `lse`, `log_sum` its exact
+    weights' statistics ([B, H, N] contiguous fp32), `residual` the output's rounding residual."""
     batch, q_heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq, dk, dv = grads

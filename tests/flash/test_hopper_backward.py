@@ -1,7 +1,7 @@
 """The sm_90 backward (`fusepass.flash.hopper_backward`): dQ, dK and dV after the sm_90 forward's training form against
-float64, at SDPA's distance, at the layouts it serves (contiguous, by position, a fused projection's
-slices, shared K/V heads); where a compiled training step runs it (the report names it), a sliding window's and a
-padding mask's after the Triton forward too; what it does not serve; and its statistics kernel (Triton, on any device).
+float64, at SDPA's distance, at the layouts it serves (contiguous, by position, a fused projection's slices, shared K/V
+heads); where a compiled training step runs it (the report names it), a sliding window's and a padding mask's after
+the Triton forward too; what it does not serve; and its statistics kernel (Triton, on any device).
 The kernel runs asynchronous products, TMA rings and TMA reductions: on an sm_90 GPU only; elsewhere `serves` says no."""
 from __future__ import annotations
 
