@@ -1,8 +1,9 @@
 """The sm_90 backward (`fusepass.flash.hopper_backward`, Gluon, one kernel) beside fusepass's Triton backward (two
 kernels) and SDPA's (cuDNN's), after the sm_90 forward's training form (its exact weights and residual); on a sliding
-window of 1024 keys (`hopper_backward.WINDOWS`) and on the attention suite's padding (each batch's keys past a length
-drawn from [N/2, N] masked: `hopper_backward.KEY_MASKS`) after the Triton forward's, beside the Triton backward; or its
-sm_90 build's counts offline:
+window of 1024 keys (`hopper_backward.WINDOWS`), on the attention suite's padding (each batch's keys past a length
+drawn from [N/2, N] masked: `hopper_backward.KEY_MASKS`) and on its documents (ids from 8 drawn per token, in order:
+`hopper_backward.DOCUMENTS`) after the Triton forward's, beside the Triton backward; or its sm_90 build's counts
+offline:
 
     PYTHONPATH=. python bench/gluon_backward.py             (on the GPU machine: gradients against float64, then time)
     PYTHONPATH=DIR:. python bench/gluon_backward.py --sass  (any machine, DIR holding triton 3.6: the sm_90 build's
@@ -23,8 +24,9 @@ import triton.testing
 
 from fusepass.attention.key_mask import kept_keys
 from fusepass.flash import hopper_backward, hopper_forward
+from fusepass.flash.blockmap import block_map_for
 from fusepass.flash.forward import LOG2E
-from fusepass.flash.score_mod import ScoreMod
+from fusepass.flash.score_mod import ScoreMod, SeparableKeep
 
 SHAPES = "2,16,8192,128;8,16,2048,64"
 
@@ -56,7 +58,7 @@ def window_mod(head_dim: int) -> ScoreMod:
 
 @triton.jit
 def padding_keep(b, h, q_idx, kv_idx, aux):
-    return kv_idx < tl.load(aux[1] + b)  # aux: (the scale, each batch's length)
+    return kv_idx < tl.load(aux[1] + b)  # aux: (the scale, each batch's length, the length)
 
 
 def padding_mod(head_dim: int) -> ScoreMod:
@@ -66,8 +68,31 @@ def padding_mod(head_dim: int) -> ScoreMod:
                     linear_scale=1 / math.sqrt(head_dim))
 
 
-CASES = ("causal", "plain", "window", "padding")
-AFTER_TRITON = ("window", "padding")  # the cases whose forward is the Triton kernel's
+@triton.jit
+def document_rows(b, h, q_idx, aux):
+    return tl.load(aux[1] + b * aux[2] + q_idx)  # aux: (the scale, the ids, the length)
+
+
+@triton.jit
+def document_cols(b, h, kv_idx, aux):
+    return tl.load(aux[1] + b * aux[2] + kv_idx)
+
+
+@triton.jit
+def document_keep(b, h, q_idx, kv_idx, aux):
+    return document_rows(b, h, q_idx, aux) == document_cols(b, h, kv_idx, aux)
+
+
+def document_mod(head_dim: int) -> ScoreMod:
+    """The suite's documents as the attention pass lifts them, its scale declared."""
+    return ScoreMod(name=f"gluon_backward_document_d{head_dim}", score=scaled, score_grad=scaled_grad,
+                    keep=document_keep, fill=flash_sweep.CAUSAL.fill, keep_uses_batch=True, keep_reads_aux=True,
+                    separable_keep=SeparableKeep(True, document_rows, document_cols),
+                    linear_scale=1 / math.sqrt(head_dim))
+
+
+CASES = ("causal", "plain", "window", "padding", "document")
+AFTER_TRITON = ("window", "padding", "document")  # the cases whose forward is the Triton kernel's
 
 
 def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
@@ -81,14 +106,19 @@ def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
     x = torch.empty(1, 1, 1024, head_dim, dtype=torch.bfloat16)
     described = [hopper_forward._Rows.of(x).described(x, n) for n in (hb.BLOCK_M, hb.BLOCK_M, hb.BLOCK_N // 2,
                                                                         hb.BLOCK_N // 2)]
-    fp32 = hb.fp32_described(torch.empty(hb.STATS.value, 1024), torch.empty(1024, head_dim))
+    listed = case == "document"
+    n_stats = hb.STATS_WITH_IDS if listed else hb.STATS
+    fp32 = hb.fp32_described(torch.empty(n_stats, 1024), torch.empty(1024, head_dim), n_stats)
+    count, index = torch.empty(16, dtype=torch.int32), torch.empty(128, dtype=torch.int32)
+    lists = (count, index, 8, 0, 16, 8, torch.empty(1, dtype=torch.int8)) if listed else (None,) * 7
     kernel = hb._hopper_backward.warmup(*described, *fp32, x, x,
                                         *[torch.empty(1, 1024, dtype=torch.int8) if case == "padding" else None] * 2,
+                                        torch.empty(1, 1024, dtype=torch.int64) if listed else None, lists,
                                         *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1024, 1, 1, 1024,
                                         WINDOW_KEYS, 0.125, 0.125 * LOG2E.value, HEAD_DIM=head_dim,
                                         BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=case in ("causal", "window"),
                                         STAGES=hb.STAGES, WINDOWED=case == "window", KEYED=case == "padding",
-                                        DEFER=deferred, num_warps=4, grid=(1,))
+                                        LISTED=listed, ID_EQUAL=True, DEFER=deferred, num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2",
                                                              "REDG", "UBLKRED|UTMAREDG")}
@@ -98,7 +128,8 @@ def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
 
 def triton_mod(case: str, head_dim: int) -> ScoreMod:
     """The Triton kernels' score functions of `case`."""
-    return {"causal": CAUSAL, "plain": PLAIN, "window": window_mod(head_dim), "padding": padding_mod(head_dim)}[case]
+    return {"causal": CAUSAL, "plain": PLAIN, "window": window_mod(head_dim), "padding": padding_mod(head_dim),
+            "document": document_mod(head_dim)}[case]
 
 
 def training_forward(q, k, v, case, aux):
@@ -120,14 +151,14 @@ def training_forward(q, k, v, case, aux):
     return out, lse, FlashForwardExtra(log_sum, fallback, None, residual)
 
 
-def backwards(q, k, v, do, case, lengths):
+def backwards(q, k, v, do, case, mask_input):
     """{label: a call writing (dq, dk, dv) into new tensors} for the sm_90 backward, the Triton backward (both after the
-    same training forward) and, but for the window and padding, SDPA's backward (after its own forward). `lengths`:
-    padding's, each batch's keys kept."""
+    same training forward) and, but after the Triton forward, SDPA's backward (after its own forward). `mask_input`:
+    padding's lengths (each batch's keys kept), the documents' ids."""
     from fusepass.flash.backward import flash_attention_backward
 
     scale = 1 / math.sqrt(q.shape[3])
-    aux = (scale, lengths)
+    aux = (scale, mask_input, q.shape[2])
     out, lse, extra = training_forward(q, k, v, case, aux)
     mod = triton_mod(case, q.shape[3])
     window = WINDOW_KEYS if case == "window" else None
@@ -141,8 +172,14 @@ def backwards(q, k, v, do, case, lengths):
             # padding's keep per key, as a compiled call's backward takes it
             kept = kept_keys(mod.keep, aux, q.shape[0], k.shape[2], hopper_backward.BLOCK_N, q.device) \
                 if case == "padding" else None
+            documents = None
+            if case == "document":  # (the ids' own tensor for both sides: `document_ids` copies them)
+                tiles = hopper_backward.BLOCK_M, hopper_backward.BLOCK_N
+                documents = hopper_backward.DocumentIds(
+                    mask_input, mask_input, True, block_map_for(mod, aux, *q.shape[:3], k.shape[2], *tiles, q.device),
+                    extra.fallback_rows.amax(-1))
             hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale,
-                                            case in ("causal", "window"), g, extra.residual, window, kept)
+                                            case in ("causal", "window"), g, extra.residual, window, kept, documents)
         return g
 
     def triton_backward():
@@ -166,7 +203,7 @@ def backwards(q, k, v, do, case, lengths):
     return {**kernels, "Triton": triton_backward, "SDPA": sdpa}
 
 
-def reference(q, k, v, do, case, lengths):
+def reference(q, k, v, do, case, mask_input):
     """(dq, dk, dv) in float64."""
     group = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
@@ -179,9 +216,20 @@ def reference(q, k, v, do, case, lengths):
         s = s.masked_fill(past, float("-inf"))
     if case == "padding":
         i = torch.arange(s.shape[-1], device=s.device)
-        s = s.masked_fill((i[None, :] >= lengths[:, None])[:, None, None, :], float("-inf"))
+        s = s.masked_fill((i[None, :] >= mask_input[:, None])[:, None, None, :], float("-inf"))
+    if case == "document":
+        s = s.masked_fill(mask_input[:, None, :, None] != mask_input[:, None, None, :], float("-inf"))
     out = torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)
     return torch.autograd.grad(out, (q64, k64, v64), do.double())
+
+
+def mask_input(case: str, batch: int, n: int) -> torch.Tensor | None:
+    """What `case`'s mask reads, as the attention suite draws it: padding's lengths, the documents' ids."""
+    if case == "padding":
+        return torch.randint(n // 2, n + 1, (batch,), device="cuda")
+    if case == "document":
+        return torch.sort(torch.randint(0, 8, (batch, n), device="cuda"), dim=-1).values
+    return None
 
 
 def main() -> None:
@@ -207,19 +255,20 @@ def main() -> None:
         for case in CASES:
             # errors from float64 at B1 H4 (2 kv heads) N2048 (past the window), times at the shape
             small = [torch.randn(1, heads, 2048, d, device="cuda", dtype=torch.bfloat16) for heads in (4, 2, 2, 4)]
-            small_lengths = torch.randint(1024, 2049, (1,), device="cuda")  # (padding's, as the suite draws them)
-            expected = reference(*small, case, small_lengths)
+            small_mask = mask_input(case, 1, 2048)
+            expected = reference(*small, case, small_mask)
             errors = {label: [((g.double() - e).norm() / e.norm()).item() for g, e in zip(fn(), expected)]
-                      for label, fn in backwards(*small, case, small_lengths).items()}
+                      for label, fn in backwards(*small, case, small_mask).items()}
             q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            lengths = torch.randint(n // 2, n + 1, (b,), device="cuda")
-            timed = backwards(q, k, v, do, case, lengths)
+            masked_by = mask_input(case, b, n)
+            timed = backwards(q, k, v, do, case, masked_by)
             ms = {label: triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
                   for label, fn in timed.items()}
             # the scores computed: all, the causal half, or the window's band
             kept = {"plain": n * n, "causal": n * (n + 1) / 2,
                     "window": WINDOW_KEYS * n - WINDOW_KEYS * (WINDOW_KEYS - 1) / 2,
-                    "padding": n * lengths.sum().item() / b}[case]
+                    "padding": n * masked_by.sum().item() / b,
+                    "document": (masked_by[:, :, None] == masked_by[:, None, :]).sum().item() / b}[case]
             flops = 2.5 * 4 * b * h * kept * d
             for label in timed:
                 e = errors[label]

@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusepass.attention import sdpa_floor
+from fusepass.attention.document_mask import document_ids, document_masked
 from fusepass.attention.key_mask import kept_keys, key_masked
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
@@ -24,7 +25,7 @@ from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
 from fusepass.flash.ahead import compile_attention_ahead
 from fusepass.flash.backward import flash_attention_backward
-from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
+from fusepass.flash.blockmap import BlockMap, block_map_for, map_extent, packed_map_numel
 from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles, tile_width
 from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs, keeps_residual
 from fusepass.flash import hopper_backward, hopper_forward
@@ -46,6 +47,7 @@ class AttentionCall:
         self.compiled_ahead = False  # whether a call has started compiling the kernels (`compile_attention_ahead`)
         self.sdpa = sdpa_form(spec)  # the SDPA call that computes the attention, if one does (`sdpa_floor`)
         self.key_masked = key_masked(spec)  # whether its mask is of the keys alone (`key_mask`)
+        self.document_masked = document_masked(spec)  # or of document ids (`document_mask`)
         # per layout and dtype of q, k, v: `_choice`'s
         self._choices: dict[tuple, tuple[SdpaRun | None, bool | None, int | None]] = {}
         self._mod: ScoreMod | None = None
@@ -266,26 +268,46 @@ class AttentionCall:
                         aux_grad: tuple | None, grads: tuple, hopper: bool | None, seed: torch.Tensor | None,
                         window: int | None = None) -> None:
         """The fused backward into `grads`: the sm_90 kernel's where the forward was the sm_90 kernel's (`hopper`, as
-        `_choice` gives it), or after the Triton forward where the mask is a sliding window's band (`window`) or of the
-        keys alone (`key_mask`), with the exact weights and `hopper_backward.serves`, else the Triton kernels'."""
+        `_choice` gives it), or after the Triton forward where the mask is a sliding window's band (`window`), of the
+        keys alone (`key_mask`) or of document ids (`document_mask`), with the exact weights and
+        `hopper_backward.serves`, else the Triton kernels'."""
         s = self.spec
         causal = True if window is not None else hopper
-        keyed = causal is None and self.key_masked and s.out_dtype == q4.dtype
-        if keyed:
+        after_triton = causal is None and s.out_dtype == q4.dtype
+        keyed = after_triton and self.key_masked
+        documents = after_triton and self.document_masked
+        if keyed or documents:
             causal = False
         if causal is not None and extra.residual is not None and \
-                hopper_backward.serves(grad_out, q4, k4, v4, causal, window, keyed):
+                hopper_backward.serves(grad_out, q4, k4, v4, causal, window, keyed, documents):
             mod = self.mod
-            kept = kept_keys(mod.keep, aux, q4.shape[0] if mod.keep_uses_batch else 1, k4.shape[2],
-                             hopper_backward.BLOCK_N, q4.device) if keyed else None
+            batch = q4.shape[0] if mod.keep_uses_batch else 1
+            kept = kept_keys(mod.keep, aux, batch, k4.shape[2], hopper_backward.BLOCK_N, q4.device) if keyed else None
             hopper_backward.hopper_backward(grad_out, q4, k4, v4, out, lse, extra.log_sum, s.lifted.linear_scale,
-                                            causal, grads, extra.residual, window=window, kept=kept)
+                                            causal, grads, extra.residual, window=window, kept=kept,
+                                            documents=self._document_ids(q4, k4, aux, extra) if documents else None)
             record = self.unfused.backward_record
             if record is not None:
                 record.detail.setdefault(KERNEL, {})[shape_named(q4)] = hopper_backward.DESCRIBED
             return
         flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, aux, aux_grad, dropout_p=s.dropout_p,
                                  seed=seed, grads=grads)
+
+    def _document_ids(self, q4: torch.Tensor, k4: torch.Tensor, aux: tuple, extra: FlashForwardExtra
+                      ) -> hopper_backward.DocumentIds:
+        """What the sm_90 backward reads of a `document_masked` attention's mask at this call: both sides' ids, the
+        block map at its tiles (the forward's where it serves them), and which heads hold a row that keeps no key."""
+        mod = self.mod
+        batch, heads, q_len, _ = q4.shape
+        kv_len = k4.shape[2]
+        rows, cols = document_ids(mod.separable_keep, aux, batch if mod.keep_uses_batch else 1, q_len, kv_len,
+                                  q4.device)
+        tiles = hopper_backward.BLOCK_M, hopper_backward.BLOCK_N
+        forward_map = extra.block_map
+        block_map = forward_map if forward_map is not None and forward_map.serves(*tiles, True) else \
+            block_map_for(mod, aux, batch, heads, q_len, kv_len, *tiles, q4.device)
+        return hopper_backward.DocumentIds(rows, cols, mod.separable_keep.equal, block_map,
+                                           extra.fallback_rows.amax(-1))
 
     @staticmethod
     def _layouts(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor) -> tuple:

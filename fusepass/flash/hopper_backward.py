@@ -22,12 +22,15 @@ everything else.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from fusepass.flash import hopper_forward
 from fusepass.flash.backward import row_delta, row_statistics
+from fusepass.flash.blockmap import BlockMap
 from fusepass.flash.forward import LOG2E
 from fusepass.flash.tiles import load_tile
 
@@ -56,7 +59,12 @@ DEFERRED_DQ = False
 # training form, as it serves a window (bench/NOTES.md)
 KEY_MASKS = False
 STATS_BLOCK = 64  # rows a program of the statistics kernel
-STATS = tl.constexpr(4)  # rows per head of `_stats_kernel`'s output: its three, padded to a TMA box's power of two
+# Whether the kernel also serves document ids (`attention.document_mask`) after the Triton forward's training form,
+# walking the block map's lists of q blocks per kv block (bench/NOTES.md)
+DOCUMENTS = False
+# Rows per head of `_stats_kernel`'s output: its three, and with document ids the q rows' ids (two int32 halves),
+# padded to a TMA box's power of two
+STATS, STATS_WITH_IDS = 4, 8
 
 if gluon is not None:
     @builtin
@@ -67,12 +75,35 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
     @gluon.jit
+    def _walk(lists, b, h, n_heads, kv_block):
+        """Of kv block `kv_block` for query head h of batch b, in the block map's cols lists `lists` (count, index, the
+        map's batch and head strides, its q blocks, its kv blocks, a flag per (batch, query head)): (its full tiles'
+        count, their q blocks, its partial tiles' count, theirs, 1 where the head walks every q block as partial
+        instead: a head with a row that keeps no key, whose weights are NaN, as eager's softmax gives them, at every
+        key)."""
+        count, index, map_b, map_h, n_q_blocks, n_kv_blocks, dense_ptr = lists
+        dense = (gl.load(dense_ptr + b * n_heads + h) != 0).to(gl.int32)
+        slot = ((b * map_b + h * map_h) * n_kv_blocks + kv_block) * 2
+        n_full = gl.load(count + slot) * (1 - dense)
+        n_partial = gl.load(count + slot + 1) * (1 - dense) + n_q_blocks * dense
+        return (n_full, index + slot.to(gl.int64) * n_q_blocks, n_partial, index + (slot + 1).to(gl.int64) * n_q_blocks,
+                dense)
+
+    @gluon.jit
+    def _listed_block(blocks, j, dense):
+        """The j-th q block of a walk: entry j of the list `blocks`, or j where the walk is `dense` (`_walk`)."""
+        listed = gl.load(blocks + j)  # (in the list's buffer either way: it holds every q block's room)
+        return listed + dense * (j - listed)
+
+    @gluon.jit
     def _loads(q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem, kv_bar,
                q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row, k_col, v_row, v_col,
-               first_block, n_blocks, group, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+               first_block, n_blocks, group, lists, kv_block, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               LISTED: gl.constexpr):
         """The loading warp: the program's K and V once (a half for each partition), then Q, dO and the q rows'
         statistics a q block at a time into the next free buffer of their ring; `q_free[i]` completes when both
-        partitions are done with step t's buffers, for a t with t % STAGES == i."""
+        partitions are done with step t's buffers, for a t with t % STAGES == i. With LISTED, the q blocks of the
+        block map's lists (`_walk`), the full tiles' first, else those of [first_block, n_blocks)."""
         half: gl.constexpr = k_smem.shape[1]
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
         for part in gl.static_range(2):
@@ -88,19 +119,35 @@ if gluon is not None:
             do_row = (do_base // do_strides[2]).to(gl.int32)
             do_col = (do_base % do_strides[2]).to(gl.int32)
             stats_row = (b * n_heads + h) * stats_desc.block_type.shape[0]
-            for i in range(first_block, n_blocks):
-                slot = t % STAGES
-                # A ring's buffers start free: the first wait on each is for the phase before its first.
-                mbarrier.wait(q_free.index(slot), ((t // STAGES) & 1) ^ 1)
-                mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
-                                + stats_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [q_row + i * BLOCK_M, q_col], q_ready.index(slot),
-                                                q_smem.index(slot))
-                tma.async_copy_global_to_shared(do_desc, [do_row + i * BLOCK_M, do_col], q_ready.index(slot),
-                                                do_smem.index(slot))
-                tma.async_copy_global_to_shared(stats_desc, [stats_row, i * BLOCK_M], q_ready.index(slot),
-                                                stats_smem.index(slot))
-                t += 1
+            if LISTED:
+                n_full, full, n_partial, partial, dense = _walk(lists, b, h, n_heads, kv_block)
+                for j in range(n_full):
+                    t = _load_step(t, gl.load(full + j), q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem,
+                                   q_ready, q_free, q_row, q_col, do_row, do_col, stats_row, BLOCK_M, STAGES)
+                for j in range(n_partial):
+                    t = _load_step(t, _listed_block(partial, j, dense), q_desc, do_desc, stats_desc, q_smem, do_smem,
+                                   stats_smem, q_ready, q_free, q_row, q_col, do_row, do_col, stats_row, BLOCK_M,
+                                   STAGES)
+            else:
+                for i in range(first_block, n_blocks):
+                    t = _load_step(t, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, q_ready, q_free,
+                                   q_row, q_col, do_row, do_col, stats_row, BLOCK_M, STAGES)
+
+    @gluon.jit
+    def _load_step(t, i, q_desc, do_desc, stats_desc, q_smem, do_smem, stats_smem, q_ready, q_free, q_row, q_col,
+                   do_row, do_col, stats_row, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+        """Step t's loads (q block i) into the next free buffer of the ring; t + 1."""
+        slot = t % STAGES
+        # A ring's buffers start free: the first wait on each is for the phase before its first.
+        mbarrier.wait(q_free.index(slot), ((t // STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                        + stats_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + i * BLOCK_M, q_col], q_ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [do_row + i * BLOCK_M, do_col], q_ready.index(slot),
+                                        do_smem.index(slot))
+        tma.async_copy_global_to_shared(stats_desc, [stats_row, i * BLOCK_M], q_ready.index(slot),
+                                        stats_smem.index(slot))
+        return t + 1
 
     @gluon.jit
     def _add_dq(dq, row, part: gl.constexpr, dq_smem, dq_desc):
@@ -114,13 +161,15 @@ if gluon is not None:
 
     @gluon.jit
     def _step(t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
-              dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, c, scale,
-              part: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
+              dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids, ids_rows, c,
+              scale, part: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, WINDOWED: gl.constexpr,
-              KEYED: gl.constexpr, DEFER: gl.constexpr):
+              KEYED: gl.constexpr, SEPARATE: gl.constexpr, ID_EQUAL: gl.constexpr, DEFER: gl.constexpr):
         """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
         forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
-        KEYED: the keep of the partition's keys (`kept`, one per kv row). With DEFER, the step before's dQ
+        KEYED: the keep of the partition's keys (`kept`, one per kv row). SEPARATE: a key kept where its id (`col_ids`,
+        its two int32 halves) equals the query's (`ids_rows`, the ring's statistics rows 3 and 4), or differs from it
+        where not ID_EQUAL. With DEFER, the step before's dQ
         (`dq_before`, for q row `row_before`; none where it is negative) is added while this step's first two
         products run, and this step's is returned for the next to add.
 
@@ -161,6 +210,12 @@ if gluon is not None:
             st = gl.where(in_band, st, float("-inf"))
         if KEYED:
             st = gl.where(kept[:, None], st, float("-inf"))
+        if SEPARATE:
+            col_lo, col_hi = col_ids
+            same = (ids_rows.index(slot * n_stats + 3).load(q_cols)[None, :] == col_lo[:, None]) & \
+                (ids_rows.index(slot * n_stats + 4).load(q_cols)[None, :] == col_hi[:, None])
+            same = same if ID_EQUAL else ~same
+            st = gl.where(same, st, float("-inf"))
         p = truncated(gl.exp2(gl.fma(st, c, offset.load(q_cols)[None, :])), dtype)  # exact in the inputs' dtype
         inverse_l = inverse_l.load(q_cols)
         weights = gl.convert_layout((p * inverse_l[None, :]).to(dtype), gl.DotOperandLayout(0, KV_LAYOUT, 2))
@@ -170,6 +225,8 @@ if gluon is not None:
         ds = p.to(gl.float32) * gl.fma(dpt, inverse_l[None, :], -scaled_delta.load(q_cols)[None, :])
         if KEYED:  # masked_fill passes no gradient to a masked score: 0 there, where a row that keeps no key has NaN
             ds = gl.where(kept[:, None], ds, 0.0)  # weights (eager's softmax of -inf alone: its dV NaN, dQ and dK not)
+        if SEPARATE:
+            ds = gl.where(same, ds, 0.0)
         ds = (ds * scale).to(dtype)  # the scaled score's gradient, [kv, q]
         # Both partitions' dS, for dQ over all kv rows; its two buffers alternate by step: a partition passes step
         # t + 1's wait only after the other finished step t, so step t + 2 writes over nothing still read.
@@ -195,19 +252,21 @@ if gluon is not None:
 
     @gluon.jit
     def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem,
-                   dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch, b, kv_h, kv_start,
-                   first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c,
+                   dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch, col_ids_ptr, lists, b,
+                   kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c,
                    part: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, KEYED: gl.constexpr, DEFER: gl.constexpr):
+                   CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, KEYED: gl.constexpr, LISTED: gl.constexpr,
+                   ID_EQUAL: gl.constexpr, DEFER: gl.constexpr):
         """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ. Its q
         blocks: [first_block, n_blocks), the causal mask on the first two, or with WINDOWED the band's on every one
         (a band's blocks are few, and a loop apart for the unmasked ones between its edges spilled 104 stack bytes
         at D128, offline, against 24); with KEYED its kv rows' keep (bytes at `kept_ptr`, a batch's `kept_batch`
-        apart) on every one."""
+        apart) on every one. With LISTED (document ids), the q blocks of the block map's lists (`_walk`), the ids'
+        mask on the partial tiles' (the keys' ids at `col_ids_ptr`, int64, a batch's `kept_batch` apart)."""
         warps: gl.constexpr = gl.num_warps()
         rows: gl.constexpr = k_smem.shape[1]
-        if not WINDOWED and not KEYED:  # after the sm_90 forward: its exponent scale, the fp32 scale times log2(e)
-            c = scale * LOG2E  # in fp32
+        if not WINDOWED and not KEYED and not LISTED:  # after the sm_90 forward: its exponent scale, the fp32 scale
+            c = scale * LOG2E  # times log2(e) in fp32
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                            instr_shape=[16, BLOCK_M, 16])  # [kv, q]
         kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
@@ -221,9 +280,16 @@ if gluon is not None:
         # With KEYED, the keep of the partition's kv rows
         kept = (gl.load(kept_ptr + b.to(gl.int64) * kept_batch + kv_start + part * rows
                         + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))) != 0) if KEYED else 0
-        # The statistics' ring (unswizzled, as the TMA writes it) as plain rows, so that a row is a vector of its own.
-        stats_rows = stats_smem._reinterpret(gl.float32, [stats_smem.shape[0] * stats_smem.shape[1],
-                                                          stats_smem.shape[2]], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        # The statistics' ring (unswizzled, as the TMA writes it) as plain rows, so that a row is a vector of its own;
+        # with LISTED its ids' halves as int32 rows.
+        ring_rows: gl.constexpr = [stats_smem.shape[0] * stats_smem.shape[1], stats_smem.shape[2]]
+        stats_rows = stats_smem._reinterpret(gl.float32, ring_rows, gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        ids_rows = stats_smem._reinterpret(gl.int32, ring_rows, gl.SwizzledSharedLayout(1, 1, 1, [0])) if LISTED \
+            else 0
+        # With LISTED, the ids of the partition's kv rows, in two int32 halves
+        col_ids = gl.load(col_ids_ptr + b.to(gl.int64) * kept_batch + kv_start + part * rows
+                          + gl.arange(0, rows, layout=gl.SliceLayout(1, s_layout))) if LISTED else 0
+        col_ids = (col_ids.to(gl.int32), (col_ids >> 32).to(gl.int32)) if LISTED else 0
         mbarrier.wait(kv_bar, 0)
         # Under a causal mask a kv block's first two q blocks cross the diagonal (q blocks of 64, kv blocks of 128).
         n_masked = 2 if CAUSAL else 0
@@ -233,25 +299,44 @@ if gluon is not None:
         t = 0
         for g in range(group):
             dq_row = (b * n_heads + first_head + g) * q_len
-            if WINDOWED:
+            if LISTED:
+                n_full, full, n_partial, partial, dense = _walk(lists, b, first_head + g, n_heads, kv_block)
+                for j in range(n_full):
+                    dk, dv, dq_before, row_before = _step(
+                        t, gl.load(full + j), dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem,
+                        stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window,
+                        kept, col_ids, ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES,
+                        False, False, False, False, ID_EQUAL, DEFER)
+                    t += 1
+                for j in range(n_partial):
+                    dk, dv, dq_before, row_before = _step(
+                        t, _listed_block(partial, j, dense), dk, dv, dq_before, row_before, k_part, v_part, q_smem,
+                        do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row,
+                        kv_start, window, kept, col_ids, ids_rows, c, scale, part, s_layout, kv_layout, dq_layout,
+                        BLOCK_M, STAGES, False, False, False, True, ID_EQUAL, DEFER)
+                    t += 1
+            elif WINDOWED:
                 for i in range(first_block, n_blocks):
                     dk, dv, dq_before, row_before = _step(
                         t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, c, scale,
-                        part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True, False, DEFER)
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
+                        ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True, False,
+                        False, ID_EQUAL, DEFER)
                     t += 1
             else:
                 for i in range(first_block, first_block + n_masked):
                     dk, dv, dq_before, row_before = _step(
                         t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, c, scale,
-                        part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False, False, DEFER)
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
+                        ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False, False,
+                        False, ID_EQUAL, DEFER)
                     t += 1
                 for i in range(first_block + n_masked, n_blocks):
                     dk, dv, dq_before, row_before = _step(
                         t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, c, scale,
-                        part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False, KEYED, DEFER)
+                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
+                        ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False, KEYED,
+                        False, ID_EQUAL, DEFER)
                     t += 1
         if DEFER:
             if row_before >= 0:
@@ -268,15 +353,18 @@ if gluon is not None:
 
     @gluon.jit
     def _hopper_backward(q_desc, do_desc, k_desc, v_desc, stats_desc, dq_desc, dk_ptr, dv_ptr, kept_ptr, walks_ptr,
-                         q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides, kept_batch, n_heads,
-                         group, q_len, window, scale, c, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                         BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, WINDOWED: gl.constexpr,
-                         KEYED: gl.constexpr, DEFER: gl.constexpr):
+                         col_ids_ptr, lists, q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides,
+                         kept_batch, n_heads, group, q_len, window, scale, c, HEAD_DIM: gl.constexpr,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                         WINDOWED: gl.constexpr, KEYED: gl.constexpr, LISTED: gl.constexpr, ID_EQUAL: gl.constexpr,
+                         DEFER: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in
         the other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place
         its rows in the matrix its descriptor covers (`hopper_forward._Rows`). KEYED: the keys' keep, [B or 1, Nk]
         bytes at `kept_ptr` (a batch's `kept_batch` apart), and per kv block whether to walk its q blocks at
-        `walks_ptr` (`attention.key_mask.kept_keys`). c: scale · log2(e) from the host, the weights' exponent scale
+        `walks_ptr` (`attention.key_mask.kept_keys`). LISTED: document ids, the keys' at `col_ids_ptr` (int64, a
+        batch's `kept_batch` apart), the q rows' in the statistics, the q blocks walked from the block map's `lists`
+        (`_walk`). c: scale · log2(e) from the host, the weights' exponent scale
         after the Triton forward (a window's, a key mask's), which folds the product of its constants, in fp64, into
         its kernel (`forward._attend_tile`); the sm_90 forward's is taken in fp32 (see `_partition`)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -307,7 +395,8 @@ if gluon is not None:
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [4, HALF, BLOCK_M], ds_layout)  # (step's buffer, partition)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)  # per partition
-        stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, STATS, BLOCK_M], stats_desc.layout)
+        stats_smem = gl.allocate_shared_memory(gl.float32, [STAGES, stats_desc.block_type.shape[0], BLOCK_M],
+                                               stats_desc.layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -321,27 +410,30 @@ if gluon is not None:
 
         gl.warp_specialize([
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
-                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch, b, kv_h,
-                          kv_start, first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c, 0,
-                          HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED, DEFER)),
+                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch,
+                          col_ids_ptr, lists, b, kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block,
+                          n_blocks, window, group, scale, c, 0, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED,
+                          LISTED, ID_EQUAL, DEFER)),
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
-                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch, b, kv_h,
-                          kv_start, first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c, 1,
-                          HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED, DEFER)),
+                          ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch,
+                          col_ids_ptr, lists, b, kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block,
+                          n_blocks, window, group, scale, c, 1, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED,
+                          LISTED, ID_EQUAL, DEFER)),
             (_loads, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem,
                       kv_bar, q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row,
                       (k_base % k_strides[2]).to(gl.int32), v_row, (v_base % v_strides[2]).to(gl.int32), first_block,
-                      n_blocks, group, BLOCK_M, STAGES))],
+                      n_blocks, group, lists, kv_block, BLOCK_M, STAGES, LISTED))],
             [4, 1], [240, 24])
 
 
 @triton.jit
-def _stats_kernel(Out, Residual, DO, Lse, LogSum, Stats, out_strides, do_strides, Nq, HEAD_DIM: tl.constexpr,
-                  BLOCK_M: tl.constexpr):
-    """Per query row what the backward's steps read of it, as rows of `Stats` ([B · H, STATS, Nq]): the weights'
+def _stats_kernel(Out, Residual, DO, Lse, LogSum, Stats, RowIds, out_strides, do_strides, ids_batch, Nq,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, N_STATS: tl.constexpr):
+    """Per query row what the backward's steps read of it, as rows of `Stats` ([B · H, N_STATS, Nq]): the weights'
     exponent offset (the whole shift while the row's max stayed tame, its max · log2(e) past that: see `_step`), 1 / l,
-    and delta / l (delta `backward.row_delta`'s: O in the inputs' dtype, with its rounding residual). Program
-    (q block, head, batch)."""
+    and delta / l (delta `backward.row_delta`'s: O in the inputs' dtype, with its rounding residual); with `RowIds`
+    (int64, a batch's `ids_batch` apart), the row's id, its low and high int32 halves as the bits of rows 3 and 4.
+    Program (q block, head, batch)."""
     q_block, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bh = b * tl.num_programs(1) + h
     rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -350,10 +442,28 @@ def _stats_kernel(Out, Residual, DO, Lse, LogSum, Stats, out_strides, do_strides
     out = load_tile(Out, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
     do = load_tile(DO, b, h, q_block * BLOCK_M, Nq, do_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
     residual = load_tile(Residual, b, h, q_block * BLOCK_M, Nq, out_strides, HEAD_DIM, BLOCK_M, HEAD_DIM, True, False)
-    stats = Stats + bh * STATS * Nq + rows
+    stats = Stats + bh * N_STATS * Nq + rows
     tl.store(stats, -(max_scaled * LOG2E + shift), mask=inside)
     tl.store(stats + Nq, inverse_l, mask=inside)
     tl.store(stats + 2 * Nq, row_delta(out, do, residual, True) * inverse_l, mask=inside)
+    if RowIds is not None:
+        ids = tl.load(RowIds + b * ids_batch + rows, mask=inside, other=0).to(tl.int64)
+        tl.store(stats + 3 * Nq, ids.to(tl.int32).to(tl.float32, bitcast=True), mask=inside)
+        tl.store(stats + 4 * Nq, (ids >> 32).to(tl.int32).to(tl.float32, bitcast=True), mask=inside)
+
+
+@dataclass(frozen=True)
+class DocumentIds:
+    """What the kernel reads of document ids (`attention.document_mask`): the q rows' ids ([B or 1, Nq]) and the
+    keys' ([B or 1, Nk]), int64 and contiguous; whether a key is kept where its id equals the row's (else where it
+    differs); the block map at (BLOCK_M, BLOCK_N) tiles whose cols lists the kernel walks; per (batch, query head) 1
+    where a row keeps no key ([B, H] contiguous int8, the forward's fallback rows' maximum)."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    equal: bool
+    block_map: BlockMap
+    dense: torch.Tensor
 
 
 def available(device: torch.device) -> bool:
@@ -362,14 +472,16 @@ def available(device: torch.device) -> bool:
 
 
 def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-           window: int | None = None, keyed: bool = False) -> bool:
-    """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal, in a band of `window` keys, or
-    where a keep of the keys holds with `keyed`]) v for these [B, H, N, D] tensors and dO (faster than the Triton
-    backward at head dims 64 and 128: bench/NOTES.md): where the sm_90 forward serves them unmasked or causal (its
-    statistics, or the Triton forward's alike, are the ones read) and dO is laid out as rows of one matrix in their
-    dtype; a window where `WINDOWS` says so, a keep of the keys (unmasked otherwise) where `KEY_MASKS` does."""
+           window: int | None = None, keyed: bool = False, documents: bool = False) -> bool:
+    """Whether the kernel computes the gradients of softmax(q kᵀ · scale [causal, in a band of `window` keys, where a
+    keep of the keys holds with `keyed`, or where document ids say with `documents`]) v for these [B, H, N, D] tensors
+    and dO (faster than the Triton backward at head dims 64 and 128: bench/NOTES.md): where the sm_90 forward serves
+    them unmasked or causal (its statistics, or the Triton forward's alike, are the ones read) and dO is laid out as
+    rows of one matrix in their dtype; a window where `WINDOWS` says so, a keep of the keys (unmasked otherwise) where
+    `KEY_MASKS` does, documents (unmasked otherwise) where `DOCUMENTS` does."""
     return (gluon is not None and hopper_forward.serves(q, k, v, causal) and (window is None or WINDOWS and causal)
             and (not keyed or KEY_MASKS and not causal and window is None)
+            and (not documents or DOCUMENTS and not causal and window is None and not keyed)
             and do.dtype == q.dtype and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0
             and hopper_forward._Rows.of(do) is not None)
 
@@ -377,12 +489,12 @@ def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 DESCRIBED = "the backward ran the sm_90 kernel (warp-specialized, Gluon)"  # in the report, per shape
 
 
-def fp32_described(stats: torch.Tensor, dq_acc: torch.Tensor) -> tuple:
-    """The kernel's descriptors of its fp32 operands: `_stats_kernel`'s rows ([B · H · STATS, Nq]) as the ring's
+def fp32_described(stats: torch.Tensor, dq_acc: torch.Tensor, n_stats: int = STATS) -> tuple:
+    """The kernel's descriptors of its fp32 operands: `_stats_kernel`'s rows ([B · H · n_stats, Nq]) as the ring's
     boxes, and dQ's accumulator ([rows, D]) as its partitions' halves of a step's dQ."""
     d = dq_acc.shape[1]
-    return (TensorDescriptor(stats, list(stats.shape), [stats.shape[1], 1], [STATS.value, BLOCK_M],
-                             gl.NVMMASharedLayout.get_default_for([STATS.value, BLOCK_M], gl.float32)),
+    return (TensorDescriptor(stats, list(stats.shape), [stats.shape[1], 1], [n_stats, BLOCK_M],
+                             gl.NVMMASharedLayout.get_default_for([n_stats, BLOCK_M], gl.float32)),
             TensorDescriptor(dq_acc, list(dq_acc.shape), [d, 1], [BLOCK_M, d // 2],
                              gl.NVMMASharedLayout.get_default_for([BLOCK_M, d // 2], gl.float32)))
 
@@ -390,26 +502,39 @@ def fp32_described(stats: torch.Tensor, dq_acc: torch.Tensor) -> tuple:
 def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                     lse: torch.Tensor, log_sum: torch.Tensor, scale: float, causal: bool, grads: tuple,
                     residual: torch.Tensor, window: int | None = None,
-                    kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                    kept: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    documents: DocumentIds | None = None) -> None:
     """dQ, dK, dV into `grads` (tensors of q's, k's and v's shapes, any strides; dK and dV summed over the query
     heads sharing a kv head), where `serves`, after the sm_90 forward's training form (or the Triton forward's, for a
-    `window` or the keys' keep `kept`, `key_mask.kept_keys`'s at blocks of `BLOCK_N`): `lse`, `log_sum` its exact
-    weights' statistics ([B, H, N] contiguous fp32), `residual` the output's rounding residual."""
+    `window`, the keys' keep `kept`, `key_mask.kept_keys`'s at blocks of `BLOCK_N`, or `documents`): `lse`, `log_sum`
+    its exact weights' statistics ([B, H, N] contiguous fp32), `residual` the output's rounding residual."""
     batch, q_heads, q_len, d = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq, dk, dv = grads
-    stats = torch.empty(batch * q_heads * STATS.value, q_len, dtype=torch.float32, device=q.device)
+    n_stats = STATS if documents is None else STATS_WITH_IDS
+    stats = torch.empty(batch * q_heads * n_stats, q_len, dtype=torch.float32, device=q.device)
+    row_ids = None if documents is None else documents.rows
     _stats_kernel[(triton.cdiv(q_len, STATS_BLOCK), q_heads, batch)](
-        out, residual, do, lse, log_sum, stats, out.stride(), do.stride(), q_len, HEAD_DIM=d, BLOCK_M=STATS_BLOCK)
+        out, residual, do, lse, log_sum, stats, row_ids, out.stride(), do.stride(),
+        0 if row_ids is None or row_ids.shape[0] == 1 else q_len, q_len, HEAD_DIM=d, BLOCK_M=STATS_BLOCK,
+        N_STATS=n_stats)
+    # a batch's keys apart, in the keys' keep or ids: 0 where one row serves every batch
+    by_keys = kept[0] if kept is not None else documents.cols if documents is not None else None
+    keys_batch = 0 if by_keys is None or by_keys.shape[0] == 1 else kv_len
+    lists = (None,) * 7
+    if documents is not None:
+        cols = documents.block_map.cols
+        lists = (cols.count, cols.index, *documents.block_map.batch_head_strides, cols.index.shape[-1],
+                 cols.count.shape[2], documents.dense)
     dq_acc = torch.zeros(batch, q_heads, q_len, d, dtype=torch.float32, device=q.device)
     rows = hopper_forward._Rows
     described = [rows.of(t).described(t, n) for t, n in ((q, BLOCK_M), (do, BLOCK_M), (k, BLOCK_N // 2),
                                                            (v, BLOCK_N // 2))]
     _hopper_backward[(kv_len // BLOCK_N, batch * kv_heads)](
-        *described, *fp32_described(stats, dq_acc.view(-1, d)), dk, dv, *(kept or (None, None)), q.stride()[:3],
-        do.stride()[:3], k.stride()[:3], v.stride()[:3], dk.stride(), dv.stride(),
-        0 if kept is None or kept[0].shape[0] == 1 else kv_len,
-        q_heads, q_heads // kv_heads, q_len, window or 0, scale, scale * LOG2E.value, HEAD_DIM=d, BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES, WINDOWED=window is not None, KEYED=kept is not None,
-        DEFER=DEFERRED_DQ and d == 64, num_warps=4)
+        *described, *fp32_described(stats, dq_acc.view(-1, d), n_stats), dk, dv, *(kept or (None, None)),
+        None if documents is None else documents.cols, lists, q.stride()[:3], do.stride()[:3], k.stride()[:3],
+        v.stride()[:3], dk.stride(), dv.stride(), keys_batch, q_heads, q_heads // kv_heads, q_len, window or 0, scale,
+        scale * LOG2E.value, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
+        WINDOWED=window is not None, KEYED=kept is not None, LISTED=documents is not None,
+        ID_EQUAL=documents is None or documents.equal, DEFER=DEFERRED_DQ and d == 64, num_warps=4)
     dq.copy_(dq_acc)

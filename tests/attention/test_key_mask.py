@@ -125,7 +125,7 @@ def test_a_training_steps_backward_takes_the_keys_keep(monkeypatch):
     to walk (here a stand-in that fails: the replaced ops run, with a warning, and compute eager's gradients)."""
     seen = []
 
-    def stand_in(*args, window, kept):
+    def stand_in(*args, window, kept, documents):
         seen.append(kept)
         raise RuntimeError("the sm_90 backward's stand-in")
 

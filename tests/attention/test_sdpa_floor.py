@@ -245,7 +245,7 @@ def test_a_sliding_windows_band_takes_the_sm90_backward_where_it_serves(times, m
     width (here a stand-in that fails: the replaced ops run, with a warning, and compute eager's gradients)."""
     widths = []
 
-    def stand_in(*args, window, kept):
+    def stand_in(*args, window, kept, documents):
         widths.append(window)
         raise RuntimeError("the sm_90 backward's stand-in")
 

@@ -1,8 +1,8 @@
 """The sm_90 backward (`fusepass.flash.hopper_backward`): dQ, dK and dV after the sm_90 forward's training form against
 float64, at SDPA's distance, at the layouts it serves (contiguous, by position, a fused projection's slices, shared K/V
 heads); where a compiled training step runs it (the report names it), a sliding window's and a padding mask's after
-the Triton forward too; what it does not serve; and its statistics kernel (Triton, on any device).
-The kernel runs asynchronous products, TMA rings and TMA reductions: on an sm_90 GPU only; elsewhere `serves` says no."""
+the Triton forward too, and document ids' walking the block map's lists; what it does not serve; and its statistics
+kernel (Triton, on any device). The kernel runs asynchronous products, TMA rings and TMA reductions: on an sm_90 GPU only; elsewhere `serves` says no."""
 from __future__ import annotations
 
 import math
@@ -242,6 +242,94 @@ def test_a_padded_training_step_runs_it_after_the_triton_forward(monkeypatch):
         [hopper_backward.DESCRIBED]
 
 
+def _documents(q, k, v, ids, equal=True):
+    """softmax(q kᵀ / √D) v over the keys whose id equals the query's (differs from it where not `equal`), K and V
+    heads repeated for their groups."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    other = ids[:, None, :, None] != ids[:, None, None, :]
+    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(other if equal else ~other, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def _ids(kind, n):
+    """Two batches' ids: documents of random lengths in order (their ends off the blocks' edges), tokens of three
+    documents interleaved, or batch 0 one document and batch 1 in order."""
+    if kind == "sorted":
+        return torch.sort(torch.randint(0, 5, (2, n), device=DEVICE), -1).values * 7919
+    if kind == "interleaved":
+        return torch.randint(0, 3, (2, n), device=DEVICE) + 2**35  # (ids past 2^32: both halves compared)
+    ids = torch.sort(torch.randint(-3, 3, (2, n), device=DEVICE), -1).values
+    ids[0] = 1
+    return ids
+
+
+@on_hopper
+@pytest.mark.parametrize("equal,kind", [(True, "sorted"), (True, "interleaved"), (True, "one"), (False, "interleaved"),
+                                        (False, "one")],
+                         ids=["sorted", "interleaved", "one-document", "other-documents", "other-documents-of-one"])
+@pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_document_ids_gradients_are_as_far_from_float64_as_the_triton_backwards(equal, kind, layout, heads, kv_heads,
+                                                                               d, monkeypatch):
+    """The kernel on document ids (`DOCUMENTS`) after the Triton forward, walking the block map's lists: each gradient
+    within 1.5 times the Triton backward's distance from float64 after the same forward, at the layouts it serves; a
+    batch whose rows keep no key (other documents of one) has eager's gradients there: dV NaN, dQ and dK 0."""
+    q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
+    do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
+    ids = _ids(kind, 384)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(_documents(q64, k64, v64, ids, equal), (q64, k64, v64), do.double())
+    grads = {}
+    for served in (True, False):
+        monkeypatch.setattr(hopper_backward, "DOCUMENTS", served)
+        fusepass.reset()
+        torch._dynamo.reset()
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # the layouts' strides kept
+        compiled = torch.compile(lambda q, k, v, ids: _documents(q, k, v, ids, equal),
+                                 backend=fusepass.backend(sdpa=False))
+        grads[served] = torch.autograd.grad(compiled(*leaves, ids), leaves, do)
+        ran = list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values())
+        assert ran == ([hopper_backward.DESCRIBED] if served else [])
+    for name, got, bar, e in zip("qkv", grads[True], grads[False], expected):
+        assert torch.equal(got.isnan(), e.isnan()), name
+        finite = ~e.isnan()
+        got, bar, e = got[finite], bar[finite], e[finite]
+        assert _distance(got, e) <= 1.5 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
+
+
+@on_hopper
+def test_a_packed_documents_training_step_runs_it_after_the_triton_forward(monkeypatch):
+    """Document ids (`DOCUMENTS`): the Triton forward's training form, then the kernel, eager's gradients for every
+    weight (`check`), the report naming the kernel of the backward alone; one compile at a second length."""
+    monkeypatch.setattr(hopper_backward, "DOCUMENTS", True)
+    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
+
+    def attention(x, wq, wk, wv, ids):
+        b, n, _ = x.shape
+        q, k, v = ((x @ w).view(b, n, 2, 128).transpose(1, 2) for w in (wq, wk, wv))
+        return _documents(q, k, v, ids).transpose(1, 2).reshape(b, n, 256)
+    x = torch.randn(2, 384, 256, device=DEVICE, dtype=torch.bfloat16)
+    check(attention, x, *weights, _ids("sorted", 384), backward=True, backend=fusepass.backend(sdpa=False))
+    unfused = last_attention().unfused
+    assert KERNEL not in unfused.forward_record.detail
+    assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
+    compiled = torch.compile(attention, backend=fusepass.backend(sdpa=False))
+    for n in (384, 512):
+        inputs = [torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16), *weights]
+        ids = _ids("sorted", n)
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        dy = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
+        got = torch.autograd.grad(compiled(*leaves, ids), leaves, dy)
+        want = torch.autograd.grad(attention(*leaves, ids), leaves, dy)
+        wide = [t.detach().double().requires_grad_() for t in inputs]
+        compare(list(got), list(want),
+                lambda: list(torch.autograd.grad(attention(*wide, ids), wide, dy.double())), low=True)
+    assert list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values()) == \
+        [hopper_backward.DESCRIBED]
+
+
 def test_it_serves_only_what_it_computes():
     """What the sm_90 forward does not serve (head dim 96, a length no block divides), and a dO of another dtype
     or not rows of one matrix: the Triton kernels'."""
@@ -254,23 +342,32 @@ def test_it_serves_only_what_it_computes():
     assert hopper_backward.serves(do, q, k, v, True) == hopper_backward.available(q.device)
     assert not hopper_backward.serves(do, q, k, v, False, 100)  # a window is a causal band
     assert not hopper_backward.serves(do, q, k, v, True, None, True)  # a key mask alone, after the Triton forward
+    assert not hopper_backward.serves(do, q, k, v, True, None, False, True)  # document ids alone, likewise
 
 
-def test_the_stats_kernel_takes_each_rows_offset_scale_and_term():
+@pytest.mark.parametrize("with_ids", [False, True], ids=["stats", "stats-and-ids"])
+def test_the_stats_kernel_takes_each_rows_offset_scale_and_term(with_ids):
     """Per query row the weights' exponent offset (the whole shift of a tame row, its max · log2(e) past that: a
     negative log_sum), 1 / l and delta / l with delta = rowsum(dO · (O + residual)), the Triton backward's row term
-    (`backward.row_delta`), at a length no block divides."""
+    (`backward.row_delta`), at a length no block divides; with document ids, each row's id in two int32 halves (ids
+    past 2^32 and negative ones among them)."""
     out = torch.randn(2, 3, 100, 64, device=DEVICE, dtype=torch.bfloat16)
     do = torch.randn_like(out)
     residual = torch.randn_like(out) * 1e-3
     lse = torch.randn(out.shape[:3], device=DEVICE) * 10
     log_sum = torch.rand(out.shape[:3], device=DEVICE) * torch.where(torch.rand(out.shape[:3], device=DEVICE) < 0.3,
                                                                       -1.0, 1.0)
-    stats = torch.full((2 * 3 * hopper_backward.STATS.value, 100), float("nan"), device=DEVICE)
-    hopper_backward._stats_kernel[(2, 3, 2)](out, residual, do, lse, log_sum, stats, out.stride(), do.stride(), 100,
-                                             HEAD_DIM=64, BLOCK_M=hopper_backward.STATS_BLOCK)
-    stats = stats.view(2, 3, hopper_backward.STATS.value, 100)
+    n_stats = hopper_backward.STATS_WITH_IDS if with_ids else hopper_backward.STATS
+    ids = torch.randint(-2**40, 2**40, (2, 100), device=DEVICE) if with_ids else None
+    stats = torch.full((2 * 3 * n_stats, 100), float("nan"), device=DEVICE)
+    hopper_backward._stats_kernel[(2, 3, 2)](out, residual, do, lse, log_sum, stats, ids, out.stride(), do.stride(),
+                                             100, 100, HEAD_DIM=64, BLOCK_M=hopper_backward.STATS_BLOCK,
+                                             N_STATS=n_stats)
+    stats = stats.view(2, 3, n_stats, 100)
     delta = (do.double() * (out.double() + residual.double())).sum(-1)
     torch.testing.assert_close(stats[:, :, 0], torch.where(log_sum < 0, -lse * math.log2(math.e), -lse))
     torch.testing.assert_close(stats[:, :, 1], log_sum.abs())
     torch.testing.assert_close(stats[:, :, 2].double(), delta * log_sum.abs().double(), rtol=1e-4, atol=1e-3)
+    if with_ids:
+        halves = stats[:, :, 3:5].contiguous().view(torch.int32).to(torch.int64)
+        assert torch.equal((halves[:, :, 0] & 0xFFFFFFFF) | (halves[:, :, 1] << 32), ids[:, None].expand(2, 3, 100))

@@ -1,0 +1,54 @@
+"""Document ids (a key kept where its id equals the query's, or where it differs): which attentions have them, and
+each row's and key's id evaluated per call.
+
+An attention whose scores are a positive constant times q · k, with a -inf fill where a separable keep does not hold
+(``rows(b, q) == cols(b, kv)``, or ``!=``; `lift.values.Separable`) and no other mask joined to it, computes
+softmax(q kᵀ · scale + bias) v with a bias of 0 or -inf from the two sides' ids: the sm_90 backward serves it
+(`hopper_backward.DocumentIds`), reading each side's ids that `document_ids` writes from the call's aux tensors and
+walking the block map's lists of q blocks per kv block.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fusepass.attention.plan import AttentionSpec
+from fusepass.runtime.launch import launch
+
+_BLOCK = 256  # ids a program of `_ids_kernel`
+
+
+def document_masked(spec: AttentionSpec) -> bool:
+    """Whether `spec`'s function is softmax(q kᵀ · scale, where its separable keep alone holds, else -inf) v, eager's
+    weights rounded once (no dropout, no tables, no gradient to what the keep reads), the keep the same for every
+    head."""
+    lifted = spec.lifted
+    separable = lifted.separable
+    return (separable is not None and separable.others is None and not separable.inverted
+            and lifted.linear_scale is not None and lifted.fill_bound == -math.inf and "h" not in lifted.keep_uses
+            and not lifted.tables and not spec.dropout_p and not any(lifted.aux_needs_grad))
+
+
+@triton.jit(do_not_specialize=["n"])
+def _ids_kernel(Ids, n, aux, SIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """Ids[b, i] = SIDE(b, 0, i, aux) as int64 (head 0: the keep does not vary with it). Program (block, batch)."""
+    b = tl.program_id(1)
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = at < n
+    ids = SIDE(b, 0, tl.minimum(at, n - 1), aux).to(tl.int64)
+    tl.store(Ids + b * n + at, ids, mask=inside)
+
+
+def document_ids(separable, aux: tuple, batch: int, q_len: int, kv_len: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the q rows' ids [batch, q_len], the keys' [batch, kv_len]), int64, of a `document_masked` spec's separable
+    keep (`ScoreMod.separable_keep`) from this call's `aux` (`AttentionSpec.kernel_aux`); `batch` 1 where the keep
+    does not vary with it."""
+    rows = torch.empty(batch, q_len, dtype=torch.int64, device=device)
+    cols = torch.empty(batch, kv_len, dtype=torch.int64, device=device)
+    for ids, side, n in ((rows, separable.rows, q_len), (cols, separable.cols, kv_len)):
+        launch(_ids_kernel, (triton.cdiv(n, _BLOCK), batch), ids, n, aux, SIDE=side, BLOCK=_BLOCK)
+    return rows, cols

@@ -1,0 +1,103 @@
+"""Document ids (`attention.document_mask`): which attentions have them (ids compared equal or unequal; not joined
+with a causal mask, not a padding mask, not under dropout), each side's ids evaluated per call, and a training step
+sending its backward to the sm_90 kernel with them (here a stand-in: the kernel runs on an sm_90 GPU only,
+tests/flash/test_hopper_backward.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import DEVICE, check, last_attention, random_tensor
+
+import fusepass
+from fusepass.attention.document_mask import document_ids, document_masked
+from fusepass.flash import hopper_backward
+
+B, H, T, D = 2, 2, 37, 16
+
+
+def scores(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+
+
+def documents(q, k, v, ids):
+    s = scores(q, k).masked_fill(ids[:, None, :, None] != ids[:, None, None, :], float("-inf"))
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+def other_documents(q, k, v, ids):  # a key kept where its document is another
+    s = scores(q, k).masked_fill(ids[:, None, :, None] == ids[:, None, None, :], float("-inf"))
+    return torch.softmax(s, dim=-1) @ v
+
+
+def packed_causal(q, k, v, ids):
+    i = torch.arange(q.shape[-2], device=q.device)
+    keep = (ids[:, None, :, None] == ids[:, None, None, :]) & (i[None, :] <= i[:, None])
+    return torch.softmax(scores(q, k).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def padded(q, k, v, ids):
+    keep = torch.arange(k.shape[-2], device=q.device)[None, :] < ids[:, :1]
+    return torch.softmax(scores(q, k).masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1) @ v
+
+
+def dropped(q, k, v, ids):
+    s = scores(q, k).masked_fill(ids[:, None, :, None] != ids[:, None, None, :], float("-inf"))
+    return F.dropout(torch.softmax(s, dim=-1), p=0.25) @ v
+
+
+def qkv(dtype=torch.float32):
+    return [random_tensor((B, H, T, D), dtype) for _ in range(3)]
+
+
+def ids():
+    return torch.sort(torch.randint(0, 4, (B, T), device=DEVICE), dim=-1).values + 10
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (documents, True), (other_documents, True), (packed_causal, False), (padded, False), (dropped, False)],
+    ids=["documents", "other-documents", "packed-causal", "padding", "dropout"])
+def test_document_ids_are_found(fn, expected):
+    """Each computes eager's function, forward and backward; the spec says whether its mask is of document ids."""
+    inputs = [*qkv(), ids()]
+    if fn is dropped:  # (its elements dropped are not eager's to compare: the form alone is checked)
+        fusepass.reset()
+        torch.compile(fn, backend="fusepass")(*inputs)
+    else:
+        check(fn, *inputs, backward=True)
+    assert document_masked(last_attention().spec) == expected
+
+
+def test_each_sides_ids():
+    """`document_ids` of a lifted document mask: each side's ids, the rows' and the keys', as the tensor holds them
+    (ids past 2^32 among them), at lengths no block divides."""
+    inputs = [*qkv(), ids()]
+    check(documents, *inputs, backward=True)
+    call = last_attention()
+    held = torch.randint(-2**40, 2**40, (B, T), device=DEVICE)
+    rows, cols = document_ids(call.mod.separable_keep, call.spec.kernel_aux((held,)), B, T, T, torch.device(DEVICE))
+    assert torch.equal(rows, held) and torch.equal(cols, held)
+
+
+def test_a_training_steps_backward_takes_the_ids(monkeypatch):
+    """A document mask's backward goes to the sm_90 kernel, where it serves it, with both sides' ids, the block map at
+    its tiles, and which heads hold a row that keeps no key (here a stand-in that fails: the replaced ops run, with a
+    warning, and compute eager's gradients)."""
+    seen = []
+
+    def stand_in(*args, window, kept, documents):
+        seen.append(documents)
+        raise RuntimeError("the sm_90 backward's stand-in")
+
+    monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
+    monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
+    held = ids()
+    held[1, :3] = 99  # a document of three tokens
+    with pytest.warns(RuntimeWarning, match="stand-in"):
+        check(documents, *qkv(torch.float16), held, backward=True)
+    (found,), = [seen]
+    assert torch.equal(found.rows, held) and torch.equal(found.cols, held) and found.equal
+    assert (found.block_map.block_m, found.block_map.block_n) == (hopper_backward.BLOCK_M, hopper_backward.BLOCK_N)
+    assert found.dense.shape == (B, H) and not found.dense.any()  # every row keeps its own key
