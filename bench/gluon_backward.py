@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from unittest import mock
 
 import flash_sweep
 import torch
@@ -95,7 +94,7 @@ CASES = ("causal", "plain", "window", "padding", "document")
 AFTER_TRITON = ("window", "padding", "document")  # the cases whose forward is the Triton kernel's
 
 
-def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
+def sass_counts(case: str, head_dim: int) -> dict:
     """Registers, spills, and the instructions that order the loop and add dQ, from the sm_90 build (no GPU)."""
     from gluon_forward import sm90_build
     from kernel_resources import CompileOnlyDriver, resources
@@ -118,7 +117,7 @@ def sass_counts(case: str, head_dim: int, deferred: bool) -> dict:
                                         WINDOW_KEYS, 0.125, 0.125 * LOG2E.value, HEAD_DIM=head_dim,
                                         BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=case in ("causal", "window"),
                                         STAGES=hb.STAGES, WINDOWED=case == "window", KEYED=case == "padding",
-                                        LISTED=listed, ID_EQUAL=True, DEFER=deferred, num_warps=4, grid=(1,))
+                                        LISTED=listed, ID_EQUAL=True, num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2",
                                                              "REDG", "UBLKRED|UTMAREDG")}
@@ -166,20 +165,19 @@ def backwards(q, k, v, do, case, mask_input):
     def grads():
         return tuple(torch.empty_like(t) for t in (q, k, v))
 
-    def sm90(deferred=False):
+    def sm90():
         g = grads()
-        with mock.patch.object(hopper_backward, "DEFERRED_DQ", deferred):
-            # padding's keep per key, as a compiled call's backward takes it
-            kept = kept_keys(mod.keep, aux, q.shape[0], k.shape[2], hopper_backward.BLOCK_N, q.device) \
-                if case == "padding" else None
-            documents = None
-            if case == "document":  # (the ids' own tensor for both sides: `document_ids` copies them)
-                tiles = hopper_backward.BLOCK_M, hopper_backward.BLOCK_N
-                documents = hopper_backward.DocumentIds(
-                    mask_input, mask_input, True, block_map_for(mod, aux, *q.shape[:3], k.shape[2], *tiles, q.device),
-                    extra.fallback_rows.amax(-1))
-            hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale,
-                                            case in ("causal", "window"), g, extra.residual, window, kept, documents)
+        # padding's keep per key, as a compiled call's backward takes it
+        kept = kept_keys(mod.keep, aux, q.shape[0], k.shape[2], hopper_backward.BLOCK_N, q.device) \
+            if case == "padding" else None
+        documents = None
+        if case == "document":  # (the ids' own tensor for both sides: `document_ids` copies them)
+            tiles = hopper_backward.BLOCK_M, hopper_backward.BLOCK_N
+            documents = hopper_backward.DocumentIds(
+                mask_input, mask_input, True, block_map_for(mod, aux, *q.shape[:3], k.shape[2], *tiles, q.device),
+                extra.fallback_rows.amax(-1))
+        hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale, case in ("causal", "window"), g,
+                                        extra.residual, window, kept, documents)
         return g
 
     def triton_backward():
@@ -188,8 +186,6 @@ def backwards(q, k, v, do, case, mask_input):
         return g
 
     kernels = {"sm_90 kernel": sm90}
-    if q.shape[3] == 64:  # each step adding the step before's dQ (`hopper_backward.DEFERRED_DQ`)
-        kernels["sm_90, dQ a step later"] = lambda: sm90(True)
     if case in AFTER_TRITON:
         return {**kernels, "Triton": triton_backward}
     causal = case == "causal"
@@ -241,9 +237,7 @@ def main() -> None:
     if args.sass:
         for case in CASES:
             for head_dim in sorted({s[3] for s in shapes}):
-                for deferred in (False, True) if head_dim == 64 else (False,):
-                    print(f"{case} D{head_dim}{', dQ a step later' if deferred else ''}:",
-                          sass_counts(case, head_dim, deferred))
+                print(f"{case} D{head_dim}:", sass_counts(case, head_dim))
         return
     from harness import environment
     env = environment()

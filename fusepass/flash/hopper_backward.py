@@ -51,10 +51,6 @@ BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two p
 # Whether the kernel also serves a sliding window (a causal band of keys, `sdpa_floor.causal_band`) after the Triton
 # forward's training form, whose statistics are the sm_90 forward's (bench/NOTES.md)
 WINDOWS = True
-# Whether, at head dim 64, a step adds the step before's dQ into the fp32 buffer while its own first two products run,
-# rather than its own after its last: the tensor cores idle through that addition otherwise (bench/NOTES.md). Its
-# registers held over the step: 16 a thread at head dim 64, 32 at 128, where dK and dV take twice as many.
-DEFERRED_DQ = False
 # Whether the kernel also serves a mask of the keys alone (padding: `attention.key_mask`) after the Triton forward's
 # training form, as it serves a window (bench/NOTES.md)
 KEY_MASKS = False
@@ -160,18 +156,16 @@ if gluon is not None:
         _tma_add(dq_desc, [row, part * half], dq_smem.index(part))
 
     @gluon.jit
-    def _step(t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
+    def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
               dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids, ids_rows, c,
               scale, part: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, WINDOWED: gl.constexpr,
-              KEYED: gl.constexpr, SEPARATE: gl.constexpr, ID_EQUAL: gl.constexpr, DEFER: gl.constexpr):
+              KEYED: gl.constexpr, SEPARATE: gl.constexpr, ID_EQUAL: gl.constexpr):
         """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
         forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
         KEYED: the keep of the partition's keys (`kept`, one per kv row). SEPARATE: a key kept where its id (`col_ids`,
         its two int32 halves) equals the query's (`ids_rows`, the ring's statistics rows 3 and 4), or differs from it
-        where not ID_EQUAL. With DEFER, the step before's dQ
-        (`dq_before`, for q row `row_before`; none where it is negative) is added while this step's first two
-        products run, and this step's is returned for the next to add.
+        where not ID_EQUAL.
 
         The weights are the forward's, from its statistics (`forward.FlashForwardExtra`, exact mode): 2^(s · c -
         shift) for a row whose max stayed tame (its lse the whole shift), 2^(s · c - m · log2(e)) past that (its lse
@@ -194,9 +188,6 @@ if gluon is not None:
                            use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_part, do_s.permute((1, 0)), gl.zeros([rows, BLOCK_M], gl.float32, S_LAYOUT),
                             use_acc=False, is_async=True)
-        if DEFER:
-            if row_before >= 0:
-                _add_dq(dq_before, row_before, part, dq_smem, dq_desc)
         n_stats: gl.constexpr = stats_rows.shape[0] // STAGES
         offset = stats_rows.index(slot * n_stats)
         inverse_l = stats_rows.index(slot * n_stats + 1)
@@ -243,12 +234,8 @@ if gluon is not None:
                            k_smem.index(1).slice(part * half, half, 1), dq, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(q_free.index(slot))  # Q and dO of step t read
-        if DEFER:
-            dq_before = dq
-            row_before = dq_row + i * BLOCK_M
-        else:
-            _add_dq(dq, dq_row + i * BLOCK_M, part, dq_smem, dq_desc)
-        return dk, dv, dq_before, row_before
+        _add_dq(dq, dq_row + i * BLOCK_M, part, dq_smem, dq_desc)
+        return dk, dv
 
     @gluon.jit
     def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem,
@@ -256,7 +243,7 @@ if gluon is not None:
                    kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c,
                    part: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, KEYED: gl.constexpr, LISTED: gl.constexpr,
-                   ID_EQUAL: gl.constexpr, DEFER: gl.constexpr):
+                   ID_EQUAL: gl.constexpr):
         """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ. Its q
         blocks: [first_block, n_blocks), the causal mask on the first two, or with WINDOWED the band's on every one
         (a band's blocks are few, and a loop apart for the unmasked ones between its edges spilled 104 stack bytes
@@ -293,54 +280,48 @@ if gluon is not None:
         mbarrier.wait(kv_bar, 0)
         # Under a causal mask a kv block's first two q blocks cross the diagonal (q blocks of 64, kv blocks of 128).
         n_masked = 2 if CAUSAL else 0
-        # With DEFER, the step before's dQ and its q row (none yet)
-        dq_before = gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout) if DEFER else 0
-        row_before = -1
         t = 0
         for g in range(group):
             dq_row = (b * n_heads + first_head + g) * q_len
             if LISTED:
                 n_full, full, n_partial, partial, dense = _walk(lists, b, first_head + g, n_heads, kv_block)
                 for j in range(n_full):
-                    dk, dv, dq_before, row_before = _step(
-                        t, gl.load(full + j), dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem,
+                    dk, dv = _step(
+                        t, gl.load(full + j), dk, dv, k_part, v_part, q_smem, do_smem, k_smem,
                         stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window,
                         kept, col_ids, ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES,
-                        False, False, False, False, ID_EQUAL, DEFER)
+                        False, False, False, False, ID_EQUAL)
                     t += 1
                 for j in range(n_partial):
-                    dk, dv, dq_before, row_before = _step(
-                        t, _listed_block(partial, j, dense), dk, dv, dq_before, row_before, k_part, v_part, q_smem,
+                    dk, dv = _step(
+                        t, _listed_block(partial, j, dense), dk, dv, k_part, v_part, q_smem,
                         do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row,
                         kv_start, window, kept, col_ids, ids_rows, c, scale, part, s_layout, kv_layout, dq_layout,
-                        BLOCK_M, STAGES, False, False, False, True, ID_EQUAL, DEFER)
+                        BLOCK_M, STAGES, False, False, False, True, ID_EQUAL)
                     t += 1
             elif WINDOWED:
                 for i in range(first_block, n_blocks):
-                    dk, dv, dq_before, row_before = _step(
-                        t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
+                    dk, dv = _step(
+                        t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
                         ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
                         ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True, False,
-                        False, ID_EQUAL, DEFER)
+                        False, ID_EQUAL)
                     t += 1
             else:
                 for i in range(first_block, first_block + n_masked):
-                    dk, dv, dq_before, row_before = _step(
-                        t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
+                    dk, dv = _step(
+                        t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
                         ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
                         ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False, False,
-                        False, ID_EQUAL, DEFER)
+                        False, ID_EQUAL)
                     t += 1
                 for i in range(first_block + n_masked, n_blocks):
-                    dk, dv, dq_before, row_before = _step(
-                        t, i, dk, dv, dq_before, row_before, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
+                    dk, dv = _step(
+                        t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
                         ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
                         ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False, KEYED,
-                        False, ID_EQUAL, DEFER)
+                        False, ID_EQUAL)
                     t += 1
-        if DEFER:
-            if row_before >= 0:
-                _add_dq(dq_before, row_before, part, dq_smem, dq_desc)
         row_idx = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, kv_layout))
         col_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         dk_at = (dk_ptr + b.to(gl.int64) * dk_strides[0] + kv_h.to(gl.int64) * dk_strides[1]
@@ -356,8 +337,7 @@ if gluon is not None:
                          col_ids_ptr, lists, q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides,
                          kept_batch, n_heads, group, q_len, window, scale, c, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         WINDOWED: gl.constexpr, KEYED: gl.constexpr, LISTED: gl.constexpr, ID_EQUAL: gl.constexpr,
-                         DEFER: gl.constexpr):
+                         WINDOWED: gl.constexpr, KEYED: gl.constexpr, LISTED: gl.constexpr, ID_EQUAL: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in
         the other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place
         its rows in the matrix its descriptor covers (`hopper_forward._Rows`). KEYED: the keys' keep, [B or 1, Nk]
@@ -413,12 +393,12 @@ if gluon is not None:
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch,
                           col_ids_ptr, lists, b, kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block,
                           n_blocks, window, group, scale, c, 0, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED,
-                          LISTED, ID_EQUAL, DEFER)),
+                          LISTED, ID_EQUAL)),
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch,
                           col_ids_ptr, lists, b, kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block,
                           n_blocks, window, group, scale, c, 1, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED,
-                          LISTED, ID_EQUAL, DEFER)),
+                          LISTED, ID_EQUAL)),
             (_loads, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem,
                       kv_bar, q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row,
                       (k_base % k_strides[2]).to(gl.int32), v_row, (v_base % v_strides[2]).to(gl.int32), first_block,
@@ -536,5 +516,5 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         v.stride()[:3], dk.stride(), dv.stride(), keys_batch, q_heads, q_heads // kv_heads, q_len, window or 0, scale,
         scale * LOG2E.value, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
         WINDOWED=window is not None, KEYED=kept is not None, LISTED=documents is not None,
-        ID_EQUAL=documents is None or documents.equal, DEFER=DEFERRED_DQ and d == 64, num_warps=4)
+        ID_EQUAL=documents is None or documents.equal, num_warps=4)
     dq.copy_(dq_acc)

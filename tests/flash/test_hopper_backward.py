@@ -46,11 +46,7 @@ def _distance(got, expected):
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
 @pytest.mark.parametrize("n,dtype", [(256, torch.float16), (384, torch.bfloat16), (640, torch.bfloat16)])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("deferred", [False, True], ids=["dq-in-its-step", "dq-a-step-later"])
-def test_the_kernel_computes_the_gradients(causal, layout, heads, kv_heads, n, dtype, d, deferred, monkeypatch):
-    if deferred and d != 64:
-        pytest.skip("dQ added a step later at head dim 64 only")
-    monkeypatch.setattr(hopper_backward, "DEFERRED_DQ", deferred)
+def test_the_kernel_computes_the_gradients(causal, layout, heads, kv_heads, n, dtype, d):
     q, k, v, out = laid_out(layout, 2, heads, kv_heads, n, d, dtype)
     lse, log_sum, residual = _training_forward(q, k, v, out, causal)
     do = torch.randn(out.shape, device=DEVICE, dtype=dtype)
@@ -99,13 +95,11 @@ def _windowed(q, k, v, window):
 @on_hopper
 @pytest.mark.parametrize("window", [2, 63, 65, 130, 383])  # a band ending in a block's first or last row, or 1 short
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
-@pytest.mark.parametrize("d,deferred", [(64, False), (64, True), (128, False)],
-                         ids=["d64", "d64-dq-a-step-later", "d128"])
+@pytest.mark.parametrize("d", [64, 128])
 def test_a_windows_gradients_are_as_far_from_float64_as_the_triton_backwards(window, layout, heads, kv_heads, d,
-                                                                            deferred, monkeypatch):
+                                                                            monkeypatch):
     """The kernel over a window's band (`WINDOWS`) after the Triton forward, each gradient within 1.5 times the
     Triton backward's distance from float64 after the same forward, at the layouts it serves."""
-    monkeypatch.setattr(hopper_backward, "DEFERRED_DQ", deferred)
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -174,15 +168,13 @@ def _padded(q, k, v, lengths):
 @pytest.mark.parametrize("lengths", [(384, 200), (1, 129), (0, 300), (128, 256)],
                          ids=["long", "one-key", "no-key", "on-block-edges"])
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
-@pytest.mark.parametrize("d,deferred", [(64, False), (64, True), (128, False)],
-                         ids=["d64", "d64-dq-a-step-later", "d128"])
+@pytest.mark.parametrize("d", [64, 128])
 def test_a_key_masks_gradients_are_as_far_from_float64_as_the_triton_backwards(lengths, layout, heads, kv_heads, d,
-                                                                              deferred, monkeypatch):
+                                                                              monkeypatch):
     """The kernel on a padding mask (`KEY_MASKS`) after the Triton forward, skipping the kv blocks that keep no key:
     each gradient within 1.5 times the Triton backward's distance from float64 after the same forward, at the layouts
     it serves; a batch keeping no key has eager's gradients there: dV NaN (its weights are), dQ and dK 0 (masked_fill
     passes no gradient to a masked score), its blocks walked all the same."""
-    monkeypatch.setattr(hopper_backward, "DEFERRED_DQ", deferred)
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
     lengths = torch.tensor(lengths, device=DEVICE)
