@@ -81,11 +81,71 @@ def test_a_compiled_training_step_runs_it(n):
     assert "backward ran the sm_90" in str(report)
 
 
+def _beside_the_triton_backward(monkeypatch, switch, attention, qkv, do, mask_inputs=()):
+    """`attention(q, k, v, *mask_inputs)` compiled twice, with the sm_90 backward's `switch` on (the report names the
+    kernel) and off (the Triton backward after the same forward): each gradient within 1.5 times the Triton
+    backward's distance from float64, NaN where float64's is."""
+    wide = [t.detach().double().requires_grad_() for t in qkv]
+    expected = torch.autograd.grad(attention(*wide, *mask_inputs), wide, do.double())
+    grads = {}
+    for served in (True, False):
+        monkeypatch.setattr(hopper_backward, switch, served)
+        fusepass.reset()
+        torch._dynamo.reset()
+        leaves = [t.detach().requires_grad_() for t in qkv]  # the layouts' strides kept
+        compiled = torch.compile(attention, backend=fusepass.backend(sdpa=False))
+        grads[served] = torch.autograd.grad(compiled(*leaves, *mask_inputs), leaves, do)
+        ran = list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values())
+        assert ran == ([hopper_backward.DESCRIBED] if served else [])
+    for name, got, bar, e in zip("qkv", grads[True], grads[False], expected):
+        assert torch.equal(got.isnan(), e.isnan()), name
+        finite = ~e.isnan()
+        got, bar, e = got[finite], bar[finite], e[finite]
+        assert _distance(got, e) <= 1.5 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
+
+
+def _projected(masked, heads):
+    """`masked(q, k, v, *mask_inputs)` over 256 features in `heads` heads, from their projections."""
+    def attention(x, wq, wk, wv, *mask_inputs):
+        b, n, _ = x.shape
+        q, k, v = ((x @ w).view(b, n, heads, 256 // heads).transpose(1, 2) for w in (wq, wk, wv))
+        return masked(q, k, v, *mask_inputs).transpose(1, 2).reshape(b, n, 256)
+    return attention
+
+
+def _a_training_step_runs_it_after_the_triton_forward(attention, batch, mask_inputs_at):
+    """The Triton forward's training form, then the kernel: eager's gradients for every weight (`check`), the report
+    naming the kernel of the backward alone; then one compile called at two lengths (symbolic sizes), every input's
+    gradient still at eager's distance. `mask_inputs_at(n)`: what the mask reads at length n."""
+    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
+    x = torch.randn(batch, 384, 256, device=DEVICE, dtype=torch.bfloat16)
+    check(attention, x, *weights, *mask_inputs_at(384), backward=True, backend=fusepass.backend(sdpa=False))
+    unfused = last_attention().unfused
+    assert KERNEL not in unfused.forward_record.detail
+    assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
+    compiled = torch.compile(attention, backend=fusepass.backend(sdpa=False))
+    for n in (384, 512):
+        inputs = [torch.randn(batch, n, 256, device=DEVICE, dtype=torch.bfloat16), *weights]
+        mask_inputs = mask_inputs_at(n)
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        dy = torch.randn(batch, n, 256, device=DEVICE, dtype=torch.bfloat16)
+        got = torch.autograd.grad(compiled(*leaves, *mask_inputs), leaves, dy)
+        want = torch.autograd.grad(attention(*leaves, *mask_inputs), leaves, dy)
+        wide = [t.detach().double().requires_grad_() for t in inputs]
+        compare(list(got), list(want),
+                lambda: list(torch.autograd.grad(attention(*wide, *mask_inputs), wide, dy.double())), low=True)
+    assert list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values()) == \
+        [hopper_backward.DESCRIBED]
+
+
+def _repeated(k, v, group):
+    """K and V heads repeated for the query heads sharing them."""
+    return (k, v) if group == 1 else tuple(t.repeat_interleave(group, 1) for t in (k, v))
+
+
 def _windowed(q, k, v, window):
     """softmax(q kᵀ / √D) v in a causal window of `window` keys, K and V heads repeated for their groups."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    k, v = _repeated(k, v, q.shape[1] // k.shape[1])
     i = torch.arange(q.shape[2], device=q.device)
     keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
     s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~keep, float("-inf"))
@@ -98,67 +158,23 @@ def _windowed(q, k, v, window):
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_windows_gradients_are_as_far_from_float64_as_the_triton_backwards(window, layout, heads, kv_heads, d,
                                                                             monkeypatch):
-    """The kernel over a window's band (`WINDOWS`) after the Triton forward, each gradient within 1.5 times the
-    Triton backward's distance from float64 after the same forward, at the layouts it serves."""
+    """The kernel over a window's band (`WINDOWS`) after the Triton forward, at the layouts it serves."""
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    expected = torch.autograd.grad(_windowed(q64, k64, v64, window), (q64, k64, v64), do.double())
-    grads = {}
-    for windows in (True, False):
-        monkeypatch.setattr(hopper_backward, "WINDOWS", windows)
-        fusepass.reset()
-        torch._dynamo.reset()
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # the layouts' strides kept
-        compiled = torch.compile(lambda q, k, v: _windowed(q, k, v, window), backend=fusepass.backend(sdpa=False))
-        grads[windows] = torch.autograd.grad(compiled(*leaves), leaves, do)
-        ran = list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values())
-        assert ran == ([hopper_backward.DESCRIBED] if windows else [])
-    for name, got, bar, e in zip("qkv", grads[True], grads[False], expected):
-        assert _distance(got, e) <= 1.5 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
-
-
-def windowed_attention(x, wq, wk, wv, heads, window):
-    """`_windowed` over 256 features in `heads` heads, from their projections."""
-    b, n, _ = x.shape
-    q, k, v = ((x @ w).view(b, n, heads, 256 // heads).transpose(1, 2) for w in (wq, wk, wv))
-    return _windowed(q, k, v, window).transpose(1, 2).reshape(b, n, 256)
+    _beside_the_triton_backward(monkeypatch, "WINDOWS", lambda q, k, v: _windowed(q, k, v, window), (q, k, v), do)
 
 
 @on_hopper
 def test_a_sliding_windows_training_step_runs_it_after_the_triton_forward(monkeypatch):
-    """A window's band (`WINDOWS`): the Triton forward's training form, then the kernel over the band's q blocks,
-    eager's gradients for every weight (`check`), the report naming the kernel of the backward alone."""
+    """A window's band (`WINDOWS`), the kernel over the band's q blocks."""
     monkeypatch.setattr(hopper_backward, "WINDOWS", True)
-    x = torch.randn(2, 384, 256, device=DEVICE, dtype=torch.bfloat16)
-    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
-
-    def attention(x, wq, wk, wv):
-        return windowed_attention(x, wq, wk, wv, heads=2, window=100)
-    check(attention, x, *weights, backward=True, backend=fusepass.backend(sdpa=False))
-    unfused = last_attention().unfused
-    assert KERNEL not in unfused.forward_record.detail
-    assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
-    # one compile called at a second length (symbolic sizes): every input's gradient still at eager's distance
-    compiled = torch.compile(attention, backend=fusepass.backend(sdpa=False))
-    for n in (384, 512):
-        inputs = [torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16), *weights]
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        dy = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
-        got = torch.autograd.grad(compiled(*leaves), leaves, dy)
-        want = torch.autograd.grad(attention(*leaves), leaves, dy)
-        wide = [t.detach().double().requires_grad_() for t in inputs]
-        compare(list(got), list(want), lambda: list(torch.autograd.grad(attention(*wide), wide, dy.double())),
-                low=True)
-    assert list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values()) == \
-        [hopper_backward.DESCRIBED]
+    _a_training_step_runs_it_after_the_triton_forward(
+        _projected(lambda q, k, v: _windowed(q, k, v, 100), heads=2), 2, lambda n: ())
 
 
 def _padded(q, k, v, lengths):
     """softmax(q kᵀ / √D) v over each batch's first `lengths[b]` keys, K and V heads repeated for their groups."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    k, v = _repeated(k, v, q.shape[1] // k.shape[1])
     keep = torch.arange(k.shape[2], device=q.device)[None, :] < lengths[:, None]
     s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~keep[:, None, None, :], float("-inf"))
     return torch.softmax(s, -1) @ v
@@ -171,75 +187,27 @@ def _padded(q, k, v, lengths):
 @pytest.mark.parametrize("d", [64, 128])
 def test_a_key_masks_gradients_are_as_far_from_float64_as_the_triton_backwards(lengths, layout, heads, kv_heads, d,
                                                                               monkeypatch):
-    """The kernel on a padding mask (`KEY_MASKS`) after the Triton forward, skipping the kv blocks that keep no key:
-    each gradient within 1.5 times the Triton backward's distance from float64 after the same forward, at the layouts
-    it serves; a batch keeping no key has eager's gradients there: dV NaN (its weights are), dQ and dK 0 (masked_fill
-    passes no gradient to a masked score), its blocks walked all the same."""
+    """The kernel on a padding mask (`KEY_MASKS`) after the Triton forward, skipping the kv blocks that keep no key, at
+    the layouts it serves; a batch keeping no key has eager's gradients there: dV NaN (its weights are), dQ and dK 0
+    (masked_fill passes no gradient to a masked score), its blocks walked all the same."""
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
-    lengths = torch.tensor(lengths, device=DEVICE)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    expected = torch.autograd.grad(_padded(q64, k64, v64, lengths), (q64, k64, v64), do.double())
-    grads = {}
-    for keyed in (True, False):
-        monkeypatch.setattr(hopper_backward, "KEY_MASKS", keyed)
-        fusepass.reset()
-        torch._dynamo.reset()
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # the layouts' strides kept
-        compiled = torch.compile(_padded, backend=fusepass.backend(sdpa=False))
-        grads[keyed] = torch.autograd.grad(compiled(*leaves, lengths), leaves, do)
-        ran = list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values())
-        assert ran == ([hopper_backward.DESCRIBED] if keyed else [])
-    for name, got, bar, e in zip("qkv", grads[True], grads[False], expected):
-        assert torch.equal(got.isnan(), e.isnan()), name
-        finite = ~e.isnan()
-        got, bar, e = got[finite], bar[finite], e[finite]
-        assert _distance(got, e) <= 1.5 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
-
-
-def padded_attention(x, wq, wk, wv, lengths, heads):
-    """`_padded` over 256 features in `heads` heads, from their projections."""
-    b, n, _ = x.shape
-    q, k, v = ((x @ w).view(b, n, heads, 256 // heads).transpose(1, 2) for w in (wq, wk, wv))
-    return _padded(q, k, v, lengths).transpose(1, 2).reshape(b, n, 256)
+    _beside_the_triton_backward(monkeypatch, "KEY_MASKS", _padded, (q, k, v), do,
+                                (torch.tensor(lengths, device=DEVICE),))
 
 
 @on_hopper
 def test_a_padded_training_step_runs_it_after_the_triton_forward(monkeypatch):
-    """A padding mask (`KEY_MASKS`): the Triton forward's training form, then the kernel, eager's gradients for every
-    weight (`check`), the report naming the kernel of the backward alone; one compile at a second length."""
+    """A padding mask (`KEY_MASKS`)."""
     monkeypatch.setattr(hopper_backward, "KEY_MASKS", True)
-    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
-
-    def attention(x, wq, wk, wv, lengths):
-        return padded_attention(x, wq, wk, wv, lengths, heads=2)
-    x = torch.randn(3, 384, 256, device=DEVICE, dtype=torch.bfloat16)
-    check(attention, x, *weights, torch.tensor([384, 100, 257], device=DEVICE), backward=True,
-          backend=fusepass.backend(sdpa=False))
-    unfused = last_attention().unfused
-    assert KERNEL not in unfused.forward_record.detail
-    assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
-    compiled = torch.compile(attention, backend=fusepass.backend(sdpa=False))
-    for n in (384, 512):
-        inputs = [torch.randn(3, n, 256, device=DEVICE, dtype=torch.bfloat16), *weights]
-        lengths = torch.randint(1, n + 1, (3,), device=DEVICE)
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        dy = torch.randn(3, n, 256, device=DEVICE, dtype=torch.bfloat16)
-        got = torch.autograd.grad(compiled(*leaves, lengths), leaves, dy)
-        want = torch.autograd.grad(attention(*leaves, lengths), leaves, dy)
-        wide = [t.detach().double().requires_grad_() for t in inputs]
-        compare(list(got), list(want),
-                lambda: list(torch.autograd.grad(attention(*wide, lengths), wide, dy.double())), low=True)
-    assert list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values()) == \
-        [hopper_backward.DESCRIBED]
+    _a_training_step_runs_it_after_the_triton_forward(
+        _projected(_padded, heads=2), 3, lambda n: (torch.randint(1, n + 1, (3,), device=DEVICE),))
 
 
 def _documents(q, k, v, ids, equal=True):
     """softmax(q kᵀ / √D) v over the keys whose id equals the query's (differs from it where not `equal`), K and V
     heads repeated for their groups."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = (t.repeat_interleave(group, 1) for t in (k, v))
+    k, v = _repeated(k, v, q.shape[1] // k.shape[1])
     other = ids[:, None, :, None] != ids[:, None, None, :]
     s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(other if equal else ~other, float("-inf"))
     return torch.softmax(s, -1) @ v
@@ -265,61 +233,21 @@ def _ids(kind, n):
 @pytest.mark.parametrize("d", [64, 128])
 def test_document_ids_gradients_are_as_far_from_float64_as_the_triton_backwards(equal, kind, layout, heads, kv_heads,
                                                                                d, monkeypatch):
-    """The kernel on document ids (`DOCUMENTS`) after the Triton forward, walking the block map's lists: each gradient
-    within 1.5 times the Triton backward's distance from float64 after the same forward, at the layouts it serves; a
-    batch whose rows keep no key (other documents of one) has eager's gradients there: dV NaN, dQ and dK 0."""
+    """The kernel on document ids (`DOCUMENTS`) after the Triton forward, walking the block map's lists, at the
+    layouts it serves; a batch whose rows keep no key (other documents of one) has eager's gradients there: dV NaN,
+    dQ and dK 0."""
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
-    ids = _ids(kind, 384)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    expected = torch.autograd.grad(_documents(q64, k64, v64, ids, equal), (q64, k64, v64), do.double())
-    grads = {}
-    for served in (True, False):
-        monkeypatch.setattr(hopper_backward, "DOCUMENTS", served)
-        fusepass.reset()
-        torch._dynamo.reset()
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]  # the layouts' strides kept
-        compiled = torch.compile(lambda q, k, v, ids: _documents(q, k, v, ids, equal),
-                                 backend=fusepass.backend(sdpa=False))
-        grads[served] = torch.autograd.grad(compiled(*leaves, ids), leaves, do)
-        ran = list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values())
-        assert ran == ([hopper_backward.DESCRIBED] if served else [])
-    for name, got, bar, e in zip("qkv", grads[True], grads[False], expected):
-        assert torch.equal(got.isnan(), e.isnan()), name
-        finite = ~e.isnan()
-        got, bar, e = got[finite], bar[finite], e[finite]
-        assert _distance(got, e) <= 1.5 * _distance(bar, e) + 1e-4, (name, _distance(got, e), _distance(bar, e))
+    _beside_the_triton_backward(monkeypatch, "DOCUMENTS", lambda q, k, v, ids: _documents(q, k, v, ids, equal),
+                                (q, k, v), do, (_ids(kind, 384),))
 
 
 @on_hopper
 def test_a_packed_documents_training_step_runs_it_after_the_triton_forward(monkeypatch):
-    """Document ids (`DOCUMENTS`): the Triton forward's training form, then the kernel, eager's gradients for every
-    weight (`check`), the report naming the kernel of the backward alone; one compile at a second length."""
+    """Document ids (`DOCUMENTS`)."""
     monkeypatch.setattr(hopper_backward, "DOCUMENTS", True)
-    weights = [torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16) * 0.06 for _ in range(3)]
-
-    def attention(x, wq, wk, wv, ids):
-        b, n, _ = x.shape
-        q, k, v = ((x @ w).view(b, n, 2, 128).transpose(1, 2) for w in (wq, wk, wv))
-        return _documents(q, k, v, ids).transpose(1, 2).reshape(b, n, 256)
-    x = torch.randn(2, 384, 256, device=DEVICE, dtype=torch.bfloat16)
-    check(attention, x, *weights, _ids("sorted", 384), backward=True, backend=fusepass.backend(sdpa=False))
-    unfused = last_attention().unfused
-    assert KERNEL not in unfused.forward_record.detail
-    assert list(unfused.backward_record.detail.get(KERNEL, {}).values()) == [hopper_backward.DESCRIBED]
-    compiled = torch.compile(attention, backend=fusepass.backend(sdpa=False))
-    for n in (384, 512):
-        inputs = [torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16), *weights]
-        ids = _ids("sorted", n)
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        dy = torch.randn(2, n, 256, device=DEVICE, dtype=torch.bfloat16)
-        got = torch.autograd.grad(compiled(*leaves, ids), leaves, dy)
-        want = torch.autograd.grad(attention(*leaves, ids), leaves, dy)
-        wide = [t.detach().double().requires_grad_() for t in inputs]
-        compare(list(got), list(want),
-                lambda: list(torch.autograd.grad(attention(*wide, ids), wide, dy.double())), low=True)
-    assert list(last_attention().unfused.backward_record.detail.get(KERNEL, {}).values()) == \
-        [hopper_backward.DESCRIBED]
+    _a_training_step_runs_it_after_the_triton_forward(_projected(_documents, heads=2), 2,
+                                                      lambda n: (_ids("sorted", n),))
 
 
 def test_it_serves_only_what_it_computes():
