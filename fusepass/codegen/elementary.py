@@ -25,7 +25,8 @@ def log1p(x):
     # Goldberg: log(u) * x / (u - 1) cancels the rounding of u = 1 + x.
     u = 1.0 + x
     d = u - 1.0
-    return tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
+    r = tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
+    return tl.where(x == float("inf"), x, r)  # (there the quotient is inf / inf)
 
 
 @triton.jit
@@ -159,7 +160,7 @@ def pow(x, y):
     y_is_int = tl.floor(y) == y
     y_is_odd = y_is_int & ((y - 2.0 * tl.floor(y * 0.5)) != 0.0)
     r = tl.where(sign_bit(x) & y_is_odd, flip(mag), mag)  # (-0.0) ** -1 is -inf, (-0.0) ** 3 is -0.0
-    r = tl.where((x < 0) & (~y_is_int), float("nan"), r)
+    r = tl.where((x < 0) & (x != float("-inf")) & (~y_is_int), float("nan"), r)  # (-inf) ** 2.5 is inf
     return tl.where((y == 0.0) | (x == 1.0), 1.0, r)
 
 

@@ -62,9 +62,9 @@ BINARY = ("self", "other")
 
 
 def clamp_expr(c, x: str, low: str | None, high: str | None) -> str:
-    # Comparisons rather than minimum/maximum: NaN in x passes through as in eager.
+    # Comparisons rather than minimum/maximum: NaN in x passes through as in eager, and so does a NaN bound.
     if low is not None:
-        x = f"tl.where({x} < {low}, {low}, {x})"
+        x = f"tl.where(({x} < {low}) | ({low} != {low}), {low}, {x})"
     if high is not None:
-        x = f"tl.where({x} > {high}, {high}, {x})"
+        x = f"tl.where(({x} > {high}) | ({high} != {high}), {high}, {x})"
     return x

@@ -295,6 +295,22 @@ def test_infinities_and_nans_propagate():
     assert math.isnan(run_one_kernel(lambda x: torch.exp(x) * 0, x)[1].item())
 
 
+def test_elementary_forms_and_bounds_at_infinities_and_nans():
+    """log1p and expm1 (their cancelling forms are inf / inf at +inf), powers of -inf by non-integers (inf, not a
+    negative base's NaN), and clamp's NaN bounds, tensor or scalar (NaN, as eager)."""
+    special = torch.tensor(SPECIAL, device=DEVICE)
+    for fn in (torch.log1p, torch.expm1):
+        check_op(fn, special.abs() * 2 - 1)
+    infinities = torch.tensor([-float("inf")] * 5 + [float("inf")] * 2, device=DEVICE)
+    check_op(torch.pow, infinities, torch.tensor([2.5, -2.5, 3.0, -3.0, 0.5, 2.5, -0.5], device=DEVICE))
+    x = torch.tensor([1.0, 2.0, -3.0, float("nan")], device=DEVICE)
+    bound = torch.tensor([float("nan"), 5.0, float("nan"), 1.0], device=DEVICE)
+    check_op(lambda x, low: torch.clamp(x * 2, min=low), x, bound)
+    check_op(lambda x, high: torch.clamp(x * 2, max=high), x, bound)
+    check_op(lambda x: torch.clamp(x * 2, min=float("nan")), x)
+    check_op(lambda x: torch.clamp(x * 2, min=0.0, max=float("nan")), x)
+
+
 SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1.0, -1.0, 0.5, -0.5, 1e-30, -1e-30, 30.0, -30.0,
            100.0, 1e30, -1e30]
 # On the GPU the kernels call what eager's CUDA kernels call for these (CUDA's math library): eager's own values.

@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fusepass.attention.lift.egraph import LANES, EGraph
 from fusepass.attention.lift.index_code import IndexCode, load_text
 from fusepass.attention.lift.values import Code, GradLeaf
-from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, literal
+from fusepass.codegen.operands import TRITON_DTYPE, Operand, held_dtype, literal, round_to
 from fusepass.codegen.pointwise import float32_reciprocal
 from fusepass.codegen.translate import CASTS, constant_value, translate
 from fusepass.fx_util import packet, val
@@ -66,8 +66,14 @@ class ScoreFunctions:
         lines: list[str] = []
         env = self._bind_leaves(module, lines)
         result = emit_graph(module, env, lines, "e")[0]
+        value = result.expr
+        if not result.rounded and linear_scale(module, self.e.s_leaf) is None:
+            # The softmax reads the scores in their eager dtype: rounded to it as eager rounds them, so that a large
+            # additive fill (fp16's finfo.min) absorbs the scores as eager's does, and a row that keeps no key weighs
+            # its keys alike. A scale alone is left as the forward's full tiles fold it into the exponent.
+            value = round_to(value, result.dtype)
         return self.code.function(name, "s, b, h, q_idx, kv_idx, aux", lines,
-                                  f"return ({result.expr} + {SPLAT_OF_S}).to(tl.float32)")
+                                  f"return ({value} + {SPLAT_OF_S}).to(tl.float32)")
 
     def gradient(self, name: str, module: torch.fx.GraphModule, optional: bool = False) -> str | None:
         """The jit function of `module`'s gradient: d out/d s · ds returned, aux gradients accumulated. When

@@ -68,3 +68,14 @@ def test_padding_from_lengths():
 
 def test_declined_twin():
     check_declined(DECLINED, *qkv(N), lengths_to_padding_mask(lengths(), N), reason=DECLINED_REASON)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_bert_mask_of_a_sequence_that_is_all_padding(dtype):
+    """BERT's additive mask in half precision, one sequence all padding: eager's addition rounds every score of its
+    rows to finfo.min, so they weigh their keys alike (V's mean); the kernels round the scores as eager does (in fp32
+    the scores' differences would survive the addition)."""
+    q, k, v = (t.to(dtype) for t in qkv(N))
+    tokens = torch.ones(B, N, dtype=torch.long, device=DEVICE)
+    tokens[-1] = 0
+    check_fused(bert_attention_mask, q, k, v, tokens, expected=FEATURES)
