@@ -3,6 +3,7 @@ it is held in (half and bfloat16 in float32), literals, conversions and the roun
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +54,17 @@ class Emitter:
         self._count += 1
         self.lines.append(f"{name} = {expr}")
         return name
+
+
+def literal_value(text: str) -> float | None:
+    """The value of a number `literal` wrote, or None for any other expression."""
+    found = re.fullmatch(r"tl\.full\(\[\], (.+), tl\.float64\)", text)
+    text = found.group(1) if found else text
+    special = re.fullmatch(r'float\("(nan|inf|-inf)"\)', text)
+    try:
+        return float(special.group(1) if special else text)
+    except ValueError:
+        return None
 
 
 def literal(value: Any, dtype: torch.dtype) -> str:

@@ -7,6 +7,7 @@ comparisons, math functions) and `activations.py`'s (activations and their backw
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND as Kind
 
-from fusepass.codegen.operands import literal
+from fusepass.codegen.operands import literal, literal_value
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,17 @@ BINARY = ("self", "other")
 def clamp_expr(c, x: str, low: str | None, high: str | None) -> str:
     # Comparisons rather than minimum/maximum: NaN in x passes through as in eager, and so does a NaN bound.
     if low is not None:
-        x = f"tl.where(({x} < {low}) | ({low} != {low}), {low}, {x})"
+        x = _clamped(x, low, "<")
     if high is not None:
-        x = f"tl.where(({x} > {high}) | ({high} != {high}), {high}, {x})"
+        x = _clamped(x, high, ">")
     return x
+
+
+def _clamped(x: str, bound: str, beyond: str) -> str:
+    """x, or `bound` where x is `beyond` it or the bound is NaN (a tensor's, or a literal's)."""
+    value = literal_value(bound)
+    if value is None:
+        return f"tl.where(({x} {beyond} {bound}) | ({bound} != {bound}), {bound}, {x})"
+    if math.isnan(value):
+        return f"({x} * 0.0 + {bound})"
+    return f"tl.where({x} {beyond} {bound}, {bound}, {x})"

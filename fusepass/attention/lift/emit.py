@@ -66,14 +66,13 @@ class ScoreFunctions:
         lines: list[str] = []
         env = self._bind_leaves(module, lines)
         result = emit_graph(module, env, lines, "e")[0]
-        value = result.expr
+        value = f"({result.expr} + {SPLAT_OF_S})"
         if not result.rounded and linear_scale(module, self.e.s_leaf) is None:
             # The softmax reads the scores in their eager dtype: rounded to it as eager rounds them, so that a large
             # additive fill (fp16's finfo.min) absorbs the scores as eager's does, and a row that keeps no key weighs
             # its keys alike. A scale alone is left as the forward's full tiles fold it into the exponent.
             value = round_to(value, result.dtype)
-        return self.code.function(name, "s, b, h, q_idx, kv_idx, aux", lines,
-                                  f"return ({value} + {SPLAT_OF_S}).to(tl.float32)")
+        return self.code.function(name, "s, b, h, q_idx, kv_idx, aux", lines, f"return {value}.to(tl.float32)")
 
     def gradient(self, name: str, module: torch.fx.GraphModule, optional: bool = False) -> str | None:
         """The jit function of `module`'s gradient: d out/d s · ds returned, aux gradients accumulated. When
