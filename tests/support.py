@@ -7,11 +7,13 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import fusepass
+from fusepass.flash import hopper_backward
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -265,3 +267,21 @@ def last_attention():
     from fusepass.attention.call import _calls
 
     return list(_calls.values())[-1]
+
+
+def sm90_backward_stand_in(monkeypatch, fn: Callable[..., object], *inputs: object) -> dict[str, object]:
+    """`check(fn, *inputs, backward=True)` with the sm_90 backward said to serve every attention and replaced by a
+    stand-in that fails (the replaced ops then run, with a warning naming it, and compute eager's gradients): the
+    keyword arguments the stand-in was called with (a window's width, a key mask's keep, document ids)."""
+    seen = []
+
+    def stand_in(*args, **keywords):
+        seen.append(keywords)
+        raise RuntimeError("the sm_90 backward's stand-in")
+
+    monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
+    monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
+    with pytest.warns(RuntimeWarning, match="stand-in"):
+        check(fn, *inputs, backward=True)
+    (keywords,), = [seen]
+    return keywords

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import DEVICE, check, last_attention, random_tensor
+from support import DEVICE, check, last_attention, random_tensor, sm90_backward_stand_in
 
 import fusepass
 from fusepass.attention.document_mask import document_ids, document_masked
@@ -85,19 +85,9 @@ def test_a_training_steps_backward_takes_the_ids(monkeypatch):
     """A document mask's backward goes to the sm_90 kernel, where it serves it, with both sides' ids, the block map at
     its tiles, and which heads hold a row that keeps no key (here a stand-in that fails: the replaced ops run, with a
     warning, and compute eager's gradients)."""
-    seen = []
-
-    def stand_in(*args, window, kept, documents):
-        seen.append(documents)
-        raise RuntimeError("the sm_90 backward's stand-in")
-
-    monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
-    monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
     held = ids()
     held[1, :3] = 99  # a document of three tokens
-    with pytest.warns(RuntimeWarning, match="stand-in"):
-        check(documents, *qkv(torch.float16), held, backward=True)
-    (found,), = [seen]
+    found = sm90_backward_stand_in(monkeypatch, documents, *qkv(torch.float16), held)["documents"]
     assert torch.equal(found.rows, held) and torch.equal(found.cols, held) and found.equal
     assert (found.block_map.block_m, found.block_map.block_n) == (hopper_backward.BLOCK_M, hopper_backward.BLOCK_N)
     assert found.dense.shape == (B, H) and not found.dense.any()  # every row keeps its own key

@@ -11,11 +11,10 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from support import DEVICE, check, last_attention, random_tensor
+from support import DEVICE, check, last_attention, random_tensor, sm90_backward_stand_in
 
 import fusepass
 from fusepass.attention.key_mask import kept_keys, key_masked
-from fusepass.flash import hopper_backward
 
 B, H, T, D = 3, 2, 37, 16
 
@@ -123,17 +122,7 @@ def test_each_keys_keep_and_the_blocks_a_backward_walks(kv_len, block):
 def test_a_training_steps_backward_takes_the_keys_keep(monkeypatch):
     """A padded attention's backward goes to the sm_90 kernel, where it serves it, with each key's keep and the blocks
     to walk (here a stand-in that fails: the replaced ops run, with a warning, and compute eager's gradients)."""
-    seen = []
-
-    def stand_in(*args, window, kept, documents):
-        seen.append(kept)
-        raise RuntimeError("the sm_90 backward's stand-in")
-
-    monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
-    monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
     length = lengths()
-    with pytest.warns(RuntimeWarning, match="stand-in"):
-        check(from_lengths, *qkv(torch.float16), length, backward=True)
-    (kept, walks), = seen
+    kept, walks = sm90_backward_stand_in(monkeypatch, from_lengths, *qkv(torch.float16), length)["kept"]
     assert torch.equal(kept.bool(), torch.arange(T, device=DEVICE)[None, :] < length[:, None])
     assert walks.shape == (B, 1) and walks.all()

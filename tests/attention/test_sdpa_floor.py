@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton
-from support import DEVICE, check, last_attention, random_tensor
+from support import DEVICE, check, last_attention, random_tensor, sm90_backward_stand_in
 
 import fusepass
 from fusepass.attention import kept_forwards, sdpa_floor
@@ -243,20 +243,10 @@ def test_a_band_across_the_check_kernels_programs(width):
 def test_a_sliding_windows_band_takes_the_sm90_backward_where_it_serves(times, monkeypatch):
     """A mask checked to be a window's band at the shape sends the backward to the sm_90 kernel with the band's
     width (here a stand-in that fails: the replaced ops run, with a warning, and compute eager's gradients)."""
-    widths = []
-
-    def stand_in(*args, window, kept, documents):
-        widths.append(window)
-        raise RuntimeError("the sm_90 backward's stand-in")
-
     monkeypatch.setattr(hopper_backward, "WINDOWS", True)
     monkeypatch.setattr(hopper_backward, "available", lambda device: True)
     monkeypatch.setattr(hopper_forward, "serves", lambda *args: True)
-    monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
-    monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
-    with pytest.warns(RuntimeWarning, match="stand-in"):
-        check(window, *qkv(dtype=torch.float16), backward=True)
-    assert widths == [8]
+    assert sm90_backward_stand_in(monkeypatch, window, *qkv(dtype=torch.float16))["window"] == 8
 
 
 def finite_fill(q, k, v):  # a row's scores near the fill would weigh it: not SDPA's -inf
