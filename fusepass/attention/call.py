@@ -24,8 +24,8 @@ from fusepass.attention.sdpa_floor import (Decision, SdpaRun, causal_band, decis
 from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
 from fusepass.flash.ahead import compile_attention_ahead
-from fusepass.flash.backward import flash_attention_backward
-from fusepass.flash.blockmap import BlockMap, block_map_for, map_extent, packed_map_numel
+from fusepass.flash.backward import backward_map, flash_attention_backward
+from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
 from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles, tile_width
 from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs, keeps_residual
 from fusepass.flash import hopper_backward, hopper_forward
@@ -298,14 +298,11 @@ class AttentionCall:
         """What the sm_90 backward reads of a `document_masked` attention's mask at this call: both sides' ids, the
         block map at its tiles (the forward's where it serves them), and which heads hold a row that keeps no key."""
         mod = self.mod
-        batch, heads, q_len, _ = q4.shape
+        batch, _, q_len, _ = q4.shape
         kv_len = k4.shape[2]
         rows, cols = document_ids(mod.separable_keep, aux, batch if mod.keep_uses_batch else 1, q_len, kv_len,
                                   q4.device)
-        tiles = hopper_backward.BLOCK_M, hopper_backward.BLOCK_N
-        forward_map = extra.block_map
-        block_map = forward_map if forward_map is not None and forward_map.serves(*tiles, True) else \
-            block_map_for(mod, aux, batch, heads, q_len, kv_len, *tiles, q4.device)
+        block_map = backward_map(mod, aux, extra, q4, kv_len, hopper_backward.BLOCK_M, hopper_backward.BLOCK_N, True)
         return hopper_backward.DocumentIds(rows, cols, mod.separable_keep.equal, block_map,
                                            extra.fallback_rows.amax(-1))
 

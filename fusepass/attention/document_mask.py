@@ -9,12 +9,11 @@ walking the block map's lists of q blocks per kv block.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
+from fusepass.attention.key_mask import scaled_and_masked
 from fusepass.attention.plan import AttentionSpec
 from fusepass.runtime.launch import launch
 
@@ -22,14 +21,10 @@ _BLOCK = 256  # ids a program of `_ids_kernel`
 
 
 def document_masked(spec: AttentionSpec) -> bool:
-    """Whether `spec`'s function is softmax(q kᵀ · scale, where its separable keep alone holds, else -inf) v, eager's
-    weights rounded once (no dropout, no tables, no gradient to what the keep reads), the keep the same for every
-    head."""
-    lifted = spec.lifted
-    separable = lifted.separable
-    return (separable is not None and separable.others is None and not separable.inverted
-            and lifted.linear_scale is not None and lifted.fill_bound == -math.inf and "h" not in lifted.keep_uses
-            and not lifted.tables and not spec.dropout_p and not any(lifted.aux_needs_grad))
+    """Whether `spec` is `key_mask.scaled_and_masked` with a separable keep alone, the same for every head."""
+    separable = spec.lifted.separable
+    return (scaled_and_masked(spec) and separable is not None and separable.others is None and not separable.inverted
+            and "h" not in spec.lifted.keep_uses)
 
 
 @triton.jit(do_not_specialize=["n"])

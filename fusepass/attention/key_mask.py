@@ -18,13 +18,20 @@ from fusepass.attention.plan import AttentionSpec
 from fusepass.runtime.launch import launch
 
 
-def key_masked(spec: AttentionSpec) -> bool:
-    """Whether `spec`'s function is softmax(q kᵀ · scale, where a keep of the batch and key positions alone holds,
-    else -inf) v, eager's weights rounded once (no dropout, no tables, no gradient to what the keep reads)."""
+def scaled_and_masked(spec: AttentionSpec) -> bool:
+    """Whether `spec`'s function is softmax(q kᵀ · scale, where its keep holds, else -inf) v, eager's weights rounded
+    once (no dropout, no tables, no gradient to what the keep reads): the sm_90 backward's form after the Triton
+    forward, whatever the keep."""
     lifted = spec.lifted
-    return ("keep" in lifted.functions and lifted.separable is None and lifted.linear_scale is not None
-            and lifted.fill_bound == -math.inf and "k" in lifted.keep_uses and lifted.keep_uses <= {"b", "k"}
+    return ("keep" in lifted.functions and lifted.linear_scale is not None and lifted.fill_bound == -math.inf
             and not lifted.tables and not spec.dropout_p and not any(lifted.aux_needs_grad))
+
+
+def key_masked(spec: AttentionSpec) -> bool:
+    """Whether `spec` is `scaled_and_masked` with a keep of the batch and key positions alone."""
+    lifted = spec.lifted
+    return (scaled_and_masked(spec) and lifted.separable is None and "k" in lifted.keep_uses
+            and lifted.keep_uses <= {"b", "k"})
 
 
 @triton.jit(do_not_specialize=["kv_len"])

@@ -72,7 +72,7 @@ def compile_attention_ahead(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
 
     def backward_map_at(config: FlashConfig, cols: bool) -> BlockMap:
         # On stand-ins, the maps the backward builds (cached, or in each call where the forward's does not
-        # serve its tiles) start their kernels' compiles, as `flash_bwd._backward_map` asks for them.
+        # serve its tiles) start their kernels' compiles, as `flash_bwd.backward_map` asks for them.
         if not (q.is_meta and mod.has_mask):
             return map_at(config)
         if passed_map is not None and passed_map.serves(config.block_m, config.block_n, cols):

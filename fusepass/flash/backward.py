@@ -469,15 +469,15 @@ def _flash_backward_dq_kernel(
                 dq_strides[2], dq_strides[3], HEAD_DIM, BLOCK_D, BLOCK_D2)
 
 
-def _backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int,
-                  config: FlashConfig, cols: bool) -> BlockMap:
-    """The block map a backward kernel at `config`'s tiles reads (its cols lists where `cols`, else its rows
-    lists): the forward's where that serves, else the cached map."""
+def backward_map(mod: ScoreMod, aux: tuple, extra: FlashForwardExtra, q: torch.Tensor, kv_len: int, block_m: int,
+                 block_n: int, cols: bool) -> BlockMap:
+    """The block map a backward kernel at block_m × block_n tiles reads (its cols lists where `cols`, else its rows
+    lists): the forward's where that serves, else the cached map (built for this call where the mask reads tensors)."""
     forward_map = extra.block_map
-    if forward_map is not None and forward_map.serves(config.block_m, config.block_n, cols):
+    if forward_map is not None and forward_map.serves(block_m, block_n, cols):
         return forward_map
     batch, q_heads, q_len, _ = q.shape
-    return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, config.block_m, config.block_n, q.device)
+    return block_map_for(mod, aux, batch, q_heads, q_len, kv_len, block_m, block_n, q.device)
 
 
 def backward_launches(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -581,7 +581,7 @@ def flash_attention_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     def map_at(config: FlashConfig, cols: bool) -> BlockMap:
         tiles = (config.block_m, config.block_n)
         if tiles not in maps or not maps[tiles].serves(*tiles, cols):
-            maps[tiles] = _backward_map(mod, aux, extra, q, kv_len, config, cols)
+            maps[tiles] = backward_map(mod, aux, extra, q, kv_len, *tiles, cols)
         return maps[tiles]
 
     for kernel, grid, args, keywords in backward_launches(

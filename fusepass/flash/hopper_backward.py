@@ -14,8 +14,8 @@ head dim, dQ = dS K over both partitions' 128 kv rows, added into an fp32 buffer
 forward's rounding residual; `backward.row_delta`, the Triton backward's).
 
 The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases, with dO laid out as rows
-of one matrix too; with `WINDOWS`, a sliding window's band, and with `KEY_MASKS` a mask of the keys alone
-(`attention.key_mask`), at those layouts after the Triton forward's training form, whose statistics are the same (on
+of one matrix too; with `WINDOWS`, a sliding window's band, with `KEY_MASKS` a mask of the keys alone
+(`attention.key_mask`) and with `DOCUMENTS` document ids (`attention.document_mask`), at those layouts after the Triton forward's training form, whose statistics are the same (on
 the tiles that forward masks it takes the scores times the scale rounded, then times log2(e), where this kernel
 multiplies by their product: a weight there may come out an ulp of the inputs' dtype apart). The Triton backward runs
 everything else.
@@ -54,10 +54,10 @@ WINDOWS = True
 # Whether the kernel also serves a mask of the keys alone (padding: `attention.key_mask`) after the Triton forward's
 # training form, as it serves a window (bench/NOTES.md)
 KEY_MASKS = False
-STATS_BLOCK = 64  # rows a program of the statistics kernel
 # Whether the kernel also serves document ids (`attention.document_mask`) after the Triton forward's training form,
 # walking the block map's lists of q blocks per kv block (bench/NOTES.md)
 DOCUMENTS = False
+STATS_BLOCK = 64  # rows a program of the statistics kernel
 # Rows per head of `_stats_kernel`'s output: its three, and with document ids the q rows' ids (two int32 halves),
 # padded to a TMA box's power of two
 STATS, STATS_WITH_IDS = 4, 8
