@@ -156,12 +156,11 @@ if gluon is not None:
         _tma_add(dq_desc, [row, part * half], dq_smem.index(part))
 
     @gluon.jit
-    def _step(t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem,
-              dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids, ids_rows, c,
-              scale, part: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, DQ_LAYOUT: gl.constexpr,
-              BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, WINDOWED: gl.constexpr,
-              KEYED: gl.constexpr, SEPARATE: gl.constexpr, ID_EQUAL: gl.constexpr):
-        """Step t (q block i of one head): this partition's share of dV, dK and dQ; c = scale · log2(e), as the
+    def _step(t, i, dk, dv, dq_row, held, part: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+              DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
+              WINDOWED: gl.constexpr, KEYED: gl.constexpr, SEPARATE: gl.constexpr, ID_EQUAL: gl.constexpr):
+        """Step t (q block i of one head, its dQ rows from `dq_row`): this partition's share of dV, dK and dQ, with
+        what the partition holds through its walk (`held`, `_partition`'s); c = scale · log2(e), as the
         forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
         KEYED: the keep of the partition's keys (`kept`, one per kv row). SEPARATE: a key kept where its id (`col_ids`,
         its two int32 halves) equals the query's (`ids_rows`, the ring's statistics rows 3 and 4), or differs from it
@@ -175,6 +174,8 @@ if gluon is not None:
         from `stats_rows`, the ring's statistics as rows: `_stats_kernel`'s offset, 1 / l and delta / l): the
         weights and dS are then the left operands of dV's and dK's products from registers, and only dS goes through
         shared memory, for dQ over both partitions' kv rows."""
+        (k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc,
+         kv_start, window, kept, col_ids, ids_rows, c, scale) = held
         dtype: gl.constexpr = q_smem.dtype
         head_dim: gl.constexpr = q_smem.shape[2]
         slot = t % STAGES
@@ -280,47 +281,34 @@ if gluon is not None:
         mbarrier.wait(kv_bar, 0)
         # Under a causal mask a kv block's first two q blocks cross the diagonal (q blocks of 64, kv blocks of 128).
         n_masked = 2 if CAUSAL else 0
+        held = (k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready,
+                dq_desc, kv_start, window, kept, col_ids, ids_rows, c, scale)
         t = 0
         for g in range(group):
             dq_row = (b * n_heads + first_head + g) * q_len
             if LISTED:
                 n_full, full, n_partial, partial, dense = _walk(lists, b, first_head + g, n_heads, kv_block)
                 for j in range(n_full):
-                    dk, dv = _step(
-                        t, gl.load(full + j), dk, dv, k_part, v_part, q_smem, do_smem, k_smem,
-                        stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window,
-                        kept, col_ids, ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES,
-                        False, False, False, False, ID_EQUAL)
+                    dk, dv = _step(t, gl.load(full + j), dk, dv, dq_row, held, part, s_layout, kv_layout, dq_layout,
+                                   BLOCK_M, STAGES, False, False, False, False, ID_EQUAL)
                     t += 1
                 for j in range(n_partial):
-                    dk, dv = _step(
-                        t, _listed_block(partial, j, dense), dk, dv, k_part, v_part, q_smem,
-                        do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row,
-                        kv_start, window, kept, col_ids, ids_rows, c, scale, part, s_layout, kv_layout, dq_layout,
-                        BLOCK_M, STAGES, False, False, False, True, ID_EQUAL)
+                    dk, dv = _step(t, _listed_block(partial, j, dense), dk, dv, dq_row, held, part, s_layout,
+                                   kv_layout, dq_layout, BLOCK_M, STAGES, False, False, False, True, ID_EQUAL)
                     t += 1
             elif WINDOWED:
                 for i in range(first_block, n_blocks):
-                    dk, dv = _step(
-                        t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
-                        ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, True, False,
-                        False, ID_EQUAL)
+                    dk, dv = _step(t, i, dk, dv, dq_row, held, part, s_layout, kv_layout, dq_layout,
+                                   BLOCK_M, STAGES, True, True, False, False, ID_EQUAL)
                     t += 1
             else:
                 for i in range(first_block, first_block + n_masked):
-                    dk, dv = _step(
-                        t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
-                        ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, True, False, False,
-                        False, ID_EQUAL)
+                    dk, dv = _step(t, i, dk, dv, dq_row, held, part, s_layout, kv_layout, dq_layout,
+                                   BLOCK_M, STAGES, True, False, False, False, ID_EQUAL)
                     t += 1
                 for i in range(first_block + n_masked, n_blocks):
-                    dk, dv = _step(
-                        t, i, dk, dv, k_part, v_part, q_smem, do_smem, k_smem, stats_rows,
-                        ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc, dq_row, kv_start, window, kept, col_ids,
-                        ids_rows, c, scale, part, s_layout, kv_layout, dq_layout, BLOCK_M, STAGES, False, False, KEYED,
-                        False, ID_EQUAL)
+                    dk, dv = _step(t, i, dk, dv, dq_row, held, part, s_layout, kv_layout, dq_layout,
+                                   BLOCK_M, STAGES, False, False, KEYED, False, ID_EQUAL)
                     t += 1
         row_idx = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, kv_layout))
         col_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
