@@ -2,8 +2,8 @@
 kernels) and SDPA's (cuDNN's), after the sm_90 forward's training form (its exact weights and residual); on a sliding
 window of 1024 keys (`hopper_backward.WINDOWS`), on the attention suite's padding (each batch's keys past a length
 drawn from [N/2, N] masked: `hopper_backward.KEY_MASKS`) and on its documents (ids from 8 drawn per token, in order:
-`hopper_backward.DOCUMENTS`) after the Triton forward's, beside the Triton backward; or its sm_90 build's counts
-offline:
+`hopper_backward.DOCUMENTS`), alone and packed for causal training, after the Triton forward's, beside the Triton
+backward; or its sm_90 build's counts offline:
 
     PYTHONPATH=. python bench/gluon_backward.py             (on the GPU machine: gradients against float64, then time)
     PYTHONPATH=DIR:. python bench/gluon_backward.py --sass  (any machine, DIR holding triton 3.6: the sm_90 build's
@@ -82,16 +82,25 @@ def document_keep(b, h, q_idx, kv_idx, aux):
     return document_rows(b, h, q_idx, aux) == document_cols(b, h, kv_idx, aux)
 
 
-def document_mod(head_dim: int) -> ScoreMod:
-    """The suite's documents as the attention pass lifts them, its scale declared."""
-    return ScoreMod(name=f"gluon_backward_document_d{head_dim}", score=scaled, score_grad=scaled_grad,
-                    keep=document_keep, fill=flash_sweep.CAUSAL.fill, keep_uses_batch=True, keep_reads_aux=True,
-                    separable_keep=SeparableKeep(True, document_rows, document_cols),
+@triton.jit
+def packed_keep(b, h, q_idx, kv_idx, aux):
+    return document_keep(b, h, q_idx, kv_idx, aux) & (q_idx >= kv_idx)
+
+
+def document_mod(head_dim: int, causal: bool = False) -> ScoreMod:
+    """The suite's documents as the attention pass lifts them, its scale declared; `causal`: packed for causal
+    training (the ids' mask joined with the causal one)."""
+    return ScoreMod(name=f"gluon_backward_{'packed' if causal else 'document'}_d{head_dim}", score=scaled,
+                    score_grad=scaled_grad, keep=packed_keep if causal else document_keep, fill=flash_sweep.CAUSAL.fill,
+                    keep_uses_batch=True, keep_reads_aux=True,
+                    separable_keep=SeparableKeep(True, document_rows, document_cols,
+                                                 flash_sweep.CAUSAL if causal else None),
                     linear_scale=1 / math.sqrt(head_dim))
 
 
-CASES = ("causal", "plain", "window", "padding", "document")
-AFTER_TRITON = ("window", "padding", "document")  # the cases whose forward is the Triton kernel's
+CASES = ("causal", "plain", "window", "padding", "document", "packed")
+AFTER_TRITON = ("window", "padding", "document", "packed")  # the cases whose forward is the Triton kernel's
+LISTED = ("document", "packed")  # the cases of document ids
 
 
 def sass_counts(case: str, head_dim: int) -> dict:
@@ -105,7 +114,7 @@ def sass_counts(case: str, head_dim: int) -> dict:
     x = torch.empty(1, 1, 1024, head_dim, dtype=torch.bfloat16)
     described = [hopper_forward._Rows.of(x).described(x, n) for n in (hb.BLOCK_M, hb.BLOCK_M, hb.BLOCK_N // 2,
                                                                         hb.BLOCK_N // 2)]
-    listed = case == "document"
+    listed = case in LISTED
     n_stats = hb.STATS_WITH_IDS if listed else hb.STATS
     fp32 = hb.fp32_described(torch.empty(n_stats, 1024), torch.empty(1024, head_dim), n_stats)
     count, index = torch.empty(16, dtype=torch.int32), torch.empty(128, dtype=torch.int32)
@@ -115,7 +124,7 @@ def sass_counts(case: str, head_dim: int) -> dict:
                                         torch.empty(1, 1024, dtype=torch.int64) if listed else None, lists,
                                         *[x.stride()[:3]] * 4, x.stride(), x.stride(), 1024, 1, 1, 1024,
                                         WINDOW_KEYS, 0.125, 0.125 * LOG2E.value, HEAD_DIM=head_dim,
-                                        BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=case in ("causal", "window"),
+                                        BLOCK_M=hb.BLOCK_M, BLOCK_N=hb.BLOCK_N, CAUSAL=case in ("causal", "window", "packed"),
                                         STAGES=hb.STAGES, WINDOWED=case == "window", KEYED=case == "padding",
                                         LISTED=listed, ID_EQUAL=True, num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
@@ -128,7 +137,7 @@ def sass_counts(case: str, head_dim: int) -> dict:
 def triton_mod(case: str, head_dim: int) -> ScoreMod:
     """The Triton kernels' score functions of `case`."""
     return {"causal": CAUSAL, "plain": PLAIN, "window": window_mod(head_dim), "padding": padding_mod(head_dim),
-            "document": document_mod(head_dim)}[case]
+            "document": document_mod(head_dim), "packed": document_mod(head_dim, causal=True)}[case]
 
 
 def training_forward(q, k, v, case, aux):
@@ -171,12 +180,12 @@ def backwards(q, k, v, do, case, mask_input):
         kept = kept_keys(mod.keep, aux, q.shape[0], k.shape[2], hopper_backward.BLOCK_N, q.device) \
             if case == "padding" else None
         documents = None
-        if case == "document":  # (the ids' own tensor for both sides: `document_ids` copies them)
+        if case in LISTED:  # (the ids' own tensor for both sides: `document_ids` copies them)
             tiles = hopper_backward.BLOCK_M, hopper_backward.BLOCK_N
             documents = hopper_backward.DocumentIds(
                 mask_input, mask_input, True, block_map_for(mod, aux, *q.shape[:3], k.shape[2], *tiles, q.device),
                 extra.fallback_rows.amax(-1))
-        hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale, case in ("causal", "window"), g,
+        hopper_backward.hopper_backward(do, q, k, v, out, lse, extra.log_sum, scale, case in ("causal", "window", "packed"), g,
                                         extra.residual, window, kept, documents)
         return g
 
@@ -204,7 +213,7 @@ def reference(q, k, v, do, case, mask_input):
     group = q.shape[1] // k.shape[1]
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     s = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[3])
-    if case in ("causal", "window"):
+    if case in ("causal", "window", "packed"):
         i = torch.arange(s.shape[-1], device=s.device)
         past = i[None, :] > i[:, None]
         if case == "window":
@@ -213,7 +222,7 @@ def reference(q, k, v, do, case, mask_input):
     if case == "padding":
         i = torch.arange(s.shape[-1], device=s.device)
         s = s.masked_fill((i[None, :] >= mask_input[:, None])[:, None, None, :], float("-inf"))
-    if case == "document":
+    if case in LISTED:
         s = s.masked_fill(mask_input[:, None, :, None] != mask_input[:, None, None, :], float("-inf"))
     out = torch.softmax(s, -1) @ v64.repeat_interleave(group, 1)
     return torch.autograd.grad(out, (q64, k64, v64), do.double())
@@ -223,7 +232,7 @@ def mask_input(case: str, batch: int, n: int) -> torch.Tensor | None:
     """What `case`'s mask reads, as the attention suite draws it: padding's lengths, the documents' ids."""
     if case == "padding":
         return torch.randint(n // 2, n + 1, (batch,), device="cuda")
-    if case == "document":
+    if case in LISTED:
         return torch.sort(torch.randint(0, 8, (batch, n), device="cuda"), dim=-1).values
     return None
 
@@ -262,7 +271,8 @@ def main() -> None:
             kept = {"plain": n * n, "causal": n * (n + 1) / 2,
                     "window": WINDOW_KEYS * n - WINDOW_KEYS * (WINDOW_KEYS - 1) / 2,
                     "padding": n * masked_by.sum().item() / b,
-                    "document": (masked_by[:, :, None] == masked_by[:, None, :]).sum().item() / b}[case]
+                    "document": (masked_by[:, :, None] == masked_by[:, None, :]).sum().item() / b,
+                    "packed": ((masked_by[:, :, None] == masked_by[:, None, :]).sum().item() / b + n) / 2}[case]
             flops = 2.5 * 4 * b * h * kept * d
             for label in timed:
                 e = errors[label]

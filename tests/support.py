@@ -272,12 +272,15 @@ def last_attention():
 def sm90_backward_stand_in(monkeypatch, fn: Callable[..., object], *inputs: object) -> dict[str, object]:
     """`check(fn, *inputs, backward=True)` with the sm_90 backward said to serve every attention and replaced by a
     stand-in that fails (the replaced ops then run, with a warning naming it, and compute eager's gradients): the
-    keyword arguments the stand-in was called with (a window's width, a key mask's keep, document ids)."""
+    arguments the stand-in was called with by name (whether causal, a window's width, a key mask's keep, document
+    ids)."""
     seen = []
 
     def stand_in(*args, **keywords):
-        seen.append(keywords)
+        seen.append(inspect.signature(real).bind(*args, **keywords).arguments)
         raise RuntimeError("the sm_90 backward's stand-in")
+
+    real = hopper_backward.hopper_backward
 
     monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
     monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)

@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusepass.attention import sdpa_floor
-from fusepass.attention.document_mask import document_ids, document_masked
+from fusepass.attention.document_mask import document_ids, document_masked, documents_causal
 from fusepass.attention.key_mask import kept_keys, key_masked
 from fusepass.attention.known_contents import ContentGuard, ContentsChanged
 from fusepass.attention.plan import AttentionSpec
@@ -25,7 +25,7 @@ from fusepass.attention.unfused import Unfused, contiguous_strides, with_strides
 from fusepass.codegen.modules import load_module
 from fusepass.flash.ahead import compile_attention_ahead
 from fusepass.flash.backward import backward_map, flash_attention_backward
-from fusepass.flash.blockmap import BlockMap, map_extent, packed_map_numel
+from fusepass.flash.blockmap import BlockMap, capturing, map_extent, packed_map_numel
 from fusepass.flash.config import FlashConfig, forward_config, kind_block_m, narrow_kv_tiles, tile_width
 from fusepass.flash.forward import FlashForwardExtra, flash_attention_forward, forward_outputs, keeps_residual
 from fusepass.flash import hopper_backward, hopper_forward
@@ -50,6 +50,7 @@ class AttentionCall:
         self.document_masked = document_masked(spec)  # or of document ids (`document_mask`)
         # per layout and dtype of q, k, v: `_choice`'s
         self._choices: dict[tuple, tuple[SdpaRun | None, bool | None, int | None]] = {}
+        self._documents_causal_at: dict[tuple[int, int], bool | None] = {}  # per (q length, kv length)
         self._mod: ScoreMod | None = None
         self._passed_maps: dict[tuple[torch.dtype, torch.device], tuple] = {}
 
@@ -276,8 +277,10 @@ class AttentionCall:
         after_triton = causal is None and s.out_dtype == q4.dtype
         keyed = after_triton and self.key_masked
         documents = after_triton and self.document_masked
-        if keyed or documents:
+        if keyed:
             causal = False
+        elif documents:
+            causal = self._documents_causal(q4, k4)
         if causal is not None and extra.residual is not None and \
                 hopper_backward.serves(grad_out, q4, k4, v4, causal, window, keyed, documents):
             mod = self.mod
@@ -292,6 +295,17 @@ class AttentionCall:
             return
         flash_attention_backward(grad_out, q4, k4, v4, out, lse, extra, self.mod, aux, aux_grad, dropout_p=s.dropout_p,
                                  seed=seed, grads=grads)
+
+    def _documents_causal(self, q4: torch.Tensor, k4: torch.Tensor) -> bool | None:
+        """`document_mask.documents_causal` at these lengths, evaluated once per pair of lengths, outside a CUDA
+        graph's capture (None there where not yet known: the Triton backward serves it)."""
+        lengths = q4.shape[2], k4.shape[2]
+        if lengths not in self._documents_causal_at:
+            if capturing(q4.device):
+                return None
+            self._documents_causal_at[lengths] = documents_causal(self.mod.separable_keep, self.spec.kernel_aux(()),
+                                                                  *lengths, q4.device)
+        return self._documents_causal_at[lengths]
 
     def _document_ids(self, q4: torch.Tensor, k4: torch.Tensor, aux: tuple, extra: FlashForwardExtra
                       ) -> hopper_backward.DocumentIds:

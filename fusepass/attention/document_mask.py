@@ -2,8 +2,9 @@
 each row's and key's id evaluated per call.
 
 An attention whose scores are a positive constant times q · k, with a -inf fill where a separable keep does not hold
-(``rows(b, q) == cols(b, kv)``, or ``!=``; `lift.values.Separable`) and no other mask joined to it, computes
-softmax(q kᵀ · scale + bias) v with a bias of 0 or -inf from the two sides' ids: the sm_90 backward serves it
+(``rows(b, q) == cols(b, kv)``, or ``!=``; `lift.values.Separable`), alone or joined with a causal mask (packed
+documents), computes softmax(q kᵀ · scale + bias) v with a bias of 0 or -inf from the two sides' ids (and the
+positions): the sm_90 backward serves it
 (`hopper_backward.DocumentIds`), reading each side's ids that `document_ids` writes from the call's aux tensors and
 walking the block map's lists of q blocks per kv block.
 """
@@ -15,16 +16,28 @@ import triton.language as tl
 
 from fusepass.attention.key_mask import scaled_and_masked
 from fusepass.attention.plan import AttentionSpec
+from fusepass.attention.sdpa_floor import sdpa_causal
 from fusepass.runtime.launch import launch
 
 _BLOCK = 256  # ids a program of `_ids_kernel`
 
 
 def document_masked(spec: AttentionSpec) -> bool:
-    """Whether `spec` is `key_mask.scaled_and_masked` with a separable keep alone, the same for every head."""
+    """Whether `spec` is `key_mask.scaled_and_masked` with a separable keep, the same for every head, alone or joined
+    with a mask of the positions alone (a causal mask: packed documents), which a call checks is causal at its
+    lengths (`documents_causal`)."""
     separable = spec.lifted.separable
-    return (scaled_and_masked(spec) and separable is not None and separable.others is None and not separable.inverted
-            and "h" not in spec.lifted.keep_uses)
+    return (scaled_and_masked(spec) and separable is not None and not separable.inverted
+            and "h" not in spec.lifted.keep_uses and separable.others_uses <= {"q", "k"})
+
+
+def documents_causal(separable, aux: tuple, q_len: int, kv_len: int, device: torch.device) -> bool | None:
+    """Of a `document_masked` spec's separable keep (`ScoreMod.separable_keep`): False where no other mask is joined
+    with the ids, True where the one joined is the causal mask at these lengths (`sdpa_floor.sdpa_causal`, one
+    evaluation of it), else None."""
+    if separable.others is None:
+        return False
+    return sdpa_causal(separable.others.keep, aux, q_len, kv_len, device) or None
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -15,10 +15,10 @@ forward's rounding residual; `backward.row_delta`, the Triton backward's).
 
 The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases, with dO laid out as rows
 of one matrix too; with `WINDOWS`, a sliding window's band, with `KEY_MASKS` a mask of the keys alone
-(`attention.key_mask`) and with `DOCUMENTS` document ids (`attention.document_mask`), at those layouts after the Triton forward's training form, whose statistics are the same (on
-the tiles that forward masks it takes the scores times the scale rounded, then times log2(e), where this kernel
-multiplies by their product: a weight there may come out an ulp of the inputs' dtype apart). The Triton backward runs
-everything else.
+(`attention.key_mask`) and with `DOCUMENTS` document ids alone or with a causal mask (`attention.document_mask`), at
+those layouts after the Triton forward's training form, whose statistics are the same (on the tiles that forward
+masks it takes the scores times the scale rounded, then times log2(e), where this kernel multiplies by their product:
+a weight there may come out an ulp of the inputs' dtype apart). The Triton backward runs everything else.
 """
 from __future__ import annotations
 
@@ -164,7 +164,7 @@ if gluon is not None:
         forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
         KEYED: the keep of the partition's keys (`kept`, one per kv row). SEPARATE: a key kept where its id (`col_ids`,
         its two int32 halves) equals the query's (`ids_rows`, the ring's statistics rows 3 and 4), or differs from it
-        where not ID_EQUAL.
+        where not ID_EQUAL, and with MASKED the causal mask too (packed documents).
 
         The weights are the forward's, from its statistics (`forward.FlashForwardExtra`, exact mode): 2^(s · c -
         shift) for a row whose max stayed tame (its lse the whole shift), 2^(s · c - m · log2(e)) past that (its lse
@@ -199,7 +199,8 @@ if gluon is not None:
             in_band = q_at[None, :] >= kv_at[:, None]
             if WINDOWED:
                 in_band = in_band & (q_at[None, :] - kv_at[:, None] < window)
-            st = gl.where(in_band, st, float("-inf"))
+            if not SEPARATE:  # (else joined with the ids' mask below)
+                st = gl.where(in_band, st, float("-inf"))
         if KEYED:
             st = gl.where(kept[:, None], st, float("-inf"))
         if SEPARATE:
@@ -207,6 +208,8 @@ if gluon is not None:
             same = (ids_rows.index(slot * n_stats + 3).load(q_cols)[None, :] == col_lo[:, None]) & \
                 (ids_rows.index(slot * n_stats + 4).load(q_cols)[None, :] == col_hi[:, None])
             same = same if ID_EQUAL else ~same
+            if MASKED:
+                same = same & in_band
             st = gl.where(same, st, float("-inf"))
         p = truncated(gl.exp2(gl.fma(st, c, offset.load(q_cols)[None, :])), dtype)  # exact in the inputs' dtype
         inverse_l = inverse_l.load(q_cols)
@@ -250,7 +253,8 @@ if gluon is not None:
         (a band's blocks are few, and a loop apart for the unmasked ones between its edges spilled 104 stack bytes
         at D128, offline, against 24); with KEYED its kv rows' keep (bytes at `kept_ptr`, a batch's `kept_batch`
         apart) on every one. With LISTED (document ids), the q blocks of the block map's lists (`_walk`), the ids'
-        mask on the partial tiles' (the keys' ids at `col_ids_ptr`, int64, a batch's `kept_batch` apart)."""
+        mask on the partial tiles' (the keys' ids at `col_ids_ptr`, int64, a batch's `kept_batch` apart), with CAUSAL
+        the causal mask's too."""
         warps: gl.constexpr = gl.num_warps()
         rows: gl.constexpr = k_smem.shape[1]
         if not WINDOWED and not KEYED and not LISTED:  # after the sm_90 forward: its exponent scale, the fp32 scale
@@ -294,7 +298,7 @@ if gluon is not None:
                     t += 1
                 for j in range(n_partial):
                     dk, dv = _step(t, _listed_block(partial, j, dense), dk, dv, dq_row, held, part, s_layout,
-                                   kv_layout, dq_layout, BLOCK_M, STAGES, False, False, False, True, ID_EQUAL)
+                                   kv_layout, dq_layout, BLOCK_M, STAGES, CAUSAL, False, False, True, ID_EQUAL)
                     t += 1
             elif WINDOWED:
                 for i in range(first_block, n_blocks):
@@ -446,10 +450,10 @@ def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     and dO (faster than the Triton backward at head dims 64 and 128: bench/NOTES.md): where the sm_90 forward serves
     them unmasked or causal (its statistics, or the Triton forward's alike, are the ones read) and dO is laid out as
     rows of one matrix in their dtype; a window where `WINDOWS` says so, a keep of the keys (unmasked otherwise) where
-    `KEY_MASKS` does, documents (unmasked otherwise) where `DOCUMENTS` does."""
+    `KEY_MASKS` does, documents (unmasked, or causal: packed documents) where `DOCUMENTS` does."""
     return (gluon is not None and hopper_forward.serves(q, k, v, causal) and (window is None or WINDOWS and causal)
             and (not keyed or KEY_MASKS and not causal and window is None)
-            and (not documents or DOCUMENTS and not causal and window is None and not keyed)
+            and (not documents or DOCUMENTS and window is None and not keyed)
             and do.dtype == q.dtype and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0
             and hopper_forward._Rows.of(do) is not None)
 

@@ -1,7 +1,7 @@
-"""Document ids (`attention.document_mask`): which attentions have them (ids compared equal or unequal; not joined
-with a causal mask, not a padding mask, not under dropout), each side's ids evaluated per call, and a training step
-sending its backward to the sm_90 kernel with them (here a stand-in: the kernel runs on an sm_90 GPU only,
-tests/flash/test_hopper_backward.py)."""
+"""Document ids (`attention.document_mask`): which attentions have them (ids compared equal or unequal, alone or
+joined with a causal mask; not a padding mask, not under dropout), each side's ids evaluated per call, whether the
+mask joined is causal at a call's lengths, and a training step sending its backward to the sm_90 kernel with them
+(here a stand-in: the kernel runs on an sm_90 GPU only, tests/flash/test_hopper_backward.py)."""
 from __future__ import annotations
 
 import math
@@ -38,6 +38,12 @@ def packed_causal(q, k, v, ids):
     return torch.softmax(scores(q, k).masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
+def packed_window(q, k, v, ids):  # a mask joined that is not causal
+    i = torch.arange(q.shape[-2], device=q.device)
+    keep = (ids[:, None, :, None] == ids[:, None, None, :]) & (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 5)
+    return torch.softmax(scores(q, k).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
 def padded(q, k, v, ids):
     keep = torch.arange(k.shape[-2], device=q.device)[None, :] < ids[:, :1]
     return torch.softmax(scores(q, k).masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1) @ v
@@ -57,8 +63,8 @@ def ids():
 
 
 @pytest.mark.parametrize("fn, expected", [
-    (documents, True), (other_documents, True), (packed_causal, False), (padded, False), (dropped, False)],
-    ids=["documents", "other-documents", "packed-causal", "padding", "dropout"])
+    (documents, True), (other_documents, True), (packed_causal, True), (packed_window, True), (padded, False),
+    (dropped, False)], ids=["documents", "other-documents", "packed-causal", "packed-window", "padding", "dropout"])
 def test_document_ids_are_found(fn, expected):
     """Each computes eager's function, forward and backward; the spec says whether its mask is of document ids."""
     inputs = [*qkv(), ids()]
@@ -87,7 +93,27 @@ def test_a_training_steps_backward_takes_the_ids(monkeypatch):
     warning, and compute eager's gradients)."""
     held = ids()
     held[1, :3] = 99  # a document of three tokens
-    found = sm90_backward_stand_in(monkeypatch, documents, *qkv(torch.float16), held)["documents"]
+    called = sm90_backward_stand_in(monkeypatch, documents, *qkv(torch.float16), held)
+    found = called["documents"]
+    assert called["causal"] is False
     assert torch.equal(found.rows, held) and torch.equal(found.cols, held) and found.equal
     assert (found.block_map.block_m, found.block_map.block_n) == (hopper_backward.BLOCK_M, hopper_backward.BLOCK_N)
     assert found.dense.shape == (B, H) and not found.dense.any()  # every row keeps its own key
+
+
+def test_packed_documents_backward_takes_the_ids_and_the_causal_mask(monkeypatch):
+    """Documents packed for causal training: the sm_90 backward takes the ids with the causal mask, checked causal at
+    the call's lengths."""
+    held = ids()
+    called = sm90_backward_stand_in(monkeypatch, packed_causal, *qkv(torch.float16), held)
+    assert called["causal"] is True and torch.equal(called["documents"].cols, held)
+    assert last_attention()._documents_causal_at == {(T, T): True}
+
+
+def test_a_mask_joined_that_is_not_causal_is_not_served(monkeypatch):
+    """The ids joined with a window: no causal mask at any length, so the Triton backward serves it (nothing is
+    asked of the sm_90 kernel) and the gradients are eager's."""
+    monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
+    monkeypatch.setattr(hopper_backward, "hopper_backward", None)  # called, it would fail
+    check(packed_window, *qkv(torch.float16), ids(), backward=True)
+    assert last_attention()._documents_causal_at == {(T, T): None}

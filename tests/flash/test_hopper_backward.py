@@ -204,12 +204,16 @@ def test_a_padded_training_step_runs_it_after_the_triton_forward(monkeypatch):
         _projected(_padded, heads=2), 3, lambda n: (torch.randint(1, n + 1, (3,), device=DEVICE),))
 
 
-def _documents(q, k, v, ids, equal=True):
-    """softmax(q kᵀ / √D) v over the keys whose id equals the query's (differs from it where not `equal`), K and V
-    heads repeated for their groups."""
+def _documents(q, k, v, ids, equal=True, causal=False):
+    """softmax(q kᵀ / √D) v over the keys whose id equals the query's (differs from it where not `equal`), and with
+    `causal` at its position or before it (packed documents), K and V heads repeated for their groups."""
     k, v = _repeated(k, v, q.shape[1] // k.shape[1])
     other = ids[:, None, :, None] != ids[:, None, None, :]
-    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(other if equal else ~other, float("-inf"))
+    dropped = other if equal else ~other
+    if causal:
+        i = torch.arange(q.shape[2], device=q.device)
+        dropped = dropped | (i[None, :] > i[:, None])
+    s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(dropped, float("-inf"))
     return torch.softmax(s, -1) @ v
 
 
@@ -226,28 +230,33 @@ def _ids(kind, n):
 
 
 @on_hopper
-@pytest.mark.parametrize("equal,kind", [(True, "sorted"), (True, "interleaved"), (True, "one"), (False, "interleaved"),
-                                        (False, "one")],
-                         ids=["sorted", "interleaved", "one-document", "other-documents", "other-documents-of-one"])
+@pytest.mark.parametrize("equal,kind,causal", [
+    (True, "sorted", False), (True, "interleaved", False), (True, "one", False), (False, "interleaved", False),
+    (False, "one", False), (True, "sorted", True), (True, "interleaved", True)],
+    ids=["sorted", "interleaved", "one-document", "other-documents", "other-documents-of-one", "packed",
+         "packed-interleaved"])
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_document_ids_gradients_are_as_far_from_float64_as_the_triton_backwards(equal, kind, layout, heads, kv_heads,
-                                                                               d, monkeypatch):
-    """The kernel on document ids (`DOCUMENTS`) after the Triton forward, walking the block map's lists, at the
-    layouts it serves; a batch whose rows keep no key (other documents of one) has eager's gradients there: dV NaN,
-    dQ and dK 0."""
+def test_document_ids_gradients_are_as_far_from_float64_as_the_triton_backwards(equal, kind, causal, layout, heads,
+                                                                               kv_heads, d, monkeypatch):
+    """The kernel on document ids (`DOCUMENTS`), alone or with a causal mask (packed), after the Triton forward,
+    walking the block map's lists, at the layouts it serves; a batch whose rows keep no key (other documents of one)
+    has eager's gradients there: dV NaN, dQ and dK 0."""
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
-    _beside_the_triton_backward(monkeypatch, "DOCUMENTS", lambda q, k, v, ids: _documents(q, k, v, ids, equal),
-                                (q, k, v), do, (_ids(kind, 384),))
+    _beside_the_triton_backward(monkeypatch, "DOCUMENTS",
+                                lambda q, k, v, ids: _documents(q, k, v, ids, equal, causal), (q, k, v), do,
+                                (_ids(kind, 384),))
 
 
 @on_hopper
-def test_a_packed_documents_training_step_runs_it_after_the_triton_forward(monkeypatch):
-    """Document ids (`DOCUMENTS`)."""
+@pytest.mark.parametrize("causal", [False, True], ids=["documents", "packed-causal"])
+def test_a_packed_documents_training_step_runs_it_after_the_triton_forward(causal, monkeypatch):
+    """Document ids (`DOCUMENTS`), alone or with a causal mask."""
     monkeypatch.setattr(hopper_backward, "DOCUMENTS", True)
-    _a_training_step_runs_it_after_the_triton_forward(_projected(_documents, heads=2), 2,
-                                                      lambda n: (_ids("sorted", n),))
+    _a_training_step_runs_it_after_the_triton_forward(
+        _projected(lambda q, k, v, ids: _documents(q, k, v, ids, causal=causal), heads=2), 2,
+        lambda n: (_ids("sorted", n),))
 
 
 def test_it_serves_only_what_it_computes():
@@ -262,7 +271,7 @@ def test_it_serves_only_what_it_computes():
     assert hopper_backward.serves(do, q, k, v, True) == hopper_backward.available(q.device)
     assert not hopper_backward.serves(do, q, k, v, False, 100)  # a window is a causal band
     assert not hopper_backward.serves(do, q, k, v, True, None, True)  # a key mask alone, after the Triton forward
-    assert not hopper_backward.serves(do, q, k, v, True, None, False, True)  # document ids alone, likewise
+    assert not hopper_backward.serves(do, q, k, v, True, 100, False, True)  # document ids in no window
 
 
 @pytest.mark.parametrize("with_ids", [False, True], ids=["stats", "stats-and-ids"])
