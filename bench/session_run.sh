@@ -48,10 +48,9 @@
 #   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py with its partitions out of step and  (not run yet)
 #                taking turns (`hopper_forward.TURNS`) at both shapes, and at head dim 64 with K/V tiles of 64 in rings
 #                of 2 and 3 too, kept as bench/results/gluon-forward-settings-<date>.md
-#   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal,      ~50 s (12-07, H100; before the window;
-#                                                                                                  now 6 cases)
-#                plain and a window of 1024 (after the Triton forward) at both shapes, gradients from float64, kept as
-#                bench/results/gluon-backward-<date>.md
+#   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal,      ~50 s (12-07, H100; 3 cases
+#                plain, and after the Triton forward a window of 1024, padding, documents and packed documents,    of the 6)
+#                at both shapes, gradients from float64, kept as bench/results/gluon-backward-<date>.md
 #   latent       bench/latent_attention.py: DeepSeek's latent attention (q·k 192, V 128, causal) beside SDPA   (not run yet)
 #   accuracy     bench/gradient_accuracy.py: attention's bf16 output and gradients from float64's,    ~25 s (2026-12-05, H100)
 #                a key bias's among them, beside eager and SDPA (B1 H4 N4096 D128)
