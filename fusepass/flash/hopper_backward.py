@@ -53,7 +53,7 @@ BLOCK_M, BLOCK_N, STAGES = 64, 128, 2  # q rows a step, kv rows a program (two p
 WINDOWS = True
 # Whether the kernel also serves a mask of the keys alone (padding: `attention.key_mask`) after the Triton forward's
 # training form, as it serves a window (bench/NOTES.md)
-KEY_MASKS = False
+KEY_MASKS = True
 # Whether the kernel also serves document ids (`attention.document_mask`) after the Triton forward's training form,
 # walking the block map's lists of q blocks per kv block (bench/NOTES.md)
 DOCUMENTS = False
@@ -463,10 +463,11 @@ DESCRIBED = "the backward ran the sm_90 kernel (warp-specialized, Gluon)"  # in 
 
 def fp32_described(stats: torch.Tensor, dq_acc: torch.Tensor, n_stats: int = STATS) -> tuple:
     """The kernel's descriptors of its fp32 operands: `_stats_kernel`'s rows ([B · H · n_stats, Nq]) as the ring's
-    boxes, and dQ's accumulator ([rows, D]) as its partitions' halves of a step's dQ."""
+    boxes, unswizzled (the kernel reads them as plain rows; a box of 8 rows would take a 128-byte swizzle by
+    default), and dQ's accumulator ([rows, D]) as its partitions' halves of a step's dQ."""
     d = dq_acc.shape[1]
     return (TensorDescriptor(stats, list(stats.shape), [stats.shape[1], 1], [n_stats, BLOCK_M],
-                             gl.NVMMASharedLayout.get_default_for([n_stats, BLOCK_M], gl.float32)),
+                             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32)),
             TensorDescriptor(dq_acc, list(dq_acc.shape), [d, 1], [BLOCK_M, d // 2],
                              gl.NVMMASharedLayout.get_default_for([BLOCK_M, d // 2], gl.float32)))
 
