@@ -38,6 +38,12 @@ def packed_causal(q, k, v, ids):
     return torch.softmax(scores(q, k).masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
+def packed_causal_filled(q, k, v, ids):  # the fill where the documents differ or the key is past the query
+    i = torch.arange(q.shape[-2], device=q.device)
+    dropped = (ids[:, None, :, None] != ids[:, None, None, :]) | (i[None, :] > i[:, None])
+    return torch.softmax(scores(q, k).masked_fill(dropped, float("-inf")), dim=-1) @ v
+
+
 def packed_window(q, k, v, ids):  # a mask joined that is not causal
     i = torch.arange(q.shape[-2], device=q.device)
     keep = (ids[:, None, :, None] == ids[:, None, None, :]) & (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 5)
@@ -63,8 +69,10 @@ def ids():
 
 
 @pytest.mark.parametrize("fn, expected", [
-    (documents, True), (other_documents, True), (packed_causal, True), (packed_window, True), (padded, False),
-    (dropped, False)], ids=["documents", "other-documents", "packed-causal", "packed-window", "padding", "dropout"])
+    (documents, True), (other_documents, True), (packed_causal, True), (packed_causal_filled, True),
+    (packed_window, True), (padded, False), (dropped, False)],
+    ids=["documents", "other-documents", "packed-causal", "packed-causal-filled", "packed-window", "padding",
+         "dropout"])
 def test_document_ids_are_found(fn, expected):
     """Each computes eager's function, forward and backward; the spec says whether its mask is of document ids."""
     inputs = [*qkv(), ids()]

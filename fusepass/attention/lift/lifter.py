@@ -396,8 +396,8 @@ class Lifter:
 
     def _separable(self, target: Any, args: tuple) -> Separable | None:
         """`Code.separable` of ``target(*args)``: an equality or inequality of an integer (or bool) of the query
-        position alone with one of the key position alone; its negation; its conjunction with index code that
-        reads no tensors."""
+        position alone with one of the key position alone; its negation; its conjunction or disjunction with index
+        code that reads no tensors."""
         kind = getattr(target, "overloadpacket", None)
         codes = [a for a in args if isinstance(a, Code)]
         if len(codes) != len(args):
@@ -412,10 +412,15 @@ class Lifter:
             return None
         if kind in (aten.logical_not, aten.bitwise_not) and len(args) == 1 and args[0].separable is not None:
             return args[0].separable.negated()
-        if kind in (aten.logical_and, aten.bitwise_and, aten.__and__) and len(args) == 2:
+        conjunction = kind in (aten.logical_and, aten.bitwise_and, aten.__and__)
+        if (conjunction or kind in (aten.logical_or, aten.bitwise_or, aten.__or__)) and len(args) == 2:
             for one, other in ((args[0], args[1]), (args[1], args[0])):
                 if one.separable is not None and other.separable is None and not self.code.reads_aux(other.expr):
-                    return one.separable.joined(other.expr, other.uses)
+                    if conjunction:
+                        return one.separable.joined(other.expr, other.uses)
+                    # A | B = ~(~A & ~B): a fill where the ids differ or past the causal mask keeps their conjunction.
+                    joined = one.separable.negated().joined(f"(~{other.expr})", other.uses)
+                    return None if joined is None else joined.negated()
         return None
 
     def _float_form(self, target: Any, args: tuple, kwargs: dict, span: Span | None) -> str | None:
