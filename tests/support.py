@@ -272,12 +272,12 @@ def last_attention():
 def sm90_backward_stand_in(monkeypatch, fn: Callable[..., object], *inputs: object) -> dict[str, object]:
     """`check(fn, *inputs, backward=True)` with the sm_90 backward said to serve every attention and replaced by a
     stand-in that fails (the replaced ops then run, with a warning naming it, and compute eager's gradients): the
-    arguments the stand-in was called with by name (whether causal, a window's width, a key mask's keep, document
-    ids)."""
+    keyword arguments the stand-in was called with (a window's width, a key mask's keep, document ids) and whether
+    causal (not the tensors it was given: on the GPU they lie in a CUDA graph's pool, which must not outlive it)."""
     seen = []
 
     def stand_in(*args, **keywords):
-        seen.append(inspect.signature(real).bind(*args, **keywords).arguments)
+        seen.append({**keywords, "causal": inspect.signature(real).bind(*args, **keywords).arguments["causal"]})
         raise RuntimeError("the sm_90 backward's stand-in")
 
     real = hopper_backward.hopper_backward
