@@ -237,6 +237,20 @@ def mask_input(case: str, batch: int, n: int) -> torch.Tensor | None:
     return None
 
 
+def scores_kept(case: str, n: int, mask_input: torch.Tensor | None) -> float:
+    """The scores a head computes at length n, on average over the batch: all, the causal half, the window's band,
+    the keys padding keeps, or the pairs of one document (packed: the causal half of those)."""
+    if case in ("plain", "causal"):
+        return n * n if case == "plain" else n * (n + 1) / 2
+    if case == "window":
+        return WINDOW_KEYS * n - WINDOW_KEYS * (WINDOW_KEYS - 1) / 2
+    batch = mask_input.shape[0]
+    if case == "padding":
+        return n * mask_input.sum().item() / batch
+    pairs = (mask_input[:, :, None] == mask_input[:, None, :]).sum().item() / batch
+    return pairs if case == "document" else (pairs + n) / 2
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
@@ -267,12 +281,7 @@ def main() -> None:
             timed = backwards(q, k, v, do, case, masked_by)
             ms = {label: triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
                   for label, fn in timed.items()}
-            # the scores computed: all, the causal half, or the window's band
-            kept = {"plain": n * n, "causal": n * (n + 1) / 2,
-                    "window": WINDOW_KEYS * n - WINDOW_KEYS * (WINDOW_KEYS - 1) / 2,
-                    "padding": n * masked_by.sum().item() / b,
-                    "document": (masked_by[:, :, None] == masked_by[:, None, :]).sum().item() / b,
-                    "packed": ((masked_by[:, :, None] == masked_by[:, None, :]).sum().item() / b + n) / 2}[case]
+            kept = scores_kept(case, n, masked_by)
             flops = 2.5 * 4 * b * h * kept * d
             for label in timed:
                 e = errors[label]
