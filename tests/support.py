@@ -283,6 +283,7 @@ def sm90_backward_stand_in(monkeypatch, fn: Callable[..., object], *inputs: obje
     real = hopper_backward.hopper_backward
 
     monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
+    monkeypatch.setattr(hopper_backward, "available", lambda device: True)
     monkeypatch.setattr(hopper_backward, "hopper_backward", stand_in)
     with pytest.warns(RuntimeWarning, match="stand-in"):
         check(fn, *inputs, backward=True)

@@ -279,8 +279,8 @@ class AttentionCall:
         documents = after_triton and self.document_masked
         if keyed:
             causal = False
-        elif documents:
-            causal = self._documents_causal(q4, k4)
+        elif documents:  # (the mask checked only where the kernel can run)
+            causal = self._documents_causal(q4, k4) if hopper_backward.available(q4.device) else None
         if causal is not None and extra.residual is not None and \
                 hopper_backward.serves(grad_out, q4, k4, v4, causal, window, keyed, documents):
             mod = self.mod

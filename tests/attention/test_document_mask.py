@@ -122,6 +122,15 @@ def test_a_mask_joined_that_is_not_causal_is_not_served(monkeypatch):
     """The ids joined with a window: no causal mask at any length, so the Triton backward serves it (nothing is
     asked of the sm_90 kernel) and the gradients are eager's."""
     monkeypatch.setattr(hopper_backward, "serves", lambda *args: True)
+    monkeypatch.setattr(hopper_backward, "available", lambda device: True)
     monkeypatch.setattr(hopper_backward, "hopper_backward", None)  # called, it would fail
     check(packed_window, *qkv(torch.float16), ids(), backward=True)
     assert last_attention()._documents_causal_at == {(T, T): None}
+
+
+def test_the_joined_mask_is_checked_only_where_the_kernel_can_run():
+    """Where the sm_90 kernel cannot run (here: no sm_90 GPU), a training step evaluates nothing of the joined mask."""
+    if hopper_backward.available(torch.device(DEVICE)):
+        pytest.skip("the sm_90 kernel can run here")
+    check(packed_causal, *qkv(), ids(), backward=True)
+    assert last_attention()._documents_causal_at == {}
