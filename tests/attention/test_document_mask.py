@@ -44,6 +44,12 @@ def packed_causal_filled(q, k, v, ids):  # the fill where the documents differ o
     return torch.softmax(scores(q, k).masked_fill(dropped, float("-inf")), dim=-1) @ v
 
 
+def documents_or_never(q, k, v, ids):  # a constant joined by `|`: its code is a Python bool
+    never = torch.zeros((), dtype=torch.bool, device=q.device)
+    return torch.softmax(scores(q, k).masked_fill((ids[:, None, :, None] != ids[:, None, None, :]) | never,
+                                                  float("-inf")), dim=-1) @ v
+
+
 def packed_window(q, k, v, ids):  # a mask joined that is not causal
     i = torch.arange(q.shape[-2], device=q.device)
     keep = (ids[:, None, :, None] == ids[:, None, None, :]) & (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 5)
@@ -70,9 +76,9 @@ def ids():
 
 @pytest.mark.parametrize("fn, expected", [
     (documents, True), (other_documents, True), (packed_causal, True), (packed_causal_filled, True),
-    (packed_window, True), (padded, False), (dropped, False)],
-    ids=["documents", "other-documents", "packed-causal", "packed-causal-filled", "packed-window", "padding",
-         "dropout"])
+    (documents_or_never, True), (packed_window, True), (padded, False), (dropped, False)],
+    ids=["documents", "other-documents", "packed-causal", "packed-causal-filled", "documents-or-never",
+         "packed-window", "padding", "dropout"])
 def test_document_ids_are_found(fn, expected):
     """Each computes eager's function, forward and backward; the spec says whether its mask is of document ids."""
     inputs = [*qkv(), ids()]

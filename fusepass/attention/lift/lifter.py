@@ -419,7 +419,8 @@ class Lifter:
                     if conjunction:
                         return one.separable.joined(other.expr, other.uses)
                     # A | B = ~(~A & ~B): a fill where the ids differ or past the causal mask keeps their conjunction.
-                    joined = one.separable.negated().joined(f"(~{other.expr})", other.uses)
+                    # (B negated by a comparison: a constant's code is a Python bool, whose `~` is an int.)
+                    joined = one.separable.negated().joined(f"(({other.expr}) == 0)", other.uses)
                     return None if joined is None else joined.negated()
         return None
 
