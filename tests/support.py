@@ -269,6 +269,18 @@ def last_attention():
     return list(_calls.values())[-1]
 
 
+def spec_of(fn: Callable[..., object], *inputs: object, exact: bool = True):
+    """The spec of the attention `fn` compiles to (`last_attention`), after `check(fn, *inputs, backward=True)`, or,
+    where not `exact` (a form whose eager values are not the ones to compare, such as its dropout's), after one
+    compiled call."""
+    if exact:
+        check(fn, *inputs, backward=True)
+    else:
+        fusepass.reset()
+        torch.compile(fn, backend="fusepass")(*inputs)
+    return last_attention().spec
+
+
 def sm90_backward_stand_in(monkeypatch, fn: Callable[..., object], *inputs: object) -> dict[str, object]:
     """`check(fn, *inputs, backward=True)` with the sm_90 backward said to serve every attention and replaced by a
     stand-in that fails (the replaced ops then run, with a warning naming it, and compute eager's gradients): the

@@ -9,9 +9,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from support import DEVICE, check, last_attention, random_tensor, sm90_backward_stand_in
+from support import DEVICE, check, last_attention, random_tensor, sm90_backward_stand_in, spec_of
 
-import fusepass
 from fusepass.attention.document_mask import document_ids, document_masked
 from fusepass.flash import hopper_backward
 
@@ -81,13 +80,8 @@ def ids():
          "packed-window", "padding", "dropout"])
 def test_document_ids_are_found(fn, expected):
     """Each computes eager's function, forward and backward; the spec says whether its mask is of document ids."""
-    inputs = [*qkv(), ids()]
-    if fn is dropped:  # (its elements dropped are not eager's to compare: the form alone is checked)
-        fusepass.reset()
-        torch.compile(fn, backend="fusepass")(*inputs)
-    else:
-        check(fn, *inputs, backward=True)
-    assert document_masked(last_attention().spec) == expected
+    # (dropout's elements dropped are not eager's to compare: the form alone is checked)
+    assert document_masked(spec_of(fn, *qkv(), ids(), exact=fn is not dropped)) == expected
 
 
 def test_each_sides_ids():

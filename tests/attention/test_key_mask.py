@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from support import DEVICE, check, last_attention, random_tensor, sm90_backward_stand_in
+from support import DEVICE, random_tensor, sm90_backward_stand_in, spec_of
 
-import fusepass
 from fusepass.attention.key_mask import kept_keys, key_masked
 
 B, H, T, D = 3, 2, 37, 16
@@ -79,13 +78,8 @@ def mask():
     ids=["lengths", "mask-tensor", "causal-and-padded", "documents", "additive", "finite-fill", "dropout"])
 def test_masks_of_the_keys_alone_are_found(fn, extra, keyed):
     """Each computes eager's function, forward and backward; the spec says whether its mask is of the keys alone."""
-    inputs = [*qkv(), extra()]
-    if fn is dropped:  # (its elements dropped are not eager's to compare: the form alone is checked)
-        fusepass.reset()
-        torch.compile(fn, backend="fusepass")(*inputs)
-    else:
-        check(fn, *inputs, backward=True)
-    assert key_masked(last_attention().spec) == keyed
+    # (dropout's elements dropped are not eager's to compare: the form alone is checked)
+    assert key_masked(spec_of(fn, *qkv(), extra(), exact=fn is not dropped)) == keyed
 
 
 @triton.jit
