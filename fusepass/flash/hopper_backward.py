@@ -57,9 +57,6 @@ KEY_MASKS = True
 # Whether the kernel also serves document ids (`attention.document_mask`) after the Triton forward's training form,
 # walking the block map's lists of q blocks per kv block (bench/NOTES.md)
 DOCUMENTS = False
-# The head dims at which a step's dQ share waits in registers for the next step's first products to add it into the
-# buffer beside them (at 128 dK and dV leave no room for it: bench/NOTES.md)
-HOLD_DQ_UP_TO = 64
 STATS_BLOCK = 64  # rows a program of the statistics kernel
 # Rows per head of `_stats_kernel`'s output: its three, and with document ids the q rows' ids (two int32 halves),
 # padded to a TMA box's power of two
@@ -159,15 +156,12 @@ if gluon is not None:
         _tma_add(dq_desc, [row, part * half], dq_smem.index(part))
 
     @gluon.jit
-    def _step(t, i, grads, dq_row, held, part: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+    def _step(t, i, dk, dv, dq_row, held, part: gl.constexpr, S_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
               DQ_LAYOUT: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr,
-              WINDOWED: gl.constexpr, KEYED: gl.constexpr, SEPARATE: gl.constexpr, ID_EQUAL: gl.constexpr,
-              HOLD_DQ: gl.constexpr):
+              WINDOWED: gl.constexpr, KEYED: gl.constexpr, SEPARATE: gl.constexpr, ID_EQUAL: gl.constexpr):
         """Step t (q block i of one head, its dQ rows from `dq_row`): this partition's share of dV, dK and dQ, with
         what the partition holds through its walk (`held`, `_partition`'s); c = scale · log2(e), as the
-        forward's. `grads`: dK, dV, and the step before's dQ share and its first row, whose addition into the buffer
-        (`_add_dq`) a step makes while its first two products run where HOLD_DQ (else each step adds its own).
-        MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
+        forward's. MASKED: the causal mask on the tiles, and with WINDOWED the band of `window` keys a query keeps.
         KEYED: the keep of the partition's keys (`kept`, one per kv row). SEPARATE: a key kept where its id (`col_ids`,
         its two int32 halves) equals the query's (`ids_rows`, the ring's statistics rows 3 and 4), or differs from it
         where not ID_EQUAL, and with MASKED the causal mask too (packed documents).
@@ -182,7 +176,6 @@ if gluon is not None:
         shared memory, for dQ over both partitions' kv rows."""
         (k_part, v_part, q_smem, do_smem, k_smem, stats_rows, ds_smem, dq_smem, q_ready, q_free, ds_ready, dq_desc,
          kv_start, window, kept, col_ids, ids_rows, c, scale) = held
-        dk, dv, dq_before, dq_before_at = grads
         dtype: gl.constexpr = q_smem.dtype
         head_dim: gl.constexpr = q_smem.shape[2]
         slot = t % STAGES
@@ -196,8 +189,6 @@ if gluon is not None:
                            use_acc=False, is_async=True)
         dpt = warpgroup_mma(v_part, do_s.permute((1, 0)), gl.zeros([rows, BLOCK_M], gl.float32, S_LAYOUT),
                             use_acc=False, is_async=True)
-        if HOLD_DQ and t > 0:  # the step before's dQ, while the tensor cores run this step's first products
-            _add_dq(dq_before, dq_before_at, part, dq_smem, dq_desc)
         n_stats: gl.constexpr = stats_rows.shape[0] // STAGES
         offset = stats_rows.index(slot * n_stats)
         inverse_l = stats_rows.index(slot * n_stats + 1)
@@ -247,10 +238,8 @@ if gluon is not None:
                            k_smem.index(1).slice(part * half, half, 1), dq, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(q_free.index(slot))  # Q and dO of step t read
-        if HOLD_DQ:
-            return dk, dv, dq, dq_row + i * BLOCK_M
         _add_dq(dq, dq_row + i * BLOCK_M, part, dq_smem, dq_desc)
-        return dk, dv, dq_before, dq_before_at
+        return dk, dv
 
     @gluon.jit
     def _partition(dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem, ds_smem,
@@ -258,7 +247,7 @@ if gluon is not None:
                    kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block, n_blocks, window, group, scale, c,
                    part: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                    CAUSAL: gl.constexpr, WINDOWED: gl.constexpr, KEYED: gl.constexpr, LISTED: gl.constexpr,
-                   ID_EQUAL: gl.constexpr, HOLD_DQ: gl.constexpr):
+                   ID_EQUAL: gl.constexpr):
         """A computing partition (one warpgroup): dK and dV of its 64 kv rows, its half of each step's dQ. Its q
         blocks: [first_block, n_blocks), the causal mask on the first two, or with WINDOWED the band's on every one
         (a band's blocks are few, and a loop apart for the unmasked ones between its edges spilled 104 stack bytes
@@ -276,9 +265,8 @@ if gluon is not None:
                                                             instr_shape=[16, HEAD_DIM, 16])
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                             instr_shape=[16, HEAD_DIM // 2, 16])
-        # dK, dV, the last step's dQ share and its first row (added by the step after it, the last one's below)
-        grads = (gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout), gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout),
-                 gl.zeros([BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout), 0)
+        dk = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
+        dv = gl.zeros([rows, HEAD_DIM], gl.float32, kv_layout)
         k_part = k_smem.index(part)
         v_part = v_smem.index(part)
         # With KEYED, the keep of the partition's kv rows
@@ -305,31 +293,27 @@ if gluon is not None:
             if LISTED:
                 n_full, full, n_partial, partial, dense = _walk(lists, b, first_head + g, n_heads, kv_block)
                 for j in range(n_full):
-                    grads = _step(t, gl.load(full + j), grads, dq_row, held, part, s_layout, kv_layout, dq_layout,
-                                  BLOCK_M, STAGES, False, False, False, False, ID_EQUAL, HOLD_DQ)
+                    dk, dv = _step(t, gl.load(full + j), dk, dv, dq_row, held, part, s_layout, kv_layout, dq_layout,
+                                   BLOCK_M, STAGES, False, False, False, False, ID_EQUAL)
                     t += 1
                 for j in range(n_partial):
-                    grads = _step(t, _listed_block(partial, j, dense), grads, dq_row, held, part, s_layout,
-                                  kv_layout, dq_layout, BLOCK_M, STAGES, CAUSAL, False, False, True, ID_EQUAL,
-                                  HOLD_DQ)
+                    dk, dv = _step(t, _listed_block(partial, j, dense), dk, dv, dq_row, held, part, s_layout,
+                                   kv_layout, dq_layout, BLOCK_M, STAGES, CAUSAL, False, False, True, ID_EQUAL)
                     t += 1
             elif WINDOWED:
                 for i in range(first_block, n_blocks):
-                    grads = _step(t, i, grads, dq_row, held, part, s_layout, kv_layout, dq_layout,
-                                  BLOCK_M, STAGES, True, True, False, False, ID_EQUAL, HOLD_DQ)
+                    dk, dv = _step(t, i, dk, dv, dq_row, held, part, s_layout, kv_layout, dq_layout,
+                                   BLOCK_M, STAGES, True, True, False, False, ID_EQUAL)
                     t += 1
             else:
                 for i in range(first_block, first_block + n_masked):
-                    grads = _step(t, i, grads, dq_row, held, part, s_layout, kv_layout, dq_layout,
-                                  BLOCK_M, STAGES, True, False, False, False, ID_EQUAL, HOLD_DQ)
+                    dk, dv = _step(t, i, dk, dv, dq_row, held, part, s_layout, kv_layout, dq_layout,
+                                   BLOCK_M, STAGES, True, False, False, False, ID_EQUAL)
                     t += 1
                 for i in range(first_block + n_masked, n_blocks):
-                    grads = _step(t, i, grads, dq_row, held, part, s_layout, kv_layout, dq_layout,
-                                  BLOCK_M, STAGES, False, False, KEYED, False, ID_EQUAL, HOLD_DQ)
+                    dk, dv = _step(t, i, dk, dv, dq_row, held, part, s_layout, kv_layout, dq_layout,
+                                   BLOCK_M, STAGES, False, False, KEYED, False, ID_EQUAL)
                     t += 1
-        dk, dv, dq, dq_at = grads
-        if HOLD_DQ and t > 0:
-            _add_dq(dq, dq_at, part, dq_smem, dq_desc)
         row_idx = kv_start + part * rows + gl.arange(0, rows, layout=gl.SliceLayout(1, kv_layout))
         col_idx = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
         dk_at = (dk_ptr + b.to(gl.int64) * dk_strides[0] + kv_h.to(gl.int64) * dk_strides[1]
@@ -345,18 +329,16 @@ if gluon is not None:
                          col_ids_ptr, lists, q_strides, do_strides, k_strides, v_strides, dk_strides, dv_strides,
                          kept_batch, n_heads, group, q_len, window, scale, c, HEAD_DIM: gl.constexpr,
                          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                         WINDOWED: gl.constexpr, KEYED: gl.constexpr, LISTED: gl.constexpr, ID_EQUAL: gl.constexpr,
-                         HOLD_DQ: gl.constexpr):
+                         WINDOWED: gl.constexpr, KEYED: gl.constexpr, LISTED: gl.constexpr, ID_EQUAL: gl.constexpr):
         """Program (kv block, batch · kv head): a head's kv blocks run side by side and share its Q and dO in L2 (in
         the other order they ran slower: bench/NOTES.md). Each tensor's [B, H, N, D] strides (batch, head, row) place
         its rows in the matrix its descriptor covers (`hopper_forward._Rows`). KEYED: the keys' keep, [B or 1, Nk]
         bytes at `kept_ptr` (a batch's `kept_batch` apart), and per kv block whether to walk its q blocks at
         `walks_ptr` (`attention.key_mask.kept_keys`). LISTED: document ids, the keys' at `col_ids_ptr` (int64, a
         batch's `kept_batch` apart), the q rows' in the statistics, the q blocks walked from the block map's `lists`
-        (`_walk`). HOLD_DQ: each step's dQ share added by the step after it (`_step`). c: scale · log2(e) from the
-        host, the weights' exponent scale after the Triton forward (a window's, a key mask's), which folds the product
-        of its constants, in fp64, into its kernel (`forward._attend_tile`); the sm_90 forward's is taken in fp32 (see
-        `_partition`)."""
+        (`_walk`). c: scale · log2(e) from the host, the weights' exponent scale
+        after the Triton forward (a window's, a key mask's), which folds the product of its constants, in fp64, into
+        its kernel (`forward._attend_tile`); the sm_90 forward's is taken in fp32 (see `_partition`)."""
         dtype: gl.constexpr = q_desc.dtype
         HALF: gl.constexpr = BLOCK_N // 2
         kv_block = gl.program_id(0)  # the first kv blocks first: under a causal mask they walk the most q blocks
@@ -403,12 +385,12 @@ if gluon is not None:
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch,
                           col_ids_ptr, lists, b, kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block,
                           n_blocks, window, group, scale, c, 0, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED,
-                          LISTED, ID_EQUAL, HOLD_DQ)),
+                          LISTED, ID_EQUAL)),
             (_partition, (dk_ptr, dv_ptr, dk_strides, dv_strides, q_smem, do_smem, k_smem, v_smem, stats_smem,
                           ds_smem, dq_smem, kv_bar, q_ready, q_free, ds_ready, dq_desc, kept_ptr, kept_batch,
                           col_ids_ptr, lists, b, kv_h, kv_block, kv_start, first_head, n_heads, q_len, first_block,
                           n_blocks, window, group, scale, c, 1, HEAD_DIM, BLOCK_M, STAGES, CAUSAL, WINDOWED, KEYED,
-                          LISTED, ID_EQUAL, HOLD_DQ)),
+                          LISTED, ID_EQUAL)),
             (_loads, (q_desc, do_desc, k_desc, v_desc, stats_desc, q_smem, do_smem, k_smem, v_smem, stats_smem,
                       kv_bar, q_ready, q_free, q_strides, do_strides, b, n_heads, first_head, k_row,
                       (k_base % k_strides[2]).to(gl.int32), v_row, (v_base % v_strides[2]).to(gl.int32), first_block,
@@ -527,5 +509,5 @@ def hopper_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         v.stride()[:3], dk.stride(), dv.stride(), keys_batch, q_heads, q_heads // kv_heads, q_len, window or 0, scale,
         scale * LOG2E.value, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
         WINDOWED=window is not None, KEYED=kept is not None, LISTED=documents is not None,
-        ID_EQUAL=documents is None or documents.equal, HOLD_DQ=d <= HOLD_DQ_UP_TO, num_warps=4)
+        ID_EQUAL=documents is None or documents.equal, num_warps=4)
     dq.copy_(dq_acc)
