@@ -3,7 +3,8 @@ kernels) and SDPA's (cuDNN's), after the sm_90 forward's training form (its exac
 window of 1024 keys (`hopper_backward.WINDOWS`), on the attention suite's padding (each batch's keys past a length
 drawn from [N/2, N] masked: `hopper_backward.KEY_MASKS`) and on its documents (ids from 8 drawn per token, in order:
 `hopper_backward.DOCUMENTS`), alone and packed for causal training, after the Triton forward's, beside the Triton
-backward; or its sm_90 build's counts offline:
+backward, each also by its kernels' device time alone (where the host is slower, do_bench's time is the host's); or
+its sm_90 build's counts offline:
 
     PYTHONPATH=. python bench/gluon_backward.py             (on the GPU machine: gradients against float64, then time)
     PYTHONPATH=DIR:. python bench/gluon_backward.py --sass  (any machine, DIR holding triton 3.6: the sm_90 build's
@@ -251,6 +252,18 @@ def scores_kept(case: str, n: int, mask_input: torch.Tensor | None) -> float:
     return pairs if case == "document" else (pairs + n) / 2
 
 
+def kernels_ms(fn, calls: int = 20) -> float:
+    """The device time of `fn`'s kernels a call (torch.profiler), without the host's: where the host is slower than
+    the kernels, do_bench's time is the host's."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in profile.key_averages()) / calls / 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
@@ -266,8 +279,8 @@ def main() -> None:
     env = environment()
     print(f"# gluon-backward\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}\n")
     torch.manual_seed(0)
-    print("| shape | case | kernel | dq error | dk error | dv error | ms | TFLOP/s | vs SDPA | vs Triton |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | case | kernel | dq error | dk error | dv error | ms | kernels ms | TFLOP/s | vs SDPA | vs Triton |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b, h, n, d in shapes:
         for case in CASES:
             # errors from float64 at B1 H4 (2 kv heads) N2048 (past the window), times at the shape
@@ -281,13 +294,14 @@ def main() -> None:
             timed = backwards(q, k, v, do, case, masked_by)
             ms = {label: triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
                   for label, fn in timed.items()}
+            device_ms = {label: kernels_ms(fn) for label, fn in timed.items()}
             kept = scores_kept(case, n, masked_by)
             flops = 2.5 * 4 * b * h * kept * d
             for label in timed:
                 e = errors[label]
                 versus_sdpa = f"{ms['SDPA'] / ms[label]:.3f}" if "SDPA" in ms else "—"
                 print(f"| B{b} H{h} N{n} D{d} | {case} | {label} | {e[0]:.2e} | {e[1]:.2e} | {e[2]:.2e} | "
-                      f"{ms[label]:.3f} | {flops / ms[label] / 1e9:.0f} | {versus_sdpa} | "
+                      f"{ms[label]:.3f} | {device_ms[label]:.3f} | {flops / ms[label] / 1e9:.0f} | {versus_sdpa} | "
                       f"{ms['Triton'] / ms[label]:.3f} |")
             del q, k, v, do, timed
 
