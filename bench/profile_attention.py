@@ -1,9 +1,10 @@
 """What holds an attention forward back: Nsight Compute's view of fusepass's kernel beside FlexAttention's and
 SDPA's (where SDPA can say the case).
 
-    PYTHONPATH=. python bench/profile_attention.py [--cases causal,alibi] [--backward] [--ncu ncu] [--out DIR]
+    PYTHONPATH=. python bench/profile_attention.py [--cases causal,alibi] [--backward] [--shape B,H,N,D] [--ncu ncu]
+                                                   [--out DIR]
 
-For each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16) the script runs itself under
+For each case of ``bench/attention.py`` (B2 H16 N8192 D128 bf16, or ``--shape B,H,N,D``) the script runs itself under
 ``ncu --clock-control none --profile-from-start off``: the child compiles the case with fusepass (its own
 kernels: the SDPA floor off) and with FlexAttention, runs each (and SDPA) once to compile and fill every cache,
 then runs one forward of each between ``cudaProfilerStart`` and ``cudaProfilerStop`` (with ``--backward``, one
@@ -23,6 +24,7 @@ import sys
 import torch
 from harness import RESULTS, keep
 
+SHAPE = "2,16,8192,128"
 METRICS = {
     "gpu__time_duration.sum": "µs",
     "sm__throughput.avg.pct_of_peak_sustained_elapsed": "SM %",
@@ -52,14 +54,14 @@ METRICS = {
 MIN_DURATION_US = 50.0
 
 
-def child(case_name: str, backward: bool) -> None:
+def child(case_name: str, backward: bool, shape: str) -> None:
     from attention import CASES
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import fusepass
 
     case = CASES[case_name]
-    b, h, n, d = 2, 16, 8192, 128
+    b, h, n, d = map(int, shape.split(","))
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
                for _ in range(3))
     extra = case.extra(b, h, n, "cuda")
@@ -85,14 +87,15 @@ def child(case_name: str, backward: bool) -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def profile(case_name: str, backward: bool, ncu: str, out_dir: str) -> list[dict]:
+def profile(case_name: str, backward: bool, shape: str, ncu: str, out_dir: str) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)),
                                                         os.environ.get("PYTHONPATH", "")])}
     command = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--metrics",
-               ",".join(METRICS), sys.executable, os.path.abspath(__file__), "--child", case_name,
+               ",".join(METRICS), sys.executable, os.path.abspath(__file__), "--child", case_name, "--shape", shape,
                *(["--backward"] if backward else [])]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     what = f"{case_name}-fwd-bwd" if backward else case_name
+    what += "" if shape == SHAPE else "-" + shape.replace(",", "-")
     with open(os.path.join(out_dir, f"ncu-attention-{what}.log"), "w") as f:
         f.write(result.stdout + result.stderr)
     lines = [line for line in result.stdout.splitlines() if line.startswith('"')]
@@ -113,14 +116,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="causal,alibi")
     parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--shape", default=SHAPE, help="B,H,N,D")
     parser.add_argument("--ncu", default="ncu")
     parser.add_argument("--out", default=RESULTS, help="where ncu's raw output goes")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.backward)
+        child(args.child, args.backward, args.shape)
         return
-    rows = [row for case in args.cases.split(",") for row in profile(case, args.backward, args.ncu, args.out)]
+    rows = [row for case in args.cases.split(",") for row in profile(case, args.backward, args.shape, args.ncu,
+                                                                                   args.out)]
     print(keep("profile-attention", ["case", "kernel", *METRICS.values()], rows))
 
 

@@ -69,6 +69,7 @@
 #                with replays on and off
 #   profile-backward  bench/profile_attention.py --backward: ncu of causal's and plain's forward+backward kernels   ~40 s a case (12-07, H100)
 #                (the sm_90 kernels, the SDPA floor off) beside FlexAttention's and cuDNN's
+#   profile-small  the same at the small shape, B8 H16 N2048 D64                                              (not run yet)
 #   sweep        the kernels at flash_config's tiles, causal B2 H16 N8192 D128,     (not run yet)
 #                forward and backward beside SDPA's, with registers and spills
 #   sweep-window the backward's tiles on the attention suite's sliding window (causal, 1024 keys; large shape):     (not run yet)
@@ -230,6 +231,9 @@ for part in $parts; do
     profile-backward)
         (cd bench && timeout 240 python profile_attention.py --cases causal,plain --backward 2>&1 | grep -E "^\||Error" \
             | cut -c1-400) ;;
+    profile-small)
+        (cd bench && timeout 240 python profile_attention.py --cases causal,plain --backward --shape 8,16,2048,64 2>&1 \
+            | grep -E "^\||Error" | cut -c1-400) ;;
     sweep)
         (cd bench && timeout 150 python flash_sweep.py --chosen 2>&1 | grep "^|") ;;
     sweep-window)
