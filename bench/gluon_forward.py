@@ -6,7 +6,7 @@ its sm_90 build's counts offline:
                                                             registers, barriers and wgmma waits)
     --rings 128,2;64,3   the kernel also at other K/V tiles and ring depths (BLOCK_N,STAGES each; the first is
                          `hopper_forward`'s own): timed beside it, or compiled with --sass; a third field 1 or 0:
-                         its partitions taking turns at issuing their products or not (`hopper_forward.TURNS`)
+                         a persistent grid or one program an item (`hopper_forward.PERSISTENT`)
 
 The variants measured before the kernel became fusepass's (one partition of two warpgroups, K/V tiles of 64 rows)
 are in bench/results/gluon-forward-2026-12-05-1200.md; the kernel kept is the fastest of them.
@@ -35,10 +35,10 @@ def sdpa_form_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return out, lse
 
 
-def ring(block_n: int, stages: int, turns: bool):
-    """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages`, its partitions taking `turns`
+def ring(block_n: int, stages: int, persistent: bool):
+    """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages`, its grid `persistent` or not
     (restored on leaving)."""
-    return mock.patch.multiple(hopper_forward, BLOCK_N=block_n, STAGES=stages, TURNS=turns)
+    return mock.patch.multiple(hopper_forward, BLOCK_N=block_n, STAGES=stages, PERSISTENT=persistent)
 
 
 def sm90_build(kernel) -> tuple[str, str]:
@@ -68,9 +68,10 @@ def sass_counts(causal: bool, head_dim: int, exact: bool) -> dict:
     rows = (hf.BLOCK_M // hf.PARTS, hf.BLOCK_N, hf.BLOCK_N, hf.BLOCK_M // hf.PARTS, hf.BLOCK_M // hf.PARTS)
     described = [hf._Rows.of(x).described(x, n) for n in rows]  # Q, K, V, the output and its residual
     lse = torch.empty(1, 1, 1024)
-    kernel = hf._hopper_forward.warmup(*described, lse, lse, lse, *[x.stride()[:3]] * 4, 1, 1, 1024, 1024, 0.125,
+    kernel = hf._hopper_forward.warmup(*described, lse, lse, lse, *[x.stride()[:3]] * 4, 1, 1, 1, 1024, 1024, 0.125,
                                        HEAD_DIM=head_dim, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, CAUSAL=causal,
-                                       STAGES=hf.STAGES, EXACT=exact, TURNS=hf.TURNS, num_warps=4, grid=(1,))
+                                       STAGES=hf.STAGES, EXACT=exact, UNIT=2 if hf.PERSISTENT and causal else 1,
+                                       num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2")}
     serialized = re.findall(r"\(C75\d\d\)[^\n]*serialized due to ([^\n]*) in the function", notes)
@@ -82,17 +83,17 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
     parser.add_argument("--shapes", default="2,16,8192,128;8,16,2048,64")
     parser.add_argument("--rings", default=f"{hopper_forward.BLOCK_N},{hopper_forward.STAGES},"
-                                               f"{int(hopper_forward.TURNS)}")
+                                               f"{int(hopper_forward.PERSISTENT)}")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
     rings = [(*map(int, r.split(",")[:2]), r.split(",")[2:] == ["1"]) for r in args.rings.split(";")]
     if args.sass:
-        for block_n, stages, turns in rings:
+        for block_n, stages, persistent in rings:
             for causal in (True, False):
                 for head_dim in sorted({s[3] for s in shapes}):
                     for exact in (False, True):
-                        with ring(block_n, stages, turns):
-                            print(f"K/V {block_n} x {stages} turns={turns} causal={causal} exact={exact} "
+                        with ring(block_n, stages, persistent):
+                            print(f"K/V {block_n} x {stages} persistent={persistent} causal={causal} exact={exact} "
                                   f"D{head_dim}:", sass_counts(causal, head_dim, exact))
         return
     import triton.testing
@@ -114,14 +115,14 @@ def main() -> None:
 
             fused = torch.compile(case.fn, backend=fusepass.backend(strict=True, sdpa=False, graphs=False))
             timed = {}
-            for block_n, stages, turns in rings:
-                label = "sm_90 kernel" + ("" if (block_n, stages, turns) == rings[0] else
-                                          f" K/V {block_n} x {stages}" + (", turns" if turns else ""))
+            for block_n, stages, persistent in rings:
+                label = "sm_90 kernel" + ("" if (block_n, stages, persistent) == rings[0] else
+                                          f" K/V {block_n} x {stages}" + (", persistent" if persistent else ""))
 
-                def kernel(block_n=block_n, stages=stages, turns=turns, *tensors):
-                    with ring(block_n, stages, turns):
+                def kernel(block_n=block_n, stages=stages, persistent=persistent, *tensors):
+                    with ring(block_n, stages, persistent):
                         return sdpa_form_attention(*(tensors or (q, k, v)), causal)
-                timed[label] = (kernel, distance(kernel(block_n, stages, turns, *head)[0]))
+                timed[label] = (kernel, distance(kernel(block_n, stages, persistent, *head)[0]))
             timed["SDPA"] = (lambda: case.sdpa(q, k, v), distance(case.sdpa(*head)))
             serves = hopper_forward.serves
             hopper_forward.serves = lambda *_: False  # fusepass's Triton forward

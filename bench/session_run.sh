@@ -43,11 +43,9 @@
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   rings        bench/gluon_forward.py: the sm_90 forward at K/V tiles of 128 and 64 rows and rings of 2 to 4 (not run yet)
 #                (the small shape's D64 forward trails SDPA), kept as bench/results/gluon-forward-rings-<date>.md
-#   forward-d64  bench/gluon_forward.py at B8 H16 N2048 D64 with the partitions taking turns and not, kept as     (not run yet)
-#                bench/results/gluon-forward-d64-turns-<date>.md
-#   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py with its partitions out of step and  (not run yet)
-#                taking turns (`hopper_forward.TURNS`) at both shapes, and at head dim 64 with K/V tiles of 64 in rings
-#                of 2 and 3 too, kept as bench/results/gluon-forward-settings-<date>.md
+#   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py with one program an item and with a    (not run yet)
+#                persistent grid (`hopper_forward.PERSISTENT`) at both shapes, kept as
+#                bench/results/gluon-forward-settings-<date>.md
 #   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal,      ~50 s (12-07, H100; 3 cases
 #                plain, and after the Triton forward a window of 1024, padding, documents and packed documents,    of the 6)
 #                at both shapes, gradients from float64, kept as bench/results/gluon-backward-<date>.md
@@ -137,19 +135,14 @@ for part in $parts; do
         timeout 200 python bench/gluon_forward.py --shapes "8,16,2048,64;2,16,8192,128" \
             --rings "128,2;64,3;64,4;128,3" > "$kept" 2>&1
         grep -E "^\||Error" "$kept" ;;
-    forward-d64)
-        kept=bench/results/gluon-forward-d64-turns-$(date -u +%Y-%m-%d-%H%M).md
-        timeout 120 python bench/gluon_forward.py --shapes "8,16,2048,64" --rings "128,2,1;128,2,0" > "$kept" 2>&1
-        grep -E "^\||Error" "$kept" ;;
     forward-settings)
         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >/dev/null 2>&1
         PYTHONPATH=/tmp/site:$PWD timeout 150 python -m pytest -o addopts="--import-mode=importlib" -q -n 8 \
             -p no:cacheprovider tests/flash/test_hopper_forward.py > "$OUT_DIR/gpu-tests-forward-settings.log" 2>&1
         tail -1 "$OUT_DIR/gpu-tests-forward-settings.log"
         kept=bench/results/gluon-forward-settings-$(date -u +%Y-%m-%d-%H%M).md
-        timeout 120 python bench/gluon_forward.py --shapes "2,16,8192,128" --rings "128,2,0;128,2,1" > "$kept" 2>&1
-        timeout 150 python bench/gluon_forward.py --shapes "8,16,2048,64" \
-            --rings "128,2,0;128,2,1;64,2,0;64,3,0" >> "$kept" 2>&1
+        timeout 120 python bench/gluon_forward.py --shapes "2,16,8192,128;8,16,2048,64" --rings "128,2,0;128,2,1" \
+            > "$kept" 2>&1
         grep -E "^\||Error" "$kept" ;;
     gluon-backward)
         kept=bench/results/gluon-backward-$(date -u +%Y-%m-%d-%H%M).md

@@ -1,10 +1,13 @@
 """The forward on sm_90 for the attention SDPA computes (unmasked or causal, the scores times a positive constant):
 a Gluon kernel in FlashAttention-3's structure, where Triton's forward trails cuDNN's.
 
-One warp loads Q, K and V by TMA into rings guarded by mbarriers. A program's 128 query rows are split between two
-partitions of one warpgroup each, which run out of step (one's softmax beside the other's products); each issues
-tile j's q·kᵀ, then tile j - 1's product with V, and takes tile j's softmax while that product runs. Triton 3.6
-waits for each q·kᵀ right after issuing it and puts CTA barriers around every tile's loads (bench/NOTES.md).
+One warp loads Q, K and V by TMA into rings guarded by mbarriers. An item's 128 query rows (one q block of one head)
+are split between two partitions of one warpgroup each, which run out of step (one's softmax beside the other's
+products); each issues tile j's q·kᵀ, then tile j - 1's product with V, and takes tile j's softmax while that product
+runs. A program computes one item, or with `PERSISTENT` one program a multiprocessor walks items one after another,
+the next item's Q and first tiles loading while the one before ends (Q in two buffers, the K/V rings running on
+across items). Triton 3.6 waits for each q·kᵀ right after issuing it and puts CTA barriers around every tile's loads
+(bench/NOTES.md).
 
 What it serves (`HopperForward.serves`): sm_90, fp16 or bf16, head dim 64 or 128, lengths a multiple of the
 tiles (no tail tile), and Q, K, V and the output each rows of one matrix (`_Rows`): contiguous [B, H, N, D],
@@ -19,6 +22,7 @@ everything else, every other GPU and the interpreter.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +40,9 @@ except ImportError:  # a Triton without Gluon's Hopper language: the Triton kern
 
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
 PARTS = 2  # partitions of BLOCK_M // PARTS query rows each, out of step
-# Whether the partitions take turns at issuing a step's two products (FlashAttention-3's ping-pong: one's softmax
-# always beside the other's products) rather than being kept out of step by the rings alone (bench/NOTES.md)
-TURNS = False
+# Whether the grid is persistent: one program a multiprocessor, walking (q block, head) items one after another with
+# each item's loads beside the end of the one before, rather than one program an item (bench/NOTES.md)
+PERSISTENT = False
 HEAD_DIMS = (64, 128)
 
 if gluon is not None:
@@ -79,61 +83,97 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc, [row, col], bar, dest)
 
     @gluon.jit
-    def _loads(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, done, q_row, q_col, k_row,
-               k_col, v_row, v_col, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr):
-        """The loading warp: Q once (a part for each partition), then K and V a tile at a time into the next free
-        buffer of their rings. `done[i]` completes each time both partitions have read tile j's K and tile j - 1's
-        V, for a j with j % STAGES == i."""
-        for part in gl.static_range(PARTS):
-            _load(q_desc, q_row + part * q_desc.block_type.shape[0], q_col, q_bars.index(part), q_smem.index(part))
-        for j in range(n_tiles):
-            slot = j % STAGES
-            # A ring's buffers start free: the first wait on each is for the phase before its first.
-            mbarrier.wait(done.index(slot), ((j // STAGES) & 1) ^ 1)
-            _load(k_desc, k_row + j * BLOCK_N, k_col, k_ready.index(slot), k_smem.index(slot))
-            # V[j] goes where V[j - STAGES] was, read by tile j - STAGES + 1 (≡ j + 1 modulo STAGES).
-            mbarrier.wait(done.index((j + 1) % STAGES), ((j + 1 - STAGES) // STAGES) & 1, pred=j >= STAGES)
-            _load(v_desc, v_row + j * BLOCK_N, v_col, v_ready.index(slot), v_smem.index(slot))
+    def _item(i, n_q_blocks, n_heads, CAUSAL: gl.constexpr, UNIT: gl.constexpr):
+        """Item i's (q block, batch, head): a head's q blocks one after another, causal ones longest first, or with
+        UNIT = 2 in pairs of the longest left and the shortest left (every pair the same work: programs walking
+        pairs end together)."""
+        bh = i // n_q_blocks
+        r = i - bh * n_q_blocks
+        if CAUSAL:
+            if UNIT == 2:
+                odd = r % 2
+                r = (1 - odd) * (n_q_blocks - 1 - r // 2) + odd * (r // 2)
+            else:
+                r = n_q_blocks - 1 - r
+        b = bh // n_heads
+        return r, b, bh - b * n_heads
 
     @gluon.jit
-    def _step(j, p_prev, alpha_prev, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready,
-              v_ready, done, my_turn, their_turn, first, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MASKED: gl.constexpr, EXACT: gl.constexpr,
-              TURNS: gl.constexpr):
-        """Tile j's scores, then tile j - 1's product with V beside tile j's softmax (neither the accumulator nor
-        the weights' registers are touched while a product that reads them runs). With TURNS, the two products
-        are issued in this partition's turn (`my_turn`, granted by the other partition's issue; `first`: the
-        partition whose turn comes first: 1, else 0), and issuing them grants the other its turn."""
-        slot = j % STAGES
-        before = (j + STAGES - 1) % STAGES
-        if TURNS:
-            # The first partition's first wait is for the phase before the barrier's first, which passes.
-            mbarrier.wait(my_turn, ((j - 1) & 1) ^ first)
-        mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+    def _loads(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, done, q_strides,
+               k_strides, v_strides, n_heads, group, n_q_blocks, n_items, kv_len, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PARTS: gl.constexpr, CAUSAL: gl.constexpr,
+               UNIT: gl.constexpr):
+        """The loading warp, item after item of the program's: Q (a part for each partition) into the next of two
+        buffers once the partitions are done with the item that had it before, then K and V a tile at a time into
+        the next free buffer of their rings. Tiles are counted over the program's items: `done[i]` completes each
+        time both partitions have read tile g's K and tile g - 1's V, for a g with g % STAGES == i."""
+        rows: gl.constexpr = q_desc.block_type.shape[0]
+        g = 0  # the program's tiles so far
+        c = 0  # its items so far
+        for u in range(gl.program_id(0), (n_items + UNIT - 1) // UNIT, gl.num_programs(0)):
+            for i in range(u * UNIT, gl.minimum(u * UNIT + UNIT, n_items)):
+                start_m, b, h = _item(i, n_q_blocks, n_heads, CAUSAL, UNIT)
+                kv_h = h // group
+                q_base = b.to(gl.int64) * q_strides[0] + h.to(gl.int64) * q_strides[1]
+                k_base = b.to(gl.int64) * k_strides[0] + kv_h.to(gl.int64) * k_strides[1]
+                v_base = b.to(gl.int64) * v_strides[0] + kv_h.to(gl.int64) * v_strides[1]
+                q_row = (q_base // q_strides[2]).to(gl.int32) + start_m * BLOCK_M
+                k_row = (k_base // k_strides[2]).to(gl.int32)
+                v_row = (v_base // v_strides[2]).to(gl.int32)
+                n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N) if CAUSAL else kv_len // BLOCK_N
+                buf = (c % 2) * PARTS
+                for part in gl.static_range(PARTS):
+                    # Both buffers start free: the first wait on each is for the phase before its first.
+                    mbarrier.wait(q_free.index(buf + part), ((c // 2) & 1) ^ 1)
+                    _load(q_desc, q_row + part * rows, (q_base % q_strides[2]).to(gl.int32), q_ready.index(buf + part),
+                          q_smem.index(buf + part))
+                for j in range(n_tiles):
+                    slot = g % STAGES
+                    # A ring's buffers start free: the first wait on each is for the phase before its first.
+                    mbarrier.wait(done.index(slot), ((g // STAGES) & 1) ^ 1)
+                    _load(k_desc, k_row + j * BLOCK_N, (k_base % k_strides[2]).to(gl.int32), k_ready.index(slot),
+                          k_smem.index(slot))
+                    # V[g] goes where V[g - STAGES] was, read by tile g - STAGES + 1 (≡ g + 1 modulo STAGES): by the
+                    # next item's first tile where g - STAGES was an item's last (its V read before that tile's K).
+                    mbarrier.wait(done.index((g + 1) % STAGES), ((g + 1 - STAGES) // STAGES) & 1, pred=g >= STAGES)
+                    _load(v_desc, v_row + j * BLOCK_N, (v_base % v_strides[2]).to(gl.int32), v_ready.index(slot),
+                          v_smem.index(slot))
+                    g += 1
+                c += 1
+
+    @gluon.jit
+    def _step(j, r, p_prev, alpha_prev, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready,
+              v_ready, done, S_LAYOUT: gl.constexpr, O_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, MASKED: gl.constexpr, EXACT: gl.constexpr):
+        """Tile j's scores (the program's tile r, its place in the rings), then tile j - 1's product with V beside
+        tile j's softmax (neither the accumulator nor the weights' registers are touched while a product that reads
+        them runs)."""
+        slot = r % STAGES
+        before = (r + STAGES - 1) % STAGES
+        mbarrier.wait(k_ready.index(slot), (r // STAGES) & 1)
         s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
                           gl.zeros([q_pos.shape[0], BLOCK_N], gl.float32, S_LAYOUT), use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha_prev, gl.SliceLayout(1, O_LAYOUT))[:, None]
-        mbarrier.wait(v_ready.index(before), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(before), ((r - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_prev, v_smem.index(before), acc, is_async=True)
-        if TURNS:
-            mbarrier.arrive(their_turn)
         s = warpgroup_mma_wait(1, deps=(s,))
         k_pos = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
         p, alpha, m_i, sub_i, shift_i, l_i = _tile_weights(s, m_i, sub_i, shift_i, l_i, c, q_pos, k_pos,
                                                            v_smem.dtype, MASKED, EXACT)
         # The weights as a dependency of the wait: computed before it, not sunk past it to their use.
         acc, p = warpgroup_mma_wait(0, deps=(acc, p))
-        mbarrier.arrive(done.index(slot))  # K[j] and V[j - 1] read
+        mbarrier.arrive(done.index(slot))  # K of tile r and V of tile r - 1 read
         p = gl.convert_layout(p, gl.DotOperandLayout(0, O_LAYOUT, 2))
         return p, alpha, acc, m_i, sub_i, shift_i, l_i
 
     @gluon.jit
-    def _partition(o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_bar, k_ready,
-                   v_ready, done, my_turn, their_turn, o_row, o_col, stat_row, start_m, n_tiles, scale, part,
-                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-                   STAGES: gl.constexpr, ROWS: gl.constexpr, EXACT: gl.constexpr, TURNS: gl.constexpr):
-        """A computing partition (one warpgroup): its `ROWS` query rows' products and softmax, then their output
-        (by TMA, staged where its Q was), lse and log_sum."""
+    def _attend(o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_bar, q_phase, k_ready,
+                v_ready, done, o_row, o_col, stat_row, start_m, n_tiles, g, scale, part, HEAD_DIM: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                ROWS: gl.constexpr, EXACT: gl.constexpr):
+        """One item's `ROWS` query rows of this partition: their products and softmax over the item's `n_tiles` K/V
+        tiles (the program's tiles g onwards), then their output (by TMA, staged where their Q was), lse and
+        log_sum."""
         warps: gl.constexpr = gl.num_warps()
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
@@ -149,12 +189,12 @@ if gluon is not None:
         shift_i = gl.zeros([ROWS], gl.float32, s_rows)
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
 
-        mbarrier.wait(q_bar, 0)
-        mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False)
-        mbarrier.arrive(done.index(0))
-        # A causal program's masked tiles are its last BLOCK_M // BLOCK_N.
+        mbarrier.wait(q_bar, q_phase)
+        mbarrier.wait(k_ready.index(g % STAGES), (g // STAGES) & 1)
+        s = warpgroup_mma(q_smem, k_smem.index(g % STAGES).permute((1, 0)),
+                          gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        mbarrier.arrive(done.index(g % STAGES))
+        # A causal item's masked tiles are its last BLOCK_M // BLOCK_N.
         n_full = n_tiles - BLOCK_M // BLOCK_N if CAUSAL else n_tiles
         k_pos = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         p, alpha, m_i, sub_i, shift_i, l_i = _tile_weights(s, m_i, sub_i, shift_i, l_i, c, q_pos, k_pos,
@@ -162,13 +202,13 @@ if gluon is not None:
         p = gl.convert_layout(p, gl.DotOperandLayout(0, o_layout, 2))
         for j in range(1, n_full):
             p, alpha, acc, m_i, sub_i, shift_i, l_i = _step(
-                j, p, alpha, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready, done,
-                my_turn, their_turn, 1 - part, s_layout, o_layout, BLOCK_N, STAGES, False, EXACT, TURNS)
+                j, g + j, p, alpha, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready,
+                done, s_layout, o_layout, BLOCK_N, STAGES, False, EXACT)
         for j in range(gl.maximum(n_full, 1), n_tiles):
             p, alpha, acc, m_i, sub_i, shift_i, l_i = _step(
-                j, p, alpha, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready, done,
-                my_turn, their_turn, 1 - part, s_layout, o_layout, BLOCK_N, STAGES, CAUSAL, EXACT, TURNS)
-        last = n_tiles - 1
+                j, g + j, p, alpha, acc, m_i, sub_i, shift_i, l_i, c, q_pos, q_smem, k_smem, v_smem, k_ready, v_ready,
+                done, s_layout, o_layout, BLOCK_N, STAGES, CAUSAL, EXACT)
+        last = g + n_tiles - 1
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p, v_smem.index(last % STAGES), acc)
@@ -203,61 +243,70 @@ if gluon is not None:
             tma.store_wait(0)
 
     @gluon.jit
+    def _partition(o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_ready, q_free,
+                   k_ready, v_ready, done, o_strides, n_heads, n_q_blocks, n_items, q_len, kv_len, scale, part,
+                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                   STAGES: gl.constexpr, PARTS: gl.constexpr, EXACT: gl.constexpr, UNIT: gl.constexpr):
+        """A computing partition (one warpgroup): its share of each of the program's items (`_attend`), in the
+        loading warp's order; an item's Q buffer is freed once its output, staged there, is stored."""
+        g = 0  # the program's tiles so far
+        c = 0  # its items so far
+        for u in range(gl.program_id(0), (n_items + UNIT - 1) // UNIT, gl.num_programs(0)):
+            for i in range(u * UNIT, gl.minimum(u * UNIT + UNIT, n_items)):
+                start_m, b, h = _item(i, n_q_blocks, n_heads, CAUSAL, UNIT)
+                o_base = b.to(gl.int64) * o_strides[0] + h.to(gl.int64) * o_strides[1]
+                n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N) if CAUSAL else kv_len // BLOCK_N
+                buf = (c % 2) * PARTS + part
+                _attend(o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(buf), k_smem, v_smem,
+                        q_ready.index(buf), (c // 2) & 1, k_ready, v_ready, done,
+                        (o_base // o_strides[2]).to(gl.int32) + start_m * BLOCK_M, (o_base % o_strides[2]).to(gl.int32),
+                        (b * n_heads + h) * q_len + start_m * BLOCK_M, start_m, n_tiles, g, scale, part, HEAD_DIM,
+                        BLOCK_M, BLOCK_N, CAUSAL, STAGES, BLOCK_M // PARTS, EXACT)
+                mbarrier.arrive(q_free.index(buf))
+                g += n_tiles
+                c += 1
+
+    @gluon.jit
     def _hopper_forward(q_desc, k_desc, v_desc, o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_strides,
-                        k_strides, v_strides, o_strides, n_heads, group, q_len, kv_len, scale, HEAD_DIM: gl.constexpr,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        EXACT: gl.constexpr, TURNS: gl.constexpr):
-        """Program (q block, batch · head). Each tensor's [B, H, N, D] strides (batch, head, row) place its rows
-        in the matrix its descriptor covers (`_Rows`)."""
+                        k_strides, v_strides, o_strides, n_heads, batch_heads, group, q_len, kv_len, scale,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+                        STAGES: gl.constexpr, EXACT: gl.constexpr, UNIT: gl.constexpr):
+        """Program p walks the items (q block, batch · head) u · UNIT to u · UNIT + UNIT - 1 (`_item`'s order) for u
+        from p on in steps of the program count: one unit a program, or a persistent grid. Each tensor's
+        [B, H, N, D] strides (batch, head, row) place its rows in the matrix its descriptor covers (`_Rows`)."""
         dtype: gl.constexpr = q_desc.dtype
         PARTS: gl.constexpr = 2
         ROWS: gl.constexpr = BLOCK_M // PARTS
-        # Causal: the longest rows first, so the short programs fill the last wave.
-        start_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-        bh = gl.program_id(1)
-        b = bh // n_heads
-        h = bh - b * n_heads
-        kv_h = h // group
-        q_base = b.to(gl.int64) * q_strides[0] + h.to(gl.int64) * q_strides[1]
-        k_base = b.to(gl.int64) * k_strides[0] + kv_h.to(gl.int64) * k_strides[1]
-        v_base = b.to(gl.int64) * v_strides[0] + kv_h.to(gl.int64) * v_strides[1]
-        o_base = b.to(gl.int64) * o_strides[0] + h.to(gl.int64) * o_strides[1]
-        q_row = (q_base // q_strides[2]).to(gl.int32) + start_m * BLOCK_M
-        k_row = (k_base // k_strides[2]).to(gl.int32)
-        v_row = (v_base // v_strides[2]).to(gl.int32)
-        o_row = (o_base // o_strides[2]).to(gl.int32) + start_m * BLOCK_M
-        n_tiles = (start_m + 1) * (BLOCK_M // BLOCK_N) if CAUSAL else kv_len // BLOCK_N
+        n_q_blocks = q_len // BLOCK_M
+        n_items = n_q_blocks * batch_heads
 
-        q_smem = gl.allocate_shared_memory(dtype, [PARTS, ROWS, HEAD_DIM], q_desc.layout)
+        # Q in two buffers (by item) of a part for each partition
+        q_smem = gl.allocate_shared_memory(dtype, [2 * PARTS, ROWS, HEAD_DIM], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_bars = gl.allocate_shared_memory(gl.int64, [PARTS, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2 * PARTS, 1], mbarrier.MBarrierLayout())
+        q_free = gl.allocate_shared_memory(gl.int64, [2 * PARTS, 1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         done = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turns = gl.allocate_shared_memory(gl.int64, [PARTS, 1], mbarrier.MBarrierLayout())  # with TURNS
-        for i in gl.static_range(PARTS):
-            mbarrier.init(q_bars.index(i), count=1)
-            mbarrier.init(turns.index(i), count=1)
+        for i in gl.static_range(2 * PARTS):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_free.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(done.index(i), count=PARTS)
 
-        stat_row = bh * q_len + start_m * BLOCK_M
-        o_col = (o_base % o_strides[2]).to(gl.int32)
         gl.warp_specialize([
-            (_partition, (o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(0), k_smem, v_smem,
-                          q_bars.index(0), k_ready, v_ready, done, turns.index(0), turns.index(1), o_row, o_col,
-                          stat_row, start_m, n_tiles, scale, 0, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS,
-                          EXACT, TURNS)),
-            (_partition, (o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem.index(1), k_smem, v_smem,
-                          q_bars.index(1), k_ready, v_ready, done, turns.index(1), turns.index(0), o_row, o_col,
-                          stat_row, start_m, n_tiles, scale, 1, HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, ROWS,
-                          EXACT, TURNS)),
-            (_loads, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bars, k_ready, v_ready, done, q_row,
-                      (q_base % q_strides[2]).to(gl.int32), k_row, (k_base % k_strides[2]).to(gl.int32), v_row,
-                      (v_base % v_strides[2]).to(gl.int32), n_tiles, BLOCK_N, STAGES, PARTS))], [4, 1], [240, 24])
+            (_partition, (o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_ready, q_free,
+                          k_ready, v_ready, done, o_strides, n_heads, n_q_blocks, n_items, q_len, kv_len, scale, 0,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, PARTS, EXACT, UNIT)),
+            (_partition, (o_desc, r_desc, lse_ptr, log_sum_ptr, fallback_ptr, q_smem, k_smem, v_smem, q_ready, q_free,
+                          k_ready, v_ready, done, o_strides, n_heads, n_q_blocks, n_items, q_len, kv_len, scale, 1,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, CAUSAL, STAGES, PARTS, EXACT, UNIT)),
+            (_loads, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, done,
+                      q_strides, k_strides, v_strides, n_heads, group, n_q_blocks, n_items, kv_len, BLOCK_M, BLOCK_N,
+                      STAGES, PARTS, CAUSAL, UNIT))], [4, 1], [240, 24])
 
 
 @dataclass(frozen=True)
@@ -330,7 +379,16 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                  ((q, BLOCK_M // PARTS), (k, BLOCK_N), (v, BLOCK_N), (out, BLOCK_M // PARTS))]
     residual_described = described[3] if residual is None else _Rows.of(residual).described(residual, BLOCK_M // PARTS)
     strides = [t.stride()[:3] for t in (q, k, v, out)]
-    _hopper_forward[(q_len // BLOCK_M, batch * q_heads)](
-        *described, residual_described, lse, log_sum, fallback_rows, *strides, q_heads, q_heads // k.shape[1],
-        q_len, k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal, STAGES=STAGES,
-        EXACT=residual is not None, TURNS=TURNS, num_warps=4)
+    unit = 2 if PERSISTENT and causal else 1  # (`_item`: causal pairs of equal work)
+    items = q_len // BLOCK_M * batch * q_heads
+    units = (items + unit - 1) // unit
+    _hopper_forward[(min(units, _multiprocessors(q.device)) if PERSISTENT else units,)](
+        *described, residual_described, lse, log_sum, fallback_rows, *strides, q_heads, batch * q_heads,
+        q_heads // k.shape[1], q_len, k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal,
+        STAGES=STAGES, EXACT=residual is not None, UNIT=unit, num_warps=4)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    """The persistent grid's programs on `device`: one a multiprocessor."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

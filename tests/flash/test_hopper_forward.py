@@ -30,9 +30,12 @@ def _reference(q, k, v, causal):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
 @pytest.mark.parametrize("layout,heads,kv_heads", [("bhnd", 3, 3), ("bnhd", 4, 2), ("qkv", 4, 1)])
 @pytest.mark.parametrize("d,n,dtype", [(64, 384, torch.bfloat16), (128, 256, torch.float16), (128, 640, torch.bfloat16)])
-@pytest.mark.parametrize("turns", [False, True], ids=["out-of-step", "turns"])
-def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype, turns, monkeypatch):
-    monkeypatch.setattr(hopper_forward, "TURNS", turns)  # the partitions taking turns at their products, or not
+@pytest.mark.parametrize("persistent", [False, True], ids=["an-item-a-program", "persistent"])
+def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype, persistent, monkeypatch):
+    monkeypatch.setattr(hopper_forward, "PERSISTENT", persistent)
+    # a persistent grid of 3 programs, each walking several items (an odd count of q blocks at 384 and 640: a pair
+    # of causal items that spans two heads)
+    monkeypatch.setattr(hopper_forward, "_multiprocessors", lambda device: 3)
     q, k, v, out = laid_out(layout, 2, heads, kv_heads, n, d, dtype)
     lse = torch.empty(q.shape[:3], device=DEVICE)
     log_sum, fallback = torch.empty_like(lse), torch.ones(q.shape[:3], device=DEVICE, dtype=torch.int8)
@@ -50,6 +53,25 @@ def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n
     torch.testing.assert_close((lse - log_sum).double(), scores64(q, k, causal).amax(-1), rtol=1e-4, atol=1e-4)
     if causal:
         assert not fallback.any()
+
+
+@on_hopper
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "plain"])
+@pytest.mark.parametrize("d,n", [(64, 640), (128, 384)])
+def test_a_persistent_grid_writes_what_a_program_an_item_writes(causal, d, n, monkeypatch):
+    """The training form (exact weights, the output's residual) and the statistics, bit for bit, whether each program
+    computes one item or walks several (3 programs here)."""
+    q, k, v, _ = laid_out("bnhd", 2, 4, 2, n, d, torch.bfloat16)
+    monkeypatch.setattr(hopper_forward, "_multiprocessors", lambda device: 3)
+    written = []
+    for persistent in (False, True):
+        monkeypatch.setattr(hopper_forward, "PERSISTENT", persistent)
+        out, residual = torch.empty_like(q), torch.empty_like(q)
+        lse, log_sum = (torch.empty(q.shape[:3], device=DEVICE) for _ in range(2))
+        hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, None, 1 / math.sqrt(d), causal, residual)
+        written.append((out, residual, lse, log_sum))
+    for one, walked in zip(*written):
+        assert torch.equal(one, walked)
 
 
 @on_hopper
