@@ -6,7 +6,8 @@ its sm_90 build's counts offline:
                                                             registers, barriers and wgmma waits)
     --rings 128,2;64,3   the kernel also at other K/V tiles and ring depths (BLOCK_N,STAGES each; the first is
                          `hopper_forward`'s own): timed beside it, or compiled with --sass; a third field 1 or 0:
-                         a persistent grid or one program an item (`hopper_forward.PERSISTENT`)
+                         a persistent grid or one program an item at any length (without: the kernel's own rule,
+                         `hopper_forward.PERSISTENT_UP_TO`)
 
 The variants measured before the kernel became fusepass's (one partition of two warpgroups, K/V tiles of 64 rows)
 are in bench/results/gluon-forward-2026-12-05-1200.md; the kernel kept is the fastest of them.
@@ -35,10 +36,11 @@ def sdpa_form_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return out, lse
 
 
-def ring(block_n: int, stages: int, persistent: bool):
-    """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages`, its grid `persistent` or not
-    (restored on leaving)."""
-    return mock.patch.multiple(hopper_forward, BLOCK_N=block_n, STAGES=stages, PERSISTENT=persistent)
+def ring(block_n: int, stages: int, persistent: bool | None):
+    """`hopper_forward` set to K/V tiles of `block_n` rows in a ring of `stages`, its grid `persistent` or not at any
+    length (None: its own rule), restored on leaving."""
+    settings = {} if persistent is None else {"PERSISTENT_UP_TO": 1 << 30 if persistent else 0}
+    return mock.patch.multiple(hopper_forward, BLOCK_N=block_n, STAGES=stages, **settings)
 
 
 def sm90_build(kernel) -> tuple[str, str]:
@@ -70,7 +72,7 @@ def sass_counts(causal: bool, head_dim: int, exact: bool) -> dict:
     lse = torch.empty(1, 1, 1024)
     kernel = hf._hopper_forward.warmup(*described, lse, lse, lse, *[x.stride()[:3]] * 4, 1, 1, 1, 1024, 1024, 0.125,
                                        HEAD_DIM=head_dim, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, CAUSAL=causal,
-                                       STAGES=hf.STAGES, EXACT=exact, UNIT=2 if hf.PERSISTENT and causal else 1,
+                                       STAGES=hf.STAGES, EXACT=exact, UNIT=2 if hf.PERSISTENT_UP_TO and causal else 1,
                                        num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2")}
@@ -82,11 +84,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
     parser.add_argument("--shapes", default="2,16,8192,128;8,16,2048,64")
-    parser.add_argument("--rings", default=f"{hopper_forward.BLOCK_N},{hopper_forward.STAGES},"
-                                               f"{int(hopper_forward.PERSISTENT)}")
+    parser.add_argument("--rings", default=f"{hopper_forward.BLOCK_N},{hopper_forward.STAGES}")
     args = parser.parse_args()
     shapes = [tuple(map(int, s.split(","))) for s in args.shapes.split(";")]
-    rings = [(*map(int, r.split(",")[:2]), r.split(",")[2:] == ["1"]) for r in args.rings.split(";")]
+    rings = [(*map(int, r.split(",")[:2]), None if len(r.split(",")) < 3 else r.split(",")[2] == "1")
+             for r in args.rings.split(";")]
     if args.sass:
         for block_n, stages, persistent in rings:
             for causal in (True, False):
@@ -117,7 +119,8 @@ def main() -> None:
             timed = {}
             for block_n, stages, persistent in rings:
                 label = "sm_90 kernel" + ("" if (block_n, stages, persistent) == rings[0] else
-                                          f" K/V {block_n} x {stages}" + (", persistent" if persistent else ""))
+                                          f" K/V {block_n} x {stages}" + {None: "", True: ", persistent",
+                                                                          False: ", an item a program"}[persistent])
 
                 def kernel(block_n=block_n, stages=stages, persistent=persistent, *tensors):
                     with ring(block_n, stages, persistent):

@@ -43,8 +43,8 @@
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   rings        bench/gluon_forward.py: the sm_90 forward at K/V tiles of 128 and 64 rows and rings of 2 to 4 (not run yet)
 #                (the small shape's D64 forward trails SDPA), kept as bench/results/gluon-forward-rings-<date>.md
-#   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py with one program an item and with a    (not run yet)
-#                persistent grid (`hopper_forward.PERSISTENT`) at both shapes, kept as
+#   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py by its own rule, with a persistent grid   ~230 s
+#                and with one program an item (`hopper_forward.PERSISTENT_UP_TO`) at both shapes, kept as    (12-08, H100)
 #                bench/results/gluon-forward-settings-<date>.md
 #   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal,      ~50 s (12-07, H100; 3 cases
 #                plain, and after the Triton forward a window of 1024, padding, documents and packed documents,    of the 6)
@@ -67,7 +67,7 @@
 #                with replays on and off
 #   profile-backward  bench/profile_attention.py --backward: ncu of causal's and plain's forward+backward kernels   ~40 s a case (12-07, H100)
 #                (the sm_90 kernels, the SDPA floor off) beside FlexAttention's and cuDNN's
-#   profile-small  the same at the small shape, B8 H16 N2048 D64                                              (not run yet)
+#   profile-small  the same at the small shape, B8 H16 N2048 D64                                    ~90 s (12-08, H100)
 #   sweep        the kernels at flash_config's tiles, causal B2 H16 N8192 D128,     (not run yet)
 #                forward and backward beside SDPA's, with registers and spills
 #   sweep-window the backward's tiles on the attention suite's sliding window (causal, 1024 keys; large shape):     (not run yet)
@@ -141,7 +141,7 @@ for part in $parts; do
             -p no:cacheprovider tests/flash/test_hopper_forward.py > "$OUT_DIR/gpu-tests-forward-settings.log" 2>&1
         tail -1 "$OUT_DIR/gpu-tests-forward-settings.log"
         kept=bench/results/gluon-forward-settings-$(date -u +%Y-%m-%d-%H%M).md
-        timeout 120 python bench/gluon_forward.py --shapes "2,16,8192,128;8,16,2048,64" --rings "128,2,0;128,2,1" \
+        timeout 120 python bench/gluon_forward.py --shapes "2,16,8192,128;8,16,2048,64" --rings "128,2;128,2,1;128,2,0" \
             > "$kept" 2>&1
         grep -E "^\||Error" "$kept" ;;
     gluon-backward)

@@ -4,9 +4,9 @@ a Gluon kernel in FlashAttention-3's structure, where Triton's forward trails cu
 One warp loads Q, K and V by TMA into rings guarded by mbarriers. An item's 128 query rows (one q block of one head)
 are split between two partitions of one warpgroup each, which run out of step (one's softmax beside the other's
 products); each issues tile j's q·kᵀ, then tile j - 1's product with V, and takes tile j's softmax while that product
-runs. A program computes one item, or with `PERSISTENT` one program a multiprocessor walks items one after another,
-the next item's Q and first tiles loading while the one before ends (Q in two buffers, the K/V rings running on
-across items). Triton 3.6 waits for each q·kᵀ right after issuing it and puts CTA barriers around every tile's loads
+runs. A program computes one item, or at keys up to `PERSISTENT_UP_TO` one program a multiprocessor walks items one
+after another, the next item's Q and first tiles loading while the one before ends (Q in two buffers, the K/V rings
+running on across items). Triton 3.6 waits for each q·kᵀ right after issuing it and puts CTA barriers around every tile's loads
 (bench/NOTES.md).
 
 What it serves (`HopperForward.serves`): sm_90, fp16 or bf16, head dim 64 or 128, lengths a multiple of the
@@ -40,9 +40,10 @@ except ImportError:  # a Triton without Gluon's Hopper language: the Triton kern
 
 BLOCK_M, BLOCK_N, STAGES = 128, 128, 2
 PARTS = 2  # partitions of BLOCK_M // PARTS query rows each, out of step
-# Whether the grid is persistent: one program a multiprocessor, walking (q block, head) items one after another with
-# each item's loads beside the end of the one before, rather than one program an item (bench/NOTES.md)
-PERSISTENT = False
+# The longest keys at which the grid is persistent (one program a multiprocessor walking (q block, head) items one
+# after another, each item's loads beside the end of the one before) rather than one program an item: where an item
+# is a few tiles, their prologue and epilogue are a share of it worth hiding (bench/NOTES.md)
+PERSISTENT_UP_TO = 2048
 HEAD_DIMS = (64, 128)
 
 if gluon is not None:
@@ -379,10 +380,11 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                  ((q, BLOCK_M // PARTS), (k, BLOCK_N), (v, BLOCK_N), (out, BLOCK_M // PARTS))]
     residual_described = described[3] if residual is None else _Rows.of(residual).described(residual, BLOCK_M // PARTS)
     strides = [t.stride()[:3] for t in (q, k, v, out)]
-    unit = 2 if PERSISTENT and causal else 1  # (`_item`: causal pairs of equal work)
+    persistent = k.shape[2] <= PERSISTENT_UP_TO
+    unit = 2 if persistent and causal else 1  # (`_item`: causal pairs of equal work)
     items = q_len // BLOCK_M * batch * q_heads
     units = (items + unit - 1) // unit
-    _hopper_forward[(min(units, _multiprocessors(q.device)) if PERSISTENT else units,)](
+    _hopper_forward[(min(units, _multiprocessors(q.device)) if persistent else units,)](
         *described, residual_described, lse, log_sum, fallback_rows, *strides, q_heads, batch * q_heads,
         q_heads // k.shape[1], q_len, k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal,
         STAGES=STAGES, EXACT=residual is not None, UNIT=unit, num_warps=4)

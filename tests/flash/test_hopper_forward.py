@@ -32,7 +32,7 @@ def _reference(q, k, v, causal):
 @pytest.mark.parametrize("d,n,dtype", [(64, 384, torch.bfloat16), (128, 256, torch.float16), (128, 640, torch.bfloat16)])
 @pytest.mark.parametrize("persistent", [False, True], ids=["an-item-a-program", "persistent"])
 def test_the_kernel_computes_the_attention(causal, layout, heads, kv_heads, d, n, dtype, persistent, monkeypatch):
-    monkeypatch.setattr(hopper_forward, "PERSISTENT", persistent)
+    monkeypatch.setattr(hopper_forward, "PERSISTENT_UP_TO", n if persistent else 0)
     # a persistent grid of 3 programs, each walking several items (an odd count of q blocks at 384 and 640: a pair
     # of causal items that spans two heads)
     monkeypatch.setattr(hopper_forward, "_multiprocessors", lambda device: 3)
@@ -65,7 +65,7 @@ def test_a_persistent_grid_writes_what_a_program_an_item_writes(causal, d, n, mo
     monkeypatch.setattr(hopper_forward, "_multiprocessors", lambda device: 3)
     written = []
     for persistent in (False, True):
-        monkeypatch.setattr(hopper_forward, "PERSISTENT", persistent)
+        monkeypatch.setattr(hopper_forward, "PERSISTENT_UP_TO", n if persistent else 0)
         out, residual = torch.empty_like(q), torch.empty_like(q)
         lse, log_sum = (torch.empty(q.shape[:3], device=DEVICE) for _ in range(2))
         hopper_forward.hopper_forward(q, k, v, out, lse, log_sum, None, 1 / math.sqrt(d), causal, residual)
