@@ -252,18 +252,6 @@ def scores_kept(case: str, n: int, mask_input: torch.Tensor | None) -> float:
     return pairs if case == "document" else (pairs + n) / 2
 
 
-def kernels_ms(fn, calls: int = 20) -> float:
-    """The device time of `fn`'s kernels a call (torch.profiler), without the host's: where the host is slower than
-    the kernels, do_bench's time is the host's."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in profile.key_averages()) / calls / 1e3
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sass", action="store_true", help="the sm_90 build's counts, no GPU")
@@ -275,7 +263,7 @@ def main() -> None:
             for head_dim in sorted({s[3] for s in shapes}):
                 print(f"{case} D{head_dim}:", sass_counts(case, head_dim))
         return
-    from harness import environment
+    from harness import device_ms, environment
     env = environment()
     print(f"# gluon-backward\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}\n")
     torch.manual_seed(0)
@@ -294,14 +282,14 @@ def main() -> None:
             timed = backwards(q, k, v, do, case, masked_by)
             ms = {label: triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
                   for label, fn in timed.items()}
-            device_ms = {label: kernels_ms(fn) for label, fn in timed.items()}
+            kernels = {label: device_ms(fn) for label, fn in timed.items()}
             kept = scores_kept(case, n, masked_by)
             flops = 2.5 * 4 * b * h * kept * d
             for label in timed:
                 e = errors[label]
                 versus_sdpa = f"{ms['SDPA'] / ms[label]:.3f}" if "SDPA" in ms else "—"
                 print(f"| B{b} H{h} N{n} D{d} | {case} | {label} | {e[0]:.2e} | {e[1]:.2e} | {e[2]:.2e} | "
-                      f"{ms[label]:.3f} | {device_ms[label]:.3f} | {flops / ms[label] / 1e9:.0f} | {versus_sdpa} | "
+                      f"{ms[label]:.3f} | {kernels[label]:.3f} | {flops / ms[label] / 1e9:.0f} | {versus_sdpa} | "
                       f"{ms['Triton'] / ms[label]:.3f} |")
             del q, k, v, do, timed
 
