@@ -15,7 +15,7 @@ forward's rounding residual; `backward.row_delta`, the Triton backward's).
 
 The weights are the forward's (see `_step`). Served (`serves`): the sm_90 forward's cases, with dO laid out as rows
 of one matrix too; with `WINDOWS`, a sliding window's band, with `KEY_MASKS` a mask of the keys alone
-(`attention.key_mask`) and with `DOCUMENTS` document ids alone or with a causal mask (`attention.document_mask`), at
+(`attention.key_mask`) and as `DOCUMENTS` says document ids alone or with a causal mask (`attention.document_mask`), at
 those layouts after the Triton forward's training form, whose statistics are the same (on the tiles that forward
 masks it takes the scores times the scale rounded, then times log2(e), where this kernel multiplies by their product:
 a weight there may come out an ulp of the inputs' dtype apart). The Triton backward runs everything else.
@@ -54,9 +54,10 @@ WINDOWS = True
 # Whether the kernel also serves a mask of the keys alone (padding: `attention.key_mask`) after the Triton forward's
 # training form, as it serves a window (bench/NOTES.md)
 KEY_MASKS = True
-# Whether the kernel also serves document ids (`attention.document_mask`) after the Triton forward's training form,
-# walking the block map's lists of q blocks per kv block (bench/NOTES.md)
-DOCUMENTS = False
+# The document ids (`attention.document_mask`) the kernel serves after the Triton forward's training form, walking the
+# block map's lists of q blocks per kv block, as (head dim, whether joined with a causal mask: packed documents): those
+# at which it times faster than the Triton backward (bench/NOTES.md)
+DOCUMENTS = frozenset({(128, False)})
 STATS_BLOCK = 64  # rows a program of the statistics kernel
 # Rows per head of `_stats_kernel`'s output: its three, and with document ids the q rows' ids (two int32 halves),
 # padded to a TMA box's power of two
@@ -450,10 +451,10 @@ def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     and dO (faster than the Triton backward at head dims 64 and 128: bench/NOTES.md): where the sm_90 forward serves
     them unmasked or causal (its statistics, or the Triton forward's alike, are the ones read) and dO is laid out as
     rows of one matrix in their dtype; a window where `WINDOWS` says so, a keep of the keys (unmasked otherwise) where
-    `KEY_MASKS` does, documents (unmasked, or causal: packed documents) where `DOCUMENTS` does."""
+    `KEY_MASKS` does, documents (unmasked, or causal: packed documents) at the head dims `DOCUMENTS` names."""
     return (gluon is not None and hopper_forward.serves(q, k, v, causal) and (window is None or WINDOWS and causal)
             and (not keyed or KEY_MASKS and not causal and window is None)
-            and (not documents or DOCUMENTS and window is None and not keyed)
+            and (not documents or (q.shape[3], causal) in DOCUMENTS and window is None and not keyed)
             and do.dtype == q.dtype and q.shape[2] % BLOCK_M == 0 and k.shape[2] % BLOCK_N == 0
             and hopper_forward._Rows.of(do) is not None)
 

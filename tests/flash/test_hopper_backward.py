@@ -81,15 +81,15 @@ def test_a_compiled_training_step_runs_it(n):
     assert "backward ran the sm_90" in str(report)
 
 
-def _beside_the_triton_backward(monkeypatch, switch, attention, qkv, do, mask_inputs=()):
-    """`attention(q, k, v, *mask_inputs)` compiled twice, with the sm_90 backward's `switch` on (the report names the
-    kernel) and off (the Triton backward after the same forward): each gradient within 1.5 times the Triton
+def _beside_the_triton_backward(monkeypatch, switch, attention, qkv, do, mask_inputs=(), on=True, off=False):
+    """`attention(q, k, v, *mask_inputs)` compiled twice, with the sm_90 backward's `switch` `on` (the report names
+    the kernel) and `off` (the Triton backward after the same forward): each gradient within 1.5 times the Triton
     backward's distance from float64, NaN where float64's is."""
     wide = [t.detach().double().requires_grad_() for t in qkv]
     expected = torch.autograd.grad(attention(*wide, *mask_inputs), wide, do.double())
     grads = {}
     for served in (True, False):
-        monkeypatch.setattr(hopper_backward, switch, served)
+        monkeypatch.setattr(hopper_backward, switch, on if served else off)
         fusepass.reset()
         torch._dynamo.reset()
         leaves = [t.detach().requires_grad_() for t in qkv]  # the layouts' strides kept
@@ -229,6 +229,10 @@ def _ids(kind, n):
     return ids
 
 
+# (head dim, joined with a causal mask) for every document form the kernel computes
+EVERY_DOCUMENT_FORM = frozenset((d, causal) for d in hopper_forward.HEAD_DIMS for causal in (False, True))
+
+
 @on_hopper
 @pytest.mark.parametrize("equal,kind,causal", [
     (True, "sorted", False), (True, "interleaved", False), (True, "one", False), (False, "interleaved", False),
@@ -239,21 +243,21 @@ def _ids(kind, n):
 @pytest.mark.parametrize("d", [64, 128])
 def test_document_ids_gradients_are_as_far_from_float64_as_the_triton_backwards(equal, kind, causal, layout, heads,
                                                                                kv_heads, d, monkeypatch):
-    """The kernel on document ids (`DOCUMENTS`), alone or with a causal mask (packed), after the Triton forward,
-    walking the block map's lists, at the layouts it serves; a batch whose rows keep no key (other documents of one)
-    has eager's gradients there: dV NaN, dQ and dK 0."""
+    """The kernel on document ids (every form `DOCUMENTS` may name), alone or with a causal mask (packed), after the
+    Triton forward, walking the block map's lists, at the layouts it serves; a batch whose rows keep no key (other
+    documents of one) has eager's gradients there: dV NaN, dQ and dK 0."""
     q, k, v, _ = laid_out(layout, 2, heads, kv_heads, 384, d, torch.bfloat16)
     do = torch.randn(2, heads, 384, d, device=DEVICE, dtype=torch.bfloat16)
     _beside_the_triton_backward(monkeypatch, "DOCUMENTS",
                                 lambda q, k, v, ids: _documents(q, k, v, ids, equal, causal), (q, k, v), do,
-                                (_ids(kind, 384),))
+                                (_ids(kind, 384),), EVERY_DOCUMENT_FORM, frozenset())
 
 
 @on_hopper
 @pytest.mark.parametrize("causal", [False, True], ids=["documents", "packed-causal"])
 def test_a_packed_documents_training_step_runs_it_after_the_triton_forward(causal, monkeypatch):
-    """Document ids (`DOCUMENTS`), alone or with a causal mask."""
-    monkeypatch.setattr(hopper_backward, "DOCUMENTS", True)
+    """Document ids (every form `DOCUMENTS` may name), alone or with a causal mask."""
+    monkeypatch.setattr(hopper_backward, "DOCUMENTS", EVERY_DOCUMENT_FORM)
     _a_training_step_runs_it_after_the_triton_forward(
         _projected(lambda q, k, v, ids: _documents(q, k, v, ids, causal=causal), heads=2), 2,
         lambda n: (_ids("sorted", n),))
@@ -272,6 +276,10 @@ def test_it_serves_only_what_it_computes():
     assert not hopper_backward.serves(do, q, k, v, False, 100)  # a window is a causal band
     assert not hopper_backward.serves(do, q, k, v, True, None, True)  # a key mask alone, after the Triton forward
     assert not hopper_backward.serves(do, q, k, v, True, 100, False, True)  # document ids in no window
+    # document ids alone at head dim 128; packed ones (within a causal mask), and any at 64, the Triton backward's
+    assert hopper_backward.serves(do, q, k, v, False, None, False, True) == hopper_backward.available(q.device)
+    assert not hopper_backward.serves(do, q, k, v, True, None, False, True)
+    assert not hopper_backward.serves(*(t[..., :64] for t in (do, q, k, v)), False, None, False, True)
 
 
 @pytest.mark.parametrize("with_ids", [False, True], ids=["stats", "stats-and-ids"])
