@@ -451,7 +451,7 @@ def serves(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     and dO (faster than the Triton backward at head dims 64 and 128: bench/NOTES.md): where the sm_90 forward serves
     them unmasked or causal (its statistics, or the Triton forward's alike, are the ones read) and dO is laid out as
     rows of one matrix in their dtype; a window where `WINDOWS` says so, a keep of the keys (unmasked otherwise) where
-    `KEY_MASKS` does, documents (unmasked, or causal: packed documents) at the head dims `DOCUMENTS` names."""
+    `KEY_MASKS` does, documents (unmasked, or causal: packed documents) in the forms `DOCUMENTS` names."""
     return (gluon is not None and hopper_forward.serves(q, k, v, causal) and (window is None or WINDOWS and causal)
             and (not keyed or KEY_MASKS and not causal and window is None)
             and (not documents or (q.shape[3], causal) in DOCUMENTS and window is None and not keyed)
