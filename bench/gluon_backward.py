@@ -267,7 +267,8 @@ def main() -> None:
     env = environment()
     print(f"# gluon-backward\n\n{env['date']}, {env['gpu']}, torch {env['torch']}, triton {env['triton']}\n")
     torch.manual_seed(0)
-    print("| shape | case | kernel | dq error | dk error | dv error | ms | kernels ms | TFLOP/s | vs SDPA | vs Triton |")
+    print("| shape | case | kernel | dq error | dk error | dv error | ms | kernels ms | TFLOP/s | vs SDPA "
+          "| vs Triton |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b, h, n, d in shapes:
         for case in CASES:

@@ -6,8 +6,8 @@ are split between two partitions of one warpgroup each, which run out of step (o
 products); each issues tile j's q·kᵀ, then tile j - 1's product with V, and takes tile j's softmax while that product
 runs. A program computes one item, or at keys up to `PERSISTENT_UP_TO` one program a multiprocessor walks items one
 after another, the next item's Q and first tiles loading while the one before ends (Q in two buffers, the K/V rings
-running on across items). Triton 3.6 waits for each q·kᵀ right after issuing it and puts CTA barriers around every tile's loads
-(bench/NOTES.md).
+running on across items). Triton 3.6 waits for each q·kᵀ right after issuing it and puts CTA barriers around every
+tile's loads (bench/NOTES.md).
 
 What it serves (`HopperForward.serves`): sm_90, fp16 or bf16, head dim 64 or 128, lengths a multiple of the
 tiles (no tail tile), and Q, K, V and the output each rows of one matrix (`_Rows`): contiguous [B, H, N, D],
