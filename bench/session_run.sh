@@ -43,7 +43,7 @@
 #                parameter's bf16 gradient from float32's, eager beside fusepass
 #   rings        bench/gluon_forward.py: the sm_90 forward at K/V tiles of 128 and 64 rows and rings of 2 to 4 (not run yet)
 #                (the small shape's D64 forward trails SDPA), kept as bench/results/gluon-forward-rings-<date>.md
-#   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py by its own rule, with a persistent grid   ~230 s
+#   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py by its own rule, with a persistent grid   ~140 s
 #                and with one program an item (`hopper_forward.PERSISTENT_UP_TO`) at both shapes, kept as    (12-08, H100)
 #                bench/results/gluon-forward-settings-<date>.md
 #   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal,      ~50 s (12-07, H100; 3 cases
