@@ -46,6 +46,9 @@
 #   forward-settings  the sm_90 forward's tests, then bench/gluon_forward.py by its own rule, with a persistent grid   ~140 s
 #                and with one program an item (`hopper_forward.PERSISTENT_UP_TO`) at both shapes, kept as    (12-08, H100)
 #                bench/results/gluon-forward-settings-<date>.md
+#   forward-persistent  bench/gluon_forward.py with a persistent grid and with one program an item between the   (not run yet)
+#                suite's shapes (D128 at 2048 keys, D64 and D128 at 4096): where `PERSISTENT_UP_TO` should end, kept as
+#                bench/results/gluon-forward-persistent-<date>.md
 #   gluon-backward  bench/gluon_backward.py: the sm_90 backward beside the Triton backward and SDPA's, causal,      ~50 s (12-07, H100; 3 cases
 #                plain, and after the Triton forward a window of 1024, padding, documents and packed documents,    of the 6)
 #                at both shapes, gradients from float64, kept as bench/results/gluon-backward-<date>.md
@@ -143,6 +146,11 @@ for part in $parts; do
         kept=bench/results/gluon-forward-settings-$(date -u +%Y-%m-%d-%H%M).md
         timeout 120 python bench/gluon_forward.py --shapes "2,16,8192,128;8,16,2048,64" --rings "128,2;128,2,1;128,2,0" \
             > "$kept" 2>&1
+        grep -E "^\||Error" "$kept" ;;
+    forward-persistent)
+        kept=bench/results/gluon-forward-persistent-$(date -u +%Y-%m-%d-%H%M).md
+        timeout 200 python bench/gluon_forward.py --shapes "8,16,2048,128;4,16,4096,64;4,16,4096,128" \
+            --rings "128,2,1;128,2,0" > "$kept" 2>&1
         grep -E "^\||Error" "$kept" ;;
     gluon-backward)
         kept=bench/results/gluon-backward-$(date -u +%Y-%m-%d-%H%M).md
