@@ -72,7 +72,7 @@ def sass_counts(causal: bool, head_dim: int, exact: bool) -> dict:
     lse = torch.empty(1, 1, 1024)
     kernel = hf._hopper_forward.warmup(*described, lse, lse, lse, *[x.stride()[:3]] * 4, 1, 1, 1, 1024, 1024, 0.125,
                                        HEAD_DIM=head_dim, BLOCK_M=hf.BLOCK_M, BLOCK_N=hf.BLOCK_N, CAUSAL=causal,
-                                       STAGES=hf.STAGES, EXACT=exact, UNIT=2 if hf.PERSISTENT_UP_TO and causal else 1,
+                                       STAGES=hf.STAGES, EXACT=exact, UNIT=hf.item_unit(1024, causal),
                                        num_warps=4, grid=(1,))
     sass, notes = sm90_build(kernel)
     counts = {name: len(re.findall(name, sass)) for name in ("BAR.SYNC", "WARPGROUP.DEPBAR", "HGMMA", "MUFU.EX2")}

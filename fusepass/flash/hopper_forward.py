@@ -381,13 +381,18 @@ def hopper_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     residual_described = described[3] if residual is None else _Rows.of(residual).described(residual, BLOCK_M // PARTS)
     strides = [t.stride()[:3] for t in (q, k, v, out)]
     persistent = k.shape[2] <= PERSISTENT_UP_TO
-    unit = 2 if persistent and causal else 1  # (`_item`: causal pairs of equal work)
+    unit = item_unit(k.shape[2], causal)
     items = q_len // BLOCK_M * batch * q_heads
     units = (items + unit - 1) // unit
     _hopper_forward[(min(units, _multiprocessors(q.device)) if persistent else units,)](
         *described, residual_described, lse, log_sum, fallback_rows, *strides, q_heads, batch * q_heads,
         q_heads // k.shape[1], q_len, k.shape[2], scale, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, CAUSAL=causal,
         STAGES=STAGES, EXACT=residual is not None, UNIT=unit, num_warps=4)
+
+
+def item_unit(kv_len: int, causal: bool) -> int:
+    """The items a program takes at a time (`_item`): causal ones in pairs of equal work on a persistent grid."""
+    return 2 if kv_len <= PERSISTENT_UP_TO and causal else 1
 
 
 @functools.cache
